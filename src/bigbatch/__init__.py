@@ -1,0 +1,27 @@
+"""bigbatch: train with the batch size you want on the memory you have.
+
+Exact gradient accumulation for PyTorch: the optimizer steps equal those of full-batch training
+however the logical batch is cut into micro-batches.
+"""
+
+from bigbatch.engine import Accumulator, StepResult
+from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
+from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
+from bigbatch.memory.peak import PeakMemory, measure_peak
+from bigbatch.split import split
+
+__all__ = [
+    "Accumulator",
+    "LossFn",
+    "LossOutput",
+    "MemoryBudgetExceeded",
+    "PeakMemory",
+    "StepResult",
+    "is_out_of_memory",
+    "measure_peak",
+    "sample_cross_entropy",
+    "sample_mse",
+    "split",
+    "token_cross_entropy",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from bigbatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""Map and flatten over nested batches: tensors inside tuples, lists, dicts and mappings.
+
+A batch is whatever a DataLoader yields: a tensor, a tuple ``(x, y)``, a dict, a tokenizer's
+``BatchEncoding`` (a ``Mapping`` that is not a ``dict``), nested any way. Non-tensor leaves
+(strings, ints, ``None``) are carried through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def tensor_leaves(tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor in ``tree``, depth first, in a stable order."""
+    yield from _leaves(tree, "batch")
+
+
+def _leaves(tree: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(tree, (tuple, list)):
+        for i, value in enumerate(tree):
+            yield from _leaves(value, f"{path}[{i}]")
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Return ``tree`` with ``fn`` applied to every tensor, keeping the container types.
+
+    Named tuples, dict subclasses and mappings such as ``transformers.BatchEncoding`` are
+    rebuilt with their own type so that ``loss_fn`` sees the same kind of object it would see
+    for the whole batch.
+    """
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return _rebuild_mapping(tree, {k: map_tensors(fn, v) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(map_tensors(fn, v) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(fn, v) for v in tree)
+    return tree
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Any:
+    if type(original) is dict:
+        return items
+    try:
+        return type(original)(items)
+    except Exception:  # a mapping type whose constructor takes something else
+        return items

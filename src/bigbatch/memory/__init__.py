@@ -1,0 +1,1 @@
+"""Memory: out-of-memory recognition, micro-batch sizing, peak measurement, checkpointing, planning."""

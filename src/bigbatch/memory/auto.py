@@ -1,0 +1,107 @@
+"""Automatic micro-batch sizing: pure decisions over an explicit state, no model.
+
+Note [auto micro-batch]
+    The first window runs whole (micro-batch = the logical batch). An out-of-memory error in
+    a window halves the micro-batch and the same window is redone; the size that failed
+    becomes a ceiling that is never tried again. After ``grow_after`` clean windows the size
+    probes half-way towards the ceiling, so the search ends at the largest size that fits
+    (a binary search spread over steps) instead of staying at the first power-of-two fraction
+    that happened to fit. The effective batch never changes: only how it is cut.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class AutoState:
+    """Where the search for the largest micro-batch stands.
+
+    Attributes:
+        size: micro-batch to use next; ``None`` before the first window (use the whole batch).
+        ceiling: smallest size known to run out of memory; ``None`` if none has.
+        clean_windows: windows completed since the size last changed.
+    """
+
+    size: int | None = None
+    ceiling: int | None = None
+    clean_windows: int = 0
+
+
+def size_for(state: AutoState, n_samples: int) -> int:
+    """Micro-batch size to use for a window of ``n_samples`` samples."""
+    size = n_samples if state.size is None else state.size
+    if state.ceiling is not None:
+        size = min(size, state.ceiling - 1)
+    return max(1, min(size, n_samples))
+
+
+def after_oom(state: AutoState, failed_size: int) -> AutoState:
+    """The window ran out of memory at ``failed_size``: halve it and lower the ceiling.
+
+    Raises:
+        MemoryError: ``failed_size`` was already 1; nothing smaller exists.
+    """
+    if failed_size <= 1:
+        raise MemoryError(
+            "out of memory with micro_batch_size=1: a single sample does not fit. Free memory, "
+            "raise memory_budget, enable gradient checkpointing "
+            "(bigbatch.enable_checkpointing(model)) or use a smaller model or sequence length."
+        )
+    ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
+    return AutoState(size=max(1, failed_size // 2), ceiling=ceiling, clean_windows=0)
+
+
+def after_success(state: AutoState, used_size: int, n_samples: int, grow_after: int = 10) -> AutoState:
+    """A window of ``n_samples`` completed at ``used_size``; maybe probe a larger size."""
+    if state.size is None:
+        return AutoState(size=used_size, ceiling=state.ceiling)
+    clean = state.clean_windows + 1
+    # Only grow when the window was really cut at the current size (a short last batch says nothing).
+    if clean >= grow_after and state.ceiling is not None and used_size == state.size:
+        bigger = (state.size + state.ceiling) // 2
+        if bigger > state.size:
+            return AutoState(size=bigger, ceiling=state.ceiling)
+    return replace(state, clean_windows=clean)
+
+
+def parse_bytes(value: int | float | str | None, name: str = "memory_budget") -> int | None:
+    """Parse ``"6GiB"``, ``"512MB"``, ``"1.5G"`` or a number of bytes into bytes.
+
+    Raises:
+        ValueError: the text is not a positive size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a size: write a number with a unit, e.g. "
+                f'{name}="6GiB", "512MiB", "8GB", or a number of bytes.'
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{name}={value!r} must be positive, e.g. {name}=\"6GiB\".")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """``1536 * 2**20`` -> ``"1.50 GiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

@@ -1,0 +1,55 @@
+"""Recognising out-of-memory errors: the one place in bigbatch that inspects an exception.
+
+Only real allocator failures count, so that auto micro-batch never hides a genuine bug:
+
+* ``torch.OutOfMemoryError`` (CUDA's ``torch.cuda.OutOfMemoryError`` is the same class),
+* the CPU allocator's failure, which torch raises as a plain ``RuntimeError`` whose text holds
+  ``DefaultCPUAllocator: can't allocate memory``,
+* ``MemoryBudgetExceeded``, raised by bigbatch itself when a step went over ``memory_budget``,
+* any of these as the ``__cause__`` / ``__context__`` of another exception (a wrapper
+  re-raising it), but never a ``RuntimeError`` that merely mentions memory.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+_CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """A step used more memory than the ``memory_budget`` it was given."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Return ``True`` if ``exc`` (or what caused it) is a real out-of-memory error.
+
+    Example:
+        >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+        True
+        >>> is_out_of_memory(RuntimeError("shape mismatch"))
+        False
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, MemoryBudgetExceeded, MemoryError)):
+            return True
+        if isinstance(current, RuntimeError) and _CPU_ALLOCATOR_FAILURE in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what a failed micro-batch left behind: collect garbage, empty the CUDA cache.
+
+    Call it *after* leaving the ``except`` block: while the exception is alive its traceback
+    pins the failed step's tensors (pytorch/pytorch#18853).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,84 @@
+"""Numerical precision of a step: an autocast context plus, for fp16, a gradient scaler.
+
+One small object chosen once from ``precision=`` (no ``if precision == ...`` in the engine).
+
+Note [fp16 and accumulation]
+    Following the PyTorch AMP notes, the scale stays constant during the window: every
+    micro-batch back-propagates ``scale * loss_sum``; the gradients are unscaled exactly once,
+    just before clipping and the optimizer step; inf/NaN checks, step skipping and the scale
+    update happen once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Precision:
+    """Autocast dtype and optional ``GradScaler`` for one device type."""
+
+    name: str
+    device_type: str
+    scaler: Any = field(default=None)  # torch.amp.GradScaler for fp16, else None
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the forward pass in this precision (no-op for fp32)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device_type, dtype=dtype):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (scaled for fp16), outside autocast as PyTorch recommends."""
+        if self.autocast_dtype is not None:
+            with torch.autocast(device_type=self.device_type, enabled=False):
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+        else:
+            loss.backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale, once per step (no-op without a scaler)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer``; return ``True`` if the scaler skipped it for inf/NaN gradients."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # GradScaler lowers its scale exactly when it found inf/NaN and skipped the step.
+        return bool(self.scaler.get_scale() < scale_before)
+
+
+def make_precision(precision: str, device: torch.device) -> Precision:
+    """Build the ``Precision`` for ``precision`` ("fp32" | "bf16" | "fp16") on ``device``.
+
+    Raises:
+        ValueError: an unknown precision name.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not allowed: use one of {', '.join(map(repr, PRECISIONS))}."
+        )
+    scaler = None
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler(device.type)
+    return Precision(precision, device.type, scaler)
