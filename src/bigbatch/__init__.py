@@ -9,6 +9,7 @@ from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, 
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.split import split
+from bigbatch.train.task import Task
 
 __all__ = [
     "Accumulator",
@@ -17,6 +18,7 @@ __all__ = [
     "MemoryBudgetExceeded",
     "PeakMemory",
     "StepResult",
+    "Task",
     "is_out_of_memory",
     "measure_peak",
     "sample_cross_entropy",

@@ -1,0 +1,1 @@
+"""The trainer: tasks, settings, the loop, resume files, logs and the report."""
