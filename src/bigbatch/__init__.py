@@ -4,6 +4,9 @@ Exact gradient accumulation for PyTorch: the optimizer steps equal those of full
 however the logical batch is cut into micro-batches.
 """
 
+from bigbatch._warnings import BigBatchWarning
+from bigbatch.batchnorm import batchnorm
+from bigbatch.check import CheckReport, NotExactError, check
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
@@ -13,12 +16,17 @@ from bigbatch.train.task import Task
 
 __all__ = [
     "Accumulator",
+    "BigBatchWarning",
+    "CheckReport",
+    "NotExactError",
     "LossFn",
     "LossOutput",
     "MemoryBudgetExceeded",
     "PeakMemory",
     "StepResult",
     "Task",
+    "batchnorm",
+    "check",
     "is_out_of_memory",
     "measure_peak",
     "sample_cross_entropy",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,10 @@ import torch
 from torch import nn
 
 from bigbatch._tree import map_tensors, tensor_leaves
+from bigbatch._warnings import BigBatchWarning
 from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn, as_sum_and_count
-from bigbatch.split import Batch, batch_size, split
+from bigbatch.split import Batch, batch_size
 
 Grads = dict[str, torch.Tensor]
 
@@ -50,7 +52,7 @@ class CheckReport:
 
     Attributes:
         exact: every parameter's relative difference is within ``tolerance``.
-        differences: per parameter, ``‖g_acc − g_full‖ / ‖g_full‖`` (absolute when ``g_full`` is 0).
+        differences: per parameter, ``‖g_acc − g_full‖ / ‖g_full‖`` (see ``_differences``).
         diagnoses: why it is not exact (empty when exact).
         batch_size, micro_batch_size: the batch compared and how it was cut.
         tolerance: the relative difference counted as rounding.
@@ -131,7 +133,7 @@ def check(
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     full = _full_grads(model, batch, loss_fn, seed)
     acc = _accumulated_grads(model, batch, loss_fn, size, seed)
-    differences = {name: _relative(acc.get(name), g) for name, g in full.items()}
+    differences = _differences(acc, full)
     report = CheckReport(
         exact=all(d <= tolerance for d in differences.values()),
         differences=differences,
@@ -152,7 +154,7 @@ def diagnose(
     """Why the accumulated gradient differs: every cause found (see the module docstring)."""
     found = []
     again = _full_grads(model, batch, loss_fn, seed)
-    if max(_relative(again.get(k), g) for k, g in full.items()) > tolerance:
+    if max(_differences(again, full).values(), default=0.0) > tolerance:
         found.append(Diagnosis(
             "non-deterministic", (),
             "two full-batch runs from the same seed give different gradients: the model or loss "
@@ -270,7 +272,8 @@ def _accumulated_grads(model: nn.Module, batch: Batch, loss_fn: LossFn, size: in
     work = _copy(model)
     params = [p for p in work.parameters() if p.requires_grad]
     recorder = _Recorder(params)
-    with _seeded(seed):
+    with _seeded(seed), warnings.catch_warnings():
+        warnings.simplefilter("ignore", BigBatchWarning)  # check reports the cause itself
         Accumulator(work, recorder, micro_batch_size=size).train_step(batch, loss_fn)
     by_id = {id(p): name for name, p in work.named_parameters()}
     return {by_id[k]: g for k, g in recorder.grads.items()}
@@ -300,12 +303,19 @@ def _grads(model: nn.Module) -> Grads:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _relative(a: torch.Tensor | None, b: torch.Tensor) -> float:
-    if a is None:
-        a = torch.zeros_like(b)
-    diff = float(torch.linalg.vector_norm(a - b))
-    norm = float(torch.linalg.vector_norm(b))
-    return diff / norm if norm > 0 else diff
+def _differences(got: Grads, want: Grads) -> dict[str, float]:
+    """Per parameter ``‖got − want‖ / max(‖want‖, 1e-6 ‖all of want‖)``.
+
+    The floor keeps a gradient that is zero in exact arithmetic (a bias before a normalisation)
+    from turning rounding noise into a relative difference of 1.
+    """
+    total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()])))
+    floor = max(1e-6 * total, torch.finfo(torch.float64).tiny)
+    out = {}
+    for name, g in want.items():
+        a = got.get(name, torch.zeros_like(g))
+        out[name] = float(torch.linalg.vector_norm(a - g)) / max(float(torch.linalg.vector_norm(g)), floor)
+    return out
 
 
 @contextlib.contextmanager
@@ -315,3 +325,28 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def run_check_command(task_path: str, batch_size_: int, micro_batch_size: int | None) -> int:
+    """``bigbatch check``: check one batch of a task, print a table; 0 when exact, else 1."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bigbatch.train.task import load_task
+
+    if batch_size_ < 2:
+        raise ValueError(f"--batch-size {batch_size_} is too small: use at least 2.")
+    task = load_task(task_path)
+    loader = torch.utils.data.DataLoader(
+        task.train_data, batch_size=batch_size_, shuffle=False, collate_fn=task.collate_fn
+    )
+    report = check(task.model, next(iter(loader)), task.loss_fn, micro_batch_size)
+    table = Table(title=f"bigbatch check {task_path}: worst parameters")
+    table.add_column("parameter")
+    table.add_column("relative difference", justify="right")
+    for name, diff in report.worst(10):
+        table.add_row(name, f"{diff:.2e}")
+    console = Console()
+    console.print(table)
+    console.print(report.summary(), markup=False)
+    return 0 if report.exact else 1
