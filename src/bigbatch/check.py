@@ -239,7 +239,7 @@ def _loss_diagnoses(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
     tol = 1e-9 * max(1.0, abs(whole))
     if abs(whole - sum(s for s, _ in sums)) <= tol and abs(count - sum(c for _, c in sums)) <= 1e-9:
         return []
-    if abs(whole * n - sum(s * batch_size(p) for (s, _), p in zip(sums, parts))) <= tol * n:
+    if abs(whole * n - sum(s * batch_size(p) for (s, _), p in zip(sums, parts, strict=True))) <= tol * n:
         return [Diagnosis(
             "mean-as-sum", (),
             "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair: return "
