@@ -6,6 +6,7 @@ however the logical batch is cut into micro-batches.
 
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
+from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.split import split
@@ -19,6 +20,8 @@ __all__ = [
     "PeakMemory",
     "StepResult",
     "Task",
+    "disable_checkpointing",
+    "enable_checkpointing",
     "is_out_of_memory",
     "measure_peak",
     "sample_cross_entropy",
