@@ -136,6 +136,12 @@ class Accumulator:
             ValueError, TypeError: bad batch or loss (nothing is changed: the parameters, the
                 optimizer state and the gradients are as they were).
             RuntimeError: ``backward`` was called without a ``step`` before this call.
+            torch.OutOfMemoryError, MemoryBudgetExceeded (or the CPU allocator's RuntimeError):
+                with a fixed ``micro_batch_size``; the window is discarded and the parameters,
+                the optimizer state and the gradients are as they were. An out-of-memory error in
+                the optimizer step itself is never retried (its memory does not depend on the
+                micro-batch).
+            MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
         n = batch_size(batch)
         self._check_empty_window()
@@ -144,7 +150,7 @@ class Accumulator:
         while True:
             size = self._size_for(n)
             try:
-                result = self._run_window(batch, size, loss_fn)
+                self._accumulate_window(batch, size, loss_fn)
                 break
             except BaseException as exc:
                 self._discard_window()
@@ -156,16 +162,23 @@ class Accumulator:
             self.auto_state = auto.after_oom(self.auto_state, size)
             _set_rng_state(rng, self.device)
             retries += 1
+        try:
+            result = self.step()
+        except BaseException:
+            # Not retried: the optimizer's memory does not shrink with the micro-batch.
+            self._discard_window()
+            raise
         if self.auto_state is not None:
             self.auto_state = auto.after_success(self.auto_state, size, n)
-        return StepResult(**{**result.__dict__, "oom_retries": retries, "samples": n})
+        extra = {"micro_batch_size": size, "oom_retries": retries, "samples": n}
+        return StepResult(**{**result.__dict__, **extra})
 
     def _size_for(self, n: int) -> int:
         if self.auto_state is not None:
             return auto.size_for(self.auto_state, n)
         return min(int(self.micro_batch_size), n)
 
-    def _run_window(self, batch: Batch, size: int, loss_fn: LossFn) -> StepResult:
+    def _accumulate_window(self, batch: Batch, size: int, loss_fn: LossFn) -> None:
         pieces = split(batch, size)
         probe = PeakProbe(self.device) if self.memory_budget is not None else None
         record = probe.reset() if probe else None
@@ -179,8 +192,6 @@ class Accumulator:
                     f"over memory_budget={auto.format_bytes(self.memory_budget or 0)}; use "
                     'micro_batch_size="auto", a smaller micro-batch or a larger budget.'
                 )
-        result = self.step()
-        return StepResult(**{**result.__dict__, "micro_batch_size": size})
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
