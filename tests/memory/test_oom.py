@@ -1,0 +1,164 @@
+"""Out-of-memory: recognised per case, and recovered from for real in a child process under a limit.
+
+The real failures run in ``oom_child.py`` under ``RLIMIT_DATA`` (see its docstring for the model):
+on the CPU build the failure is the allocator's ``RuntimeError``, in forward or in backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
+
+TESTS = Path(__file__).resolve().parents[1]
+SRC = TESTS.parent / "src"
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+    "tried to allocate 134217728 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def _raised_from(
+    cause: BaseException, implicit: bool = False, suppress: bool = False
+) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            if suppress:
+                raise ValueError("wrapped") from None
+            if implicit:
+                raise ValueError("wrapped")  # noqa: B904 (the implicit __context__ is the point)
+            raise ValueError("wrapped") from inner
+    except ValueError as outer:
+        return outer
+
+
+@pytest.mark.parametrize(
+    "exc,expected",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (torch.cuda.OutOfMemoryError("CUDA out of memory."), True),
+        (RuntimeError(CPU_OOM), True),
+        (RuntimeError(CPU_OOM, "a second argument"), True),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."), True),
+        (MemoryBudgetExceeded("micro_batch_size=8 used 3 GiB, over memory_budget=2 GiB"), True),
+        (MemoryError(), True),
+        (RuntimeError("not enough memory: you tried to allocate 0 bytes"), False),
+        (RuntimeError("the memory format is wrong: out of memory of patience"), False),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (
+            ValueError("DefaultCPUAllocator: can't allocate memory"),
+            False,
+        ),  # the text alone is not enough
+        (KeyboardInterrupt(), False),
+    ],
+)
+def test_is_out_of_memory(exc, expected):
+    assert is_out_of_memory(exc) is expected
+
+
+def test_is_out_of_memory_follows_the_chain():
+    assert is_out_of_memory(_raised_from(torch.OutOfMemoryError("CUDA out of memory.")))
+    assert is_out_of_memory(_raised_from(RuntimeError(CPU_OOM), implicit=True))
+    assert not is_out_of_memory(_raised_from(RuntimeError(CPU_OOM), suppress=True))  # `from None`
+    assert not is_out_of_memory(_raised_from(RuntimeError("shape mismatch")))
+    loop = RuntimeError("a")
+    loop.__context__ = RuntimeError("b")
+    loop.__context__.__context__ = loop
+    assert not is_out_of_memory(loop)
+
+
+def test_a_real_cpu_allocation_failure_is_recognised():
+    try:
+        torch.empty(2**62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert is_out_of_memory(exc), str(exc)
+    else:
+        pytest.fail("allocating 4 EiB did not fail")
+
+
+# ----------------------------------------------------------------------------- real OOM in a child
+
+SCENARIOS = [  # margins measured: each lands well inside the range that gives the wanted failures
+    {"name": "forward", "model": "forward", "n": 16, "margin_mib": 120},
+    {"name": "backward", "model": "backward", "n": 16, "margin_mib": 160},
+    {"name": "fixed", "model": "backward", "n": 16, "margin_mib": 160, "micro_batch_size": 8},
+    {"name": "budget", "model": "forward", "n": 16, "budget": "64MiB"},
+]
+
+
+@pytest.fixture(scope="module")
+def child_results() -> dict:
+    """Run every scenario in one child (torch imported once); a crash or hang fails the tests."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"oom child seed={seed}")
+    scenarios = [{**s, "seed": seed} for s in SCENARIOS]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
+        "MALLOC_ARENA_MAX": "2",  # fewer malloc arenas: the data segment is predictable
+    }
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("oom_child.py")), json.dumps(scenarios)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(SCENARIOS), proc.stdout + proc.stderr[-3000:]
+    return {s["name"]: out for s, out in zip(SCENARIOS, lines, strict=True)}
+
+
+def _completed_exactly(out: dict) -> None:
+    assert out["raised"] is None, out
+    assert out["samples"] == 16 and out["count"] == 16  # the effective batch is unchanged
+    assert out["micro_batch_size"] < 16 and out["micro_batches"] == -(
+        -16 // out["micro_batch_size"]
+    )
+    assert out["oom_retries"] == len(out["events"]) or not out["events"]
+    assert out["equal_to_same_split"], out  # bitwise: the failed tries left nothing behind
+    assert out["error_to_full_batch"] < 1e-10, out
+
+
+@pytest.mark.slow  # one ~10 s child process shared by the four tests
+def test_real_oom_in_forward_recovers(child_results):
+    out = child_results["forward"]
+    _completed_exactly(out)
+    assert out["oom_retries"] > 0
+    assert out["events"][0] == {"where": "forward", "size": 16, "oom": True}
+
+
+@pytest.mark.slow  # one ~10 s child process shared by the four tests
+def test_real_oom_in_backward_after_accumulating_discards_partial_grads(child_results):
+    out = child_results["backward"]
+    _completed_exactly(out)
+    assert all(e["where"] == "backward" and e["oom"] for e in out["events"]), out
+    # a micro-batch failed in backward after an earlier one of its window was accumulated:
+    # the window's .grad held part of it, and the result is still bitwise the clean run's
+    assert any(e["accumulated"] >= 1 for e in out["events"]), out
+
+
+@pytest.mark.slow  # one ~10 s child process shared by the four tests
+def test_real_oom_with_fixed_micro_batch_reraises_and_changes_nothing(child_results):
+    out = child_results["fixed"]
+    assert out["raised"] == "RuntimeError" and out["is_oom"], out
+    assert out["events"] == [{"where": "backward", "accumulated": 1, "oom": True}], out
+    assert out["unchanged"], "parameters or optimizer state changed"
+    assert out["grads_none"], ".grad kept part of the failed window"
+
+
+@pytest.mark.slow  # one ~10 s child process shared by the four tests
+def test_memory_budget_shrinks_without_a_real_oom(child_results):
+    out = child_results["budget"]
+    _completed_exactly(out)
+    assert out["oom_retries"] > 0 and out["events"] == []  # the budget, not the allocator, said no
