@@ -84,12 +84,19 @@ def _data_bytes() -> int:
     raise RuntimeError("no VmData in /proc/self/status")
 
 
-def _limit(margin_mib: float | None) -> int:
+def _limit(margin_mib: float | None, device: torch.device) -> None:
+    """Allow ``margin_mib`` more than is in use now (``None``: lift the limit)."""
     gc.collect()
+    if device.type == "cuda":  # a real torch.OutOfMemoryError from the caching allocator
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        used = torch.cuda.memory_reserved(device)
+        fraction = 1.0 if margin_mib is None else (used + margin_mib * MiB) / total
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     soft = resource.RLIM_INFINITY if margin_mib is None else int(_data_bytes() + margin_mib * MiB)
     resource.setrlimit(resource.RLIMIT_DATA, (soft, resource.RLIM_INFINITY))
-    return soft
 
 
 def _record_events(acc: bigbatch.Accumulator, events: list) -> None:
@@ -125,73 +132,56 @@ def _state(model, opt):
     return params, momentum
 
 
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def main(config: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Net(**SCENARIOS[config["model"]]).double()
+    device = torch.device(config.get("device", "cpu"))
+    model = Net(**SCENARIOS[config["model"]]).double().to(device)
     n, gen = config["n"], torch.Generator().manual_seed(config["seed"])
-    batch = (
-        torch.randn(n, model.big.in_features, generator=gen, dtype=torch.float64),
-        torch.randint(0, 3, (n,), generator=gen),
-    )
-    warm = (batch[0][:2], batch[1][:2])
-    copies = [
-        model,
-        copy.deepcopy(model),
-        copy.deepcopy(model),
-    ]  # engine, unsplit ref, same-split ref
+    x = torch.randn(n, model.big.in_features, generator=gen, dtype=torch.float64)
+    batch = (x.to(device), torch.randint(0, 3, (n,), generator=gen).to(device))
+    # the engine's model, the unsplit reference, the reference cut like the engine's final split
+    copies = [model, copy.deepcopy(model), copy.deepcopy(model)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in copies]
-    for m, opt in zip(
-        copies, opts, strict=True
-    ):  # warm-up: optimizer state, autograd engine, allocator
+    warm = tuple(t[:2] for t in batch)
+    for m, opt in zip(copies, opts, strict=True):  # warm-up: optimizer state, autograd, allocator
         bigbatch.Accumulator(m, opt, micro_batch_size=1).train_step(warm, ce)
-    full_batch_step(
-        copies[1], opts[1], ce, batch
-    )  # before the limit: needs the whole batch at once
-    micro = config.get("micro_batch_size", "auto")
-    acc = bigbatch.Accumulator(
-        model, opts[0], micro_batch_size=micro, memory_budget=config.get("budget")
-    )
+    full_batch_step(copies[1], opts[1], ce, batch)  # before the limit: needs the whole batch
+    micro, budget = config.get("micro_batch_size", "auto"), config.get("budget")
+    acc = bigbatch.Accumulator(model, opts[0], micro_batch_size=micro, memory_budget=budget)
     events: list = []
     loss_fn = _record_events(acc, events)
     before = _state(model, opts[0])
-    out = {"limit_mib": None if config.get("margin_mib") is None else config["margin_mib"]}
-    _limit(config.get("margin_mib"))
+    _limit(config.get("margin_mib"), device)
     try:
         result = acc.train_step(batch, loss_fn)
     except BaseException as exc:
-        _limit(None)
-        after = _state(model, opts[0])
-        out.update(
-            raised=type(exc).__name__,
-            is_oom=bigbatch.is_out_of_memory(exc),
-            unchanged=all(
-                torch.equal(a, b)
-                for a, b in zip(before[0] + before[1], after[0] + after[1], strict=True)
-            ),
-            grads_none=all(p.grad is None for p in model.parameters()),
-            events=events,
-        )
-        return out
-    _limit(None)
+        _limit(None, device)
+        return {
+            "raised": type(exc).__name__,
+            "is_oom": bigbatch.is_out_of_memory(exc),
+            "unchanged": all(map(_equal, before, _state(model, opts[0]))),
+            "grads_none": all(p.grad is None for p in model.parameters()),
+            "events": events,
+        }
+    _limit(None, device)
     split = bigbatch.Accumulator(copies[2], opts[2], micro_batch_size=result.micro_batch_size)
     split.train_step(batch, ce)
-    out.update(
-        raised=None,
-        oom_retries=result.oom_retries,
-        samples=result.samples,
-        count=result.count,
-        micro_batch_size=result.micro_batch_size,
-        micro_batches=result.micro_batches,
-        events=events,
-        equal_to_same_split=all(
-            torch.equal(a, b)
-            for a, b in zip(model.parameters(), copies[2].parameters(), strict=True)
-        ),
-        error_to_same_split=max_relative_error(copies[2], model),
-        error_to_full_batch=max_relative_error(copies[1], model),
-    )
-    return out
+    return {
+        "raised": None,
+        "oom_retries": result.oom_retries,
+        "samples": result.samples,
+        "count": result.count,
+        "micro_batch_size": result.micro_batch_size,
+        "micro_batches": result.micro_batches,
+        "events": events,
+        "equal_to_same_split": _equal(list(model.parameters()), list(copies[2].parameters())),
+        "error_to_full_batch": max_relative_error(copies[1], model),
+    }
 
 
 if __name__ == "__main__":

@@ -95,12 +95,11 @@ SCENARIOS = [  # margins measured: each lands well inside the range that gives t
 ]
 
 
-@pytest.fixture(scope="module")
-def child_results() -> dict:
-    """Run every scenario in one child (torch imported once); a crash or hang fails the tests."""
+def _run_child(scenarios: list[dict]) -> dict:
+    """Run the scenarios in one child (torch imported once); a crash or hang fails the tests."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"oom child seed={seed}")
-    scenarios = [{**s, "seed": seed} for s in SCENARIOS]
+    scenarios = [{**s, "seed": seed} for s in scenarios]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
@@ -115,8 +114,13 @@ def child_results() -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(SCENARIOS), proc.stdout + proc.stderr[-3000:]
-    return {s["name"]: out for s, out in zip(SCENARIOS, lines, strict=True)}
+    assert len(lines) == len(scenarios), proc.stdout + proc.stderr[-3000:]
+    return {s["name"]: out for s, out in zip(scenarios, lines, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def child_results() -> dict:
+    return _run_child(SCENARIOS)
 
 
 def _completed_exactly(out: dict) -> None:
@@ -162,3 +166,18 @@ def test_memory_budget_shrinks_without_a_real_oom(child_results):
     out = child_results["budget"]
     _completed_exactly(out)
     assert out["oom_retries"] > 0 and out["events"] == []  # the budget, not the allocator, said no
+
+
+@pytest.mark.gpu
+def test_real_cuda_oom_recovers():
+    """The same on a GPU, capped by ``set_per_process_memory_fraction``: ``torch.OutOfMemoryError``."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = [{**s, "device": "cuda"} for s in SCENARIOS if s["name"] in ("forward", "backward")]
+    results = _run_child(cuda)
+    _completed_exactly(results["forward"])
+    assert results["forward"]["events"][0] == {"where": "forward", "size": 16, "oom": True}
+    _completed_exactly(results["backward"])
+    assert any(
+        e["where"] == "backward" and e["accumulated"] >= 1 for e in results["backward"]["events"]
+    )
