@@ -140,6 +140,8 @@ def main(config: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     device = torch.device(config.get("device", "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     model = Net(**SCENARIOS[config["model"]]).double().to(device)
     n, gen = config["n"], torch.Generator().manual_seed(config["seed"])
     x = torch.randn(n, model.big.in_features, generator=gen, dtype=torch.float64)
