@@ -178,6 +178,7 @@ def test_real_cuda_oom_recovers():
     _completed_exactly(results["forward"])
     assert results["forward"]["events"][0] == {"where": "forward", "size": 16, "oom": True}
     _completed_exactly(results["backward"])
-    assert any(
-        e["where"] == "backward" and e["accumulated"] >= 1 for e in results["backward"]["events"]
-    )
+    # which micro-batch fails depends on the caching allocator's rounding: only the CPU test pins
+    # the failure after accumulation; here every failure must still be a real OOM in backward
+    assert results["backward"]["events"], results["backward"]
+    assert all(e["where"] == "backward" and e["oom"] for e in results["backward"]["events"])
