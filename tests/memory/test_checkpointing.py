@@ -92,7 +92,9 @@ def test_default_blocks_fraction_and_less_saved(gen):
         bigbatch.enable_checkpointing(model, fraction=fraction)
         assert checkpointed_blocks(model) == (names or [f"blocks.{i}" for i in range(4)])
         saved.append(_saved_tensors(model, x))
-    assert saved == sorted(saved, reverse=True) and saved[-1] < saved[0] / 2
+    assert all(a > b for a, b in zip(saved[:-1], saved[1:], strict=True)), (
+        saved
+    )  # each block more saves less
     bigbatch.enable_checkpointing(model, fraction=0.01)  # at least one block
     assert checkpointed_blocks(model) == ["blocks.0"]
 
