@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import bigbatch
+from bigbatch.memory.auto import AutoState
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -182,3 +184,97 @@ def test_real_cuda_oom_recovers():
     # the failure after accumulation; here every failure must still be a real OOM in backward
     assert results["backward"]["events"], results["backward"]
     assert all(e["where"] == "backward" and e["oom"] for e in results["backward"]["events"])
+
+
+# ----------------------------------------------------------------------------- the engine's policy
+# Injected failures (a torch.OutOfMemoryError raised where a real one would be): the real ones are
+# above; these pin the policy around them deterministically.
+
+
+def _dropout_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3)
+    )
+    return net.double().train()
+
+
+def _ce_failing_above(limit: int):
+    def loss_fn(model, batch):
+        x, y = batch
+        logits = model(x)  # the dropout mask is drawn before the failure, as in a real OOM
+        if len(x) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    return loss_fn
+
+
+def test_redone_window_draws_the_same_dropout_masks(gen):
+    """RNG restored before the retry: the result does not depend on whether an OOM happened."""
+    auto_net, fixed_net = _dropout_net(), _dropout_net()
+    auto = bigbatch.Accumulator(auto_net, torch.optim.AdamW(auto_net.parameters()), "auto")
+    fixed = bigbatch.Accumulator(fixed_net, torch.optim.AdamW(fixed_net.parameters()), 2)
+    loss_fn = _ce_failing_above(2)
+    for step in range(3):
+        batch = (torch.randn(10, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (10,)))
+        torch.manual_seed(100 + step)
+        result = auto.train_step(batch, loss_fn)
+        torch.manual_seed(100 + step)
+        fixed.train_step(batch, loss_fn)
+        assert result.oom_retries == (2 if step == 0 else 0)  # 10 -> 5 -> 2, then stays at 2
+        assert (result.micro_batch_size, result.micro_batches, result.samples) == (2, 5, 10)
+    for a, b in zip(auto_net.parameters(), fixed_net.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_other_errors_are_not_retried(gen):
+    net = _dropout_net()
+    acc = bigbatch.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1), "auto")
+
+    def broken(model, batch):
+        model(batch[0]).sum().backward()  # leaves .grad behind
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    batch = (torch.randn(4, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (4,)))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        acc.train_step(batch, broken)
+    assert acc.auto_state == AutoState()  # no shrinking
+    assert all(p.grad is None for p in net.parameters())
+    assert acc.train_step(batch, _ce_failing_above(4)).oom_retries == 0  # usable afterwards
+
+
+def test_oom_in_the_optimizer_step_is_not_retried(gen):
+    net = _dropout_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    acc = bigbatch.Accumulator(net, opt, "auto")
+
+    def step_out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    opt.step = step_out_of_memory  # type: ignore[method-assign]
+    batch = (torch.randn(4, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (4,)))
+    with pytest.raises(torch.OutOfMemoryError):
+        acc.train_step(batch, _ce_failing_above(4))
+    assert acc.auto_state == AutoState()  # a smaller micro-batch would not help
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_fixed_micro_batch_over_budget_raises_and_changes_nothing(gen):
+    net = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 3))
+    net = net.double()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    acc = bigbatch.Accumulator(net, opt, micro_batch_size=512, memory_budget="4MiB")
+    before = [p.detach().clone() for p in net.parameters()]
+    batch = (
+        torch.randn(1024, 256, generator=gen, dtype=torch.float64),
+        torch.randint(0, 3, (1024,)),
+    )
+    ce = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    with pytest.raises(
+        MemoryBudgetExceeded,
+        match=r'micro_batch_size=512 used [0-9.]+ MiB, over memory_budget=4\.00 MiB; use micro_batch_size="auto"',
+    ):
+        acc.train_step(batch, ce)  # 512 x 4096 float64 activations: 16 MiB each
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    assert all(p.grad is None for p in net.parameters()) and not opt.state
