@@ -58,7 +58,9 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         except queue.Empty:
-            raise TimeoutError(f"ranks did not finish in {timeout_s}s (a collective hung?)") from None
+            raise TimeoutError(
+                f"ranks did not finish in {timeout_s}s (a collective hung?)"
+            ) from None
         finally:
             for p in procs:
                 p.join(timeout=10)

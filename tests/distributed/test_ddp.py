@@ -16,15 +16,23 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from models import (
+    PAD,
+    causal_lm,
+    classification_batch,
+    lm_token_loss,
+    mean_ce,
+    mlp,
+    padded_lm_batch,
+)
+from ranks import run_ranks
+from reference import full_batch_step, max_relative_error
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
 from bigbatch.loss import as_sum_and_count
 from bigbatch.split import batch_size
-from models import PAD, causal_lm, classification_batch, lm_token_loss, mean_ce, mlp, padded_lm_batch
-from ranks import run_ranks
-from reference import full_batch_step, max_relative_error
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
@@ -58,7 +66,7 @@ def _batches(model_name: str, seed: int) -> list[list]:
 def _cat(batches: list):
     if isinstance(batches[0], dict):
         return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-    return tuple(torch.cat(parts) for parts in zip(*batches))
+    return tuple(torch.cat(parts) for parts in zip(*batches, strict=True))
 
 
 def _pieces(batch, size: int) -> list:
@@ -124,7 +132,9 @@ def _sync_every_micro_batch(rank: int, steps: list) -> dict:
 def _all_cases(rank: int, world_size: int, seed: int) -> dict:
     out = {}
     for model_name, opt_name, path in CASES:
-        out[(model_name, opt_name, path)] = _case(rank, model_name, opt_name, path, _batches(model_name, seed))
+        out[(model_name, opt_name, path)] = _case(
+            rank, model_name, opt_name, path, _batches(model_name, seed)
+        )
     out["naive"] = _sync_every_micro_batch(rank, _batches("mlp", seed))
     out["world_size"] = dist.get_world_size()
     return out
@@ -143,13 +153,18 @@ def test_ddp_accumulation_equals_full_batch_on_union_float64(ranks, model_name, 
     make_model, loss_fn = MODELS[model_name]
     ref = make_model(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
-    ref_losses = [full_batch_step(ref, opt, loss_fn, _cat(per_rank)) for per_rank in _batches(model_name, seed)]
+    ref_losses = [
+        full_batch_step(ref, opt, loss_fn, _cat(per_rank))
+        for per_rank in _batches(model_name, seed)
+    ]
     for rank_result in results:
         got = rank_result[(model_name, opt_name, path)]
-        assert got["losses"] == pytest.approx(ref_losses, rel=1e-10)  # the global mean, on every rank
+        assert got["losses"] == pytest.approx(
+            ref_losses, rel=1e-10
+        )  # the global mean, on every rank
         engine_model = make_model(torch.float64)
         with torch.no_grad():
-            for p, q in zip(engine_model.parameters(), got["params"]):
+            for p, q in zip(engine_model.parameters(), got["params"], strict=True):
                 p.copy_(q)
         assert max_relative_error(ref, engine_model) < 1e-10
 
@@ -172,7 +187,7 @@ def test_one_gradient_sync_per_optimizer_step(ranks, model_name, opt_name, path)
 
 def test_without_no_sync_every_micro_batch_all_reduces(ranks):
     _, results = ranks
-    for rank, rank_result in enumerate(results):
-        k = -(-SAMPLES[0] // MICRO)
+    k = -(-SAMPLES[0] // MICRO)
+    for rank_result in results:
         assert rank_result["naive"]["calls"] == k * rank_result["naive"]["buckets"]
     assert results[0]["world_size"] == 2
