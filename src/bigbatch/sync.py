@@ -15,6 +15,22 @@ Note [global normalisation]
     ``Σ_r ∇loss_sum_r / Σ_r count_r``, so the engine multiplies by ``W / Σ_r count_r``, with the
     counts summed over ranks by one small all-reduce per optimizer step. Ranks may hold
     different numbers of tokens or samples.
+
+Note [micro-batches per rank]
+    With DDP, ranks may run different numbers of micro-batches per window (10 samples cut
+    4 + 4 + 2 on one rank, 7 cut 4 + 3 on another): forwards under ``no_sync()`` talk to no
+    other rank and each rank syncs once, on its last. Two exceptions need the SAME number of
+    micro-batches on every rank, or a rank waits forever in a collective: FSDP (every forward
+    all-gathers the parameters) and DDP with module buffers and ``broadcast_buffers=True``
+    (every forward broadcasts them, e.g. BatchNorm statistics). An equal per-rank batch, which
+    ``bigbatch.distributed`` gives, is enough.
+
+Note [FSDP and no_sync memory]
+    Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
+    window's last micro-batch: up to the full model's gradient size per rank, which is what
+    sharding was meant to avoid. To keep only sharded gradients, sync every micro-batch through
+    the low-level path (``with acc.micro_batch(last=True):`` for each one): still exact (the
+    reduce-scatters of the micro-batches sum to the same gradient), k times the traffic.
 """
 
 from __future__ import annotations

@@ -45,13 +45,13 @@ STEPS = 3
 CASES = [(m, o, path) for m in MODELS for o in OPTIMIZERS for path in ("train_step", "low_level")]
 
 
-def _batches(model_name: str, seed: int) -> list[list]:
+def _batches(model_name: str, seed: int, samples: tuple[int, ...] = SAMPLES) -> list[list]:
     """``STEPS`` windows, each a list of one batch per rank."""
     gen = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(STEPS):
         per_rank = []
-        for rank, n in enumerate(SAMPLES):
+        for rank, n in enumerate(samples):
             if model_name == "mlp":
                 per_rank.append(classification_batch(n, torch.float64, gen))
             else:
