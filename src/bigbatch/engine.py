@@ -117,7 +117,7 @@ class Accumulator:
         self.device = _device_of(model)
         self.precision = make_precision(precision, self.device)
         self.memory_budget = auto.parse_bytes(memory_budget)
-        self.sync = make_sync(model)
+        self.sync = make_sync(model, auto=self.auto_state is not None)
         self._window = _Window()
         self._in_micro_batch = False
 
@@ -148,18 +148,22 @@ class Accumulator:
         rng = _rng_state(self.device) if self.auto_state is not None else None
         retries = 0
         while True:
-            size = self._size_for(n)
+            size, failed = self._size_for(n), None
             try:
                 self._accumulate_window(batch, size, loss_fn)
-                break
             except BaseException as exc:
                 self._discard_window()
                 if self.auto_state is None or not is_out_of_memory(exc):
                     raise
                 traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
+                failed = size
+            failed = self.sync.end_window(failed)  # Note [auto micro-batch across ranks]
+            if failed is None:
+                break
             # Retry outside the except block: the live exception would keep its tensors alive.
+            self._discard_window()
             release_memory(self.device)
-            self.auto_state = auto.after_oom(self.auto_state, size)
+            self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
             _set_rng_state(rng, self.device)
             retries += 1
         try:
