@@ -1,9 +1,9 @@
 """``micro_batch_size="auto"`` on 2 real gloo ranks when only ONE rank runs out of memory.
 
-The out-of-memory error is injected (a ``torch.OutOfMemoryError`` raised on rank 1 for any
-micro-batch over 3 samples, in the forward or inside the backward): a real one on one rank
-only cannot be provoked reliably on CPU without also starving gloo. Both ranks must finish,
-adopt the same micro-batch size, and match one full-batch step on the union
+Two kinds of failure on rank 1 only: an injected ``torch.OutOfMemoryError`` for any micro-batch
+over 3 samples (in the forward, or inside the backward), which fixes the sizes exactly; and a
+real allocator failure under ``RLIMIT_DATA`` set on rank 1 alone (rank 0 has no limit). Both
+ranks must finish, adopt the same micro-batch size, and match one full-batch step on the union
 (Note [auto micro-batch across ranks] in bigbatch.sync).
 """
 
@@ -63,6 +63,68 @@ def _case(rank: int, where: str, opt_name: str, seed: int) -> dict:
     }
 
 
+class Expand(torch.nn.Module):
+    """A forward whose activations grow by ~8 MiB per sample (float64): memory tracks the micro-batch."""
+
+    def __init__(self, d_in: int = 256, expand: int = 2048) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.v = torch.nn.Parameter(torch.linspace(-1, 1, expand, dtype=torch.float64))
+        self.head = torch.nn.Linear(d_in, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x[:, :, None] * self.v).mean(-1))
+
+
+REAL_SAMPLES, REAL_MARGIN_MIB = 24, 160
+
+
+def _real_batches(seed: int) -> list[list]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch():
+        x = torch.randn(REAL_SAMPLES, 256, generator=gen, dtype=torch.float64)
+        return x, torch.randint(0, 3, (REAL_SAMPLES,), generator=gen)
+
+    return [[batch() for _ in range(2)] for _ in range(STEPS)]
+
+
+def _real_oom(rank: int, seed: int) -> dict:
+    import ctypes
+    import gc
+    import resource
+
+    model = Expand()
+    batches = _real_batches(seed)
+    ddp = DDP(model)
+    acc = bigbatch.Accumulator(
+        ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), micro_batch_size="auto"
+    )
+    mean_ce(
+        model, (batches[0][rank][0][:2], batches[0][rank][1][:2])
+    ).backward()  # warm up, locally
+    model.zero_grad(set_to_none=True)
+    if rank == 1:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/status") as status:
+            used = next(
+                int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")
+            )
+        resource.setrlimit(
+            resource.RLIMIT_DATA, (used + REAL_MARGIN_MIB * 2**20, resource.RLIM_INFINITY)
+        )
+    results = [acc.train_step(b[rank], mean_ce) for b in batches]
+    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    return {
+        "losses": [r.loss for r in results],
+        "sizes": [r.micro_batch_size for r in results],
+        "retries": [r.oom_retries for r in results],
+        "state": acc.auto_state,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
 def _refusals(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -85,6 +147,7 @@ def _refusals(rank: int) -> dict:
 def _all_cases(rank: int, world_size: int, seed: int) -> dict:
     out = {case: _case(rank, *case, seed) for case in CASES}
     out["refusals"] = _refusals(rank)
+    out["real"] = _real_oom(rank, seed)
     return out
 
 
@@ -127,3 +190,23 @@ def test_auto_refuses_fsdp_and_ddp_buffer_broadcast_on_several_ranks(ranks):
             raise ValueError(r["refusals"]["fsdp"])
         with pytest.raises(ValueError, match=r"broadcast_buffers=False\), or use a fixed"):
             raise ValueError(r["refusals"]["buffers"])
+
+
+def test_real_out_of_memory_on_one_rank_only(ranks):
+    seed, results = ranks
+    got = [r["real"] for r in results]
+    assert got[0]["retries"][0] >= 1  # rank 0 had no limit: it redid the window for rank 1
+    assert got[0]["retries"] == got[1]["retries"]
+    assert got[0]["sizes"] == got[1]["sizes"] and got[0]["sizes"][0] < REAL_SAMPLES
+    assert got[0]["state"] == got[1]["state"]
+    ref = Expand()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = [full_batch_step(ref, opt, mean_ce, _cat(b)) for b in _real_batches(seed)]
+    for g in got:
+        assert g["losses"] == pytest.approx(ref_losses, rel=1e-10)
+        gathered = Expand()
+        with torch.no_grad():
+            for p, q in zip(gathered.parameters(), g["params"], strict=True):
+                p.copy_(q)
+        assert max_relative_error(ref, gathered) < 1e-10
+    print("real OOM on rank 1: sizes", got[0]["sizes"], "retries", got[0]["retries"])
