@@ -86,8 +86,13 @@ def setup(device: str | None = None) -> Ranks:
 
 
 def teardown() -> None:
-    """Leave the process group (a no-op when none was initialised)."""
+    """Leave the process group together (a no-op when none was initialised).
+
+    The barrier first: a rank that destroys the group while another still talks to it (rank 0
+    writing the last files) can abort the other's gloo threads.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -187,7 +187,8 @@ class Accumulator:
         probe = PeakProbe(self.device) if self.memory_budget is not None else None
         record = probe.reset() if probe else None
         for i, piece in enumerate(pieces):
-            with self.micro_batch(last=i == len(pieces) - 1):
+            # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
+            with self.micro_batch(last=i == len(pieces) - 1 and not self.sync.defers_sync):
                 loss_sum, count = as_sum_and_count(loss_fn(self.model, piece), batch_size(piece))
                 self.backward(loss_sum, count)
             if probe and record and probe.peak_bytes(record) > self.memory_budget:  # type: ignore[operator]

@@ -30,8 +30,8 @@ Note [auto micro-batch across ranks]
     waiting in a collective (the deadlock Composer hit: one rank dies in DDP's backward while
     the other sits in the bucket all-reduce). So in distributed auto mode (DDP only):
 
-    1. every micro-batch, the last included, runs under ``no_sync()``: no rank communicates
-       while any rank may still run out of memory;
+    1. every micro-batch of ``train_step``, the last included, runs under ``no_sync()``
+       (``defers_sync``): no rank communicates while any rank may still run out of memory;
     2. after the window, each rank, finished or failed, joins ONE small all-reduce (MAX) of
        ``-failed_size`` and its number of gradients: if any rank failed, every rank learns the
        smallest failed size, discards its window, adopts the same smaller micro-batch
@@ -39,7 +39,8 @@ Note [auto micro-batch across ranks]
     3. otherwise the accumulated gradients are all-reduced once, in place (no extra memory),
        and averaged like DDP does (Note [global normalisation]).
 
-    The price: DDP's bucketing overlap and any registered communication hook are bypassed in
+    The low-level path (``micro_batch(last=True)`` + ``step``) is not retried and syncs on
+    ``last=True`` as usual. The price: DDP's bucketing overlap and any registered communication hook are bypassed in
     auto mode (one all-reduce per parameter tensor, all in flight at once). An out-of-memory
     error inside that all-reduce or in the optimizer step is not retried (the engine never
     retries the step). FSDP cannot be made safe this way (each forward all-gathers, so a rank
@@ -68,6 +69,7 @@ class GradSync(Protocol):
     """How gradients are synchronised across ranks for one micro-batch."""
 
     world_size: int
+    defers_sync: bool  # train_step syncs in end_window, not on the last micro-batch
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -95,6 +97,7 @@ class LocalSync:
     """A model on one process: no synchronisation."""
 
     world_size = 1
+    defers_sync = False
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -119,6 +122,7 @@ class _RankSync:
         self.group = group
         self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]
         self.auto = auto and self.world_size > 1  # Note [auto micro-batch across ranks]
+        self.defers_sync = self.auto
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         values = values.clone()
@@ -132,8 +136,9 @@ class _RankSync:
 class DDPSync(_RankSync):
     """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch.
 
-    In distributed auto mode every micro-batch skips it and ``end_window`` agrees on
-    out-of-memory errors, then all-reduces once (Note [auto micro-batch across ranks]).
+    In distributed auto mode ``train_step`` runs every micro-batch without it and
+    ``end_window`` agrees on out-of-memory errors, then all-reduces once (Note [auto
+    micro-batch across ranks]); the low-level path keeps syncing on ``last=True``.
     """
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
@@ -149,9 +154,7 @@ class DDPSync(_RankSync):
             )
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
-        if last and not self.auto:
-            return contextlib.nullcontext()
-        return self.model.no_sync()  # type: ignore[operator]
+        return contextlib.nullcontext() if last else self.model.no_sync()  # type: ignore[operator]
 
     def end_window(self, failed_size: int | None) -> int | None:
         if not self.auto:

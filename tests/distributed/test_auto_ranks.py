@@ -89,6 +89,19 @@ def _real_batches(seed: int) -> list[list]:
     return [[batch() for _ in range(2)] for _ in range(STEPS)]
 
 
+def _low_level(rank: int, seed: int) -> list[torch.Tensor]:
+    """The low-level path of an auto-mode Accumulator still syncs on ``last=True``."""
+    ddp = DDP(mlp(torch.float64))
+    acc = bigbatch.Accumulator(ddp, OPTIMIZERS["adamw"](ddp.parameters()), micro_batch_size="auto")
+    for per_rank in _batches(seed):
+        pieces = bigbatch.split(per_rank[rank], 4)
+        for i, piece in enumerate(pieces):
+            with acc.micro_batch(last=i == len(pieces) - 1):
+                acc.backward(mean_ce(ddp, piece) * batch_size(piece), batch_size(piece))
+        acc.step()
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
 def _real_oom(rank: int, seed: int) -> dict:
     import ctypes
     import gc
@@ -148,6 +161,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
     out = {case: _case(rank, *case, seed) for case in CASES}
     out["refusals"] = _refusals(rank)
     out["real"] = _real_oom(rank, seed)
+    out["low_level"] = _low_level(rank, seed)
     return out
 
 
@@ -210,3 +224,17 @@ def test_real_out_of_memory_on_one_rank_only(ranks):
                 p.copy_(q)
         assert max_relative_error(ref, gathered) < 1e-10
     print("real OOM on rank 1: sizes", got[0]["sizes"], "retries", got[0]["retries"])
+
+
+def test_low_level_path_in_auto_mode_syncs_on_last(ranks):
+    seed, results = ranks
+    ref = mlp(torch.float64)
+    opt = OPTIMIZERS["adamw"](ref.parameters())
+    for b in _batches(seed):
+        full_batch_step(ref, opt, mean_ce, _cat(b))
+    for r in results:
+        gathered = mlp(torch.float64)
+        with torch.no_grad():
+            for p, q in zip(gathered.parameters(), r["low_level"], strict=True):
+                p.copy_(q)
+        assert max_relative_error(ref, gathered) < 1e-10
