@@ -9,6 +9,7 @@ from bigbatch.batchnorm import batchnorm
 from bigbatch.check import CheckReport, NotExactError, check
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
+from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.split import split
@@ -27,6 +28,8 @@ __all__ = [
     "Task",
     "batchnorm",
     "check",
+    "disable_checkpointing",
+    "enable_checkpointing",
     "is_out_of_memory",
     "measure_peak",
     "sample_cross_entropy",

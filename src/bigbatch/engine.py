@@ -118,7 +118,7 @@ class Accumulator:
         self.device = _device_of(model)
         self.precision = make_precision(precision, self.device)
         self.memory_budget = auto.parse_bytes(memory_budget)
-        self.sync = make_sync(model)
+        self.sync = make_sync(model, auto=self.auto_state is not None)
         self._window = _Window()
         self._in_micro_batch = False
         self._layers_checked = False  # warn once about batch-coupled layers (bigbatch.batchnorm)
@@ -138,36 +138,53 @@ class Accumulator:
             ValueError, TypeError: bad batch or loss (nothing is changed: the parameters, the
                 optimizer state and the gradients are as they were).
             RuntimeError: ``backward`` was called without a ``step`` before this call.
+            torch.OutOfMemoryError, MemoryBudgetExceeded (or the CPU allocator's RuntimeError):
+                with a fixed ``micro_batch_size``; the window is discarded and the parameters,
+                the optimizer state and the gradients are as they were. An out-of-memory error in
+                the optimizer step itself is never retried (its memory does not depend on the
+                micro-batch).
+            MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
         n = batch_size(batch)
         self._check_empty_window()
         rng = _rng_state(self.device) if self.auto_state is not None else None
         retries = 0
         while True:
-            size = self._size_for(n)
+            size, failed = self._size_for(n), None
             try:
-                result = self._run_window(batch, size, loss_fn)
-                break
+                self._accumulate_window(batch, size, loss_fn)
             except BaseException as exc:
                 self._discard_window()
                 if self.auto_state is None or not is_out_of_memory(exc):
                     raise
                 traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
+                failed = size
+            failed = self.sync.end_window(failed)  # Note [auto micro-batch across ranks]
+            if failed is None:
+                break
             # Retry outside the except block: the live exception would keep its tensors alive.
+            self._discard_window()
             release_memory(self.device)
-            self.auto_state = auto.after_oom(self.auto_state, size)
+            self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
             _set_rng_state(rng, self.device)
             retries += 1
+        try:
+            result = self.step()
+        except BaseException:
+            # Not retried: the optimizer's memory does not shrink with the micro-batch.
+            self._discard_window()
+            raise
         if self.auto_state is not None:
             self.auto_state = auto.after_success(self.auto_state, size, n)
-        return StepResult(**{**result.__dict__, "oom_retries": retries, "samples": n})
+        extra = {"micro_batch_size": size, "oom_retries": retries, "samples": n}
+        return StepResult(**{**result.__dict__, **extra})
 
     def _size_for(self, n: int) -> int:
         if self.auto_state is not None:
             return auto.size_for(self.auto_state, n)
         return min(int(self.micro_batch_size), n)
 
-    def _run_window(self, batch: Batch, size: int, loss_fn: LossFn) -> StepResult:
+    def _accumulate_window(self, batch: Batch, size: int, loss_fn: LossFn) -> None:
         pieces = split(batch, size)
         probe = PeakProbe(self.device) if self.memory_budget is not None else None
         record = probe.reset() if probe else None
@@ -175,7 +192,9 @@ class Accumulator:
             warn_batch_coupled(self.model)
             self._layers_checked = True
         for i, piece in enumerate(pieces):
-            with self.micro_batch(last=i == len(pieces) - 1), window(self.model, batch_size(batch)):
+            # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
+            last = i == len(pieces) - 1 and not self.sync.defers_sync
+            with self.micro_batch(last=last), window(self.model, batch_size(batch)):
                 loss_sum, count = as_sum_and_count(loss_fn(self.model, piece), batch_size(piece))
                 self.backward(loss_sum, count)
             if probe and record and probe.peak_bytes(record) > self.memory_budget:  # type: ignore[operator]
@@ -184,8 +203,6 @@ class Accumulator:
                     f"over memory_budget={auto.format_bytes(self.memory_budget or 0)}; use "
                     'micro_batch_size="auto", a smaller micro-batch or a larger budget.'
                 )
-        result = self.step()
-        return StepResult(**{**result.__dict__, "micro_batch_size": size})
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager

@@ -15,6 +15,44 @@ Note [global normalisation]
     ``Σ_r ∇loss_sum_r / Σ_r count_r``, so the engine multiplies by ``W / Σ_r count_r``, with the
     counts summed over ranks by one small all-reduce per optimizer step. Ranks may hold
     different numbers of tokens or samples.
+
+Note [micro-batches per rank]
+    With DDP, ranks may run different numbers of micro-batches per window (10 samples cut
+    4 + 4 + 2 on one rank, 7 cut 4 + 3 on another): forwards under ``no_sync()`` talk to no
+    other rank and each rank syncs once, on its last. Two exceptions need the SAME number of
+    micro-batches on every rank, or a rank waits forever in a collective: FSDP (every forward
+    all-gathers the parameters) and DDP with module buffers and ``broadcast_buffers=True``
+    (every forward broadcasts them, e.g. BatchNorm statistics). An equal per-rank batch, which
+    ``bigbatch.distributed`` gives, is enough.
+
+Note [auto micro-batch across ranks]
+    With ``micro_batch_size="auto"`` an out-of-memory error on ONE rank must not leave another
+    waiting in a collective (the deadlock Composer hit: one rank dies in DDP's backward while
+    the other sits in the bucket all-reduce). So in distributed auto mode (DDP only):
+
+    1. every micro-batch of ``train_step``, the last included, runs under ``no_sync()``
+       (``defers_sync``): no rank communicates while any rank may still run out of memory;
+    2. after the window, each rank, finished or failed, joins ONE small all-reduce (MAX) of
+       ``-failed_size`` and its number of gradients: if any rank failed, every rank learns the
+       smallest failed size, discards its window, adopts the same smaller micro-batch
+       (``memory.auto.after_oom``) and redoes the window; nobody is left behind;
+    3. otherwise the accumulated gradients are all-reduced once, in place (no extra memory),
+       and averaged like DDP does (Note [global normalisation]).
+
+    The low-level path (``micro_batch(last=True)`` + ``step``) is not retried and syncs on
+    ``last=True`` as usual. The price: DDP's bucketing overlap and any registered communication hook are bypassed in
+    auto mode (one all-reduce per parameter tensor, all in flight at once). An out-of-memory
+    error inside that all-reduce or in the optimizer step is not retried (the engine never
+    retries the step). FSDP cannot be made safe this way (each forward all-gathers, so a rank
+    failing mid-forward strands the others), and DDP broadcasting module buffers each forward
+    has the same problem: both are refused in distributed auto mode with the fix in the message.
+
+Note [FSDP and no_sync memory]
+    Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
+    window's last micro-batch: up to the full model's gradient size per rank, which is what
+    sharding was meant to avoid. To keep only sharded gradients, sync every micro-batch through
+    the low-level path (``with acc.micro_batch(last=True):`` for each one): still exact (the
+    reduce-scatters of the micro-batches sum to the same gradient), k times the traffic.
 """
 
 from __future__ import annotations
@@ -31,6 +69,7 @@ class GradSync(Protocol):
     """How gradients are synchronised across ranks for one micro-batch."""
 
     world_size: int
+    defers_sync: bool  # train_step syncs in end_window, not on the last micro-batch
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -44,11 +83,21 @@ class GradSync(Protocol):
         """The window's constant loss multiplier ``c`` (Note [backward scale])."""
         ...
 
+    def end_window(self, failed_size: int | None) -> int | None:
+        """After a window: the smallest micro-batch size that ran out of memory on any rank.
+
+        ``failed_size`` is this rank's (``None`` when its window completed). In distributed
+        auto mode this is a collective and, when no rank failed, it also syncs the gradients
+        (Note [auto micro-batch across ranks]).
+        """
+        ...
+
 
 class LocalSync:
     """A model on one process: no synchronisation."""
 
     world_size = 1
+    defers_sync = False
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -62,13 +111,18 @@ class LocalSync:
             return 1.0 / first_count.clamp_min(1)
         return 1.0 / max(first_count, 1.0)
 
+    def end_window(self, failed_size: int | None) -> int | None:
+        return failed_size
+
 
 class _RankSync:
     """Shared by the distributed variants: the rank group and the sum all-reduce."""
 
-    def __init__(self, group: object | None = None) -> None:
+    def __init__(self, group: object | None = None, auto: bool = False) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]
+        self.auto = auto and self.world_size > 1  # Note [auto micro-batch across ranks]
+        self.defers_sync = self.auto
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         values = values.clone()
@@ -80,31 +134,78 @@ class _RankSync:
 
 
 class DDPSync(_RankSync):
-    """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch."""
+    """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(getattr(model, "process_group", None))
+    In distributed auto mode ``train_step`` runs every micro-batch without it and
+    ``end_window`` agrees on out-of-memory errors, then all-reduces once (Note [auto
+    micro-batch across ranks]); the low-level path keeps syncing on ``last=True``.
+    """
+
+    def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
+        super().__init__(getattr(model, "process_group", None), auto)
         self.model = model
+        if self.auto and model.broadcast_buffers and any(True for _ in model.buffers()):
+            raise ValueError(
+                'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '
+                "its buffers in every forward: a rank out of memory mid-forward would leave the "
+                "others waiting in the broadcast. Wrap it with "
+                "DistributedDataParallel(model, broadcast_buffers=False), or use a fixed "
+                "micro_batch_size."
+            )
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if last else self.model.no_sync()  # type: ignore[operator]
+
+    def end_window(self, failed_size: int | None) -> int | None:
+        if not self.auto:
+            return failed_size
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        device = next(self.model.parameters()).device
+        inf = float("inf")
+        local = [-(failed_size or inf), len(grads), -len(grads)]
+        agreed = torch.tensor(local, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        neg_failed, most, neg_fewest = agreed.tolist()
+        if neg_failed != -inf:
+            return int(-neg_failed)
+        if most != -neg_fewest:
+            raise RuntimeError(
+                f"ranks hold gradients for different numbers of parameters ({-neg_fewest:g} to "
+                f'{most:g}): with micro_batch_size="auto" on several ranks every rank must use '
+                "the same parameters in each window. Use a fixed micro_batch_size."
+            )
+        works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]  # type: ignore[arg-type]
+        for work in works:
+            work.wait()
+        torch._foreach_div_(grads, self.world_size)  # averaged, as DDP does
+        return None
 
 
 class FSDPSync(_RankSync):
     """FSDP2 (``fully_shard``) or FSDP1: reduce-scatter only on the window's last micro-batch."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(None)
+    def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
+        super().__init__(None, auto)
         self.model = model
+        if self.auto:
+            raise ValueError(
+                f'micro_batch_size="auto" is not supported with FSDP on {self.world_size} ranks: '
+                "every forward all-gathers the parameters, so a rank out of memory mid-forward "
+                "would leave the others waiting. Use a fixed micro_batch_size "
+                "(Note [auto micro-batch across ranks] in bigbatch.sync)."
+            )
+
+    def end_window(self, failed_size: int | None) -> int | None:
+        return failed_size
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(last)
+            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
             try:
                 yield
             finally:
-                self.model.set_requires_gradient_sync(True)
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
         elif last:
             yield
         else:
@@ -112,12 +213,20 @@ class FSDPSync(_RankSync):
                 yield
 
 
-def make_sync(model: torch.nn.Module) -> GradSync:
-    """Pick the gradient-sync control for ``model`` (the one wrapper-type test in bigbatch)."""
+def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
+    """Pick the gradient-sync control for ``model`` (the one wrapper-type test in bigbatch).
+
+    Args:
+        model: a plain module, a ``DistributedDataParallel`` or an FSDP model.
+        auto: the engine sizes micro-batches itself (``micro_batch_size="auto"``).
+
+    Raises:
+        ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
+    """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return DDPSync(model)
+        return DDPSync(model, auto)
     if _is_fsdp(model):
-        return FSDPSync(model)
+        return FSDPSync(model, auto)
     return LocalSync()
 
 

@@ -2,11 +2,13 @@
 
 Note [auto micro-batch]
     The first window runs whole (micro-batch = the logical batch). An out-of-memory error in
-    a window halves the micro-batch and the same window is redone; the size that failed
-    becomes a ceiling that is never tried again. After ``grow_after`` clean windows the size
-    probes half-way towards the ceiling, so the search ends at the largest size that fits
-    (a binary search spread over steps) instead of staying at the first power-of-two fraction
-    that happened to fit. The effective batch never changes: only how it is cut.
+    a window halves the micro-batch (or, when a smaller size already completed a window, goes
+    back to that size) and the same window is redone; the size that failed becomes a ceiling
+    that is never tried again. After ``grow_after`` clean windows the size probes half-way
+    towards the ceiling, so the search ends at the largest size that fits (a binary search
+    spread over steps between the largest size known to fit and the smallest known to fail)
+    instead of staying at the first power-of-two fraction that happened to fit. The effective
+    batch never changes: only how it is cut.
 """
 
 from __future__ import annotations
@@ -15,10 +17,20 @@ import re
 from dataclasses import dataclass, replace
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 
 
@@ -30,11 +42,13 @@ class AutoState:
         size: micro-batch to use next; ``None`` before the first window (use the whole batch).
         ceiling: smallest size known to run out of memory; ``None`` if none has.
         clean_windows: windows completed since the size last changed.
+        fits: largest size known to have completed a window; ``None`` if none has.
     """
 
     size: int | None = None
     ceiling: int | None = None
     clean_windows: int = 0
+    fits: int | None = None
 
 
 def size_for(state: AutoState, n_samples: int) -> int:
@@ -46,32 +60,40 @@ def size_for(state: AutoState, n_samples: int) -> int:
 
 
 def after_oom(state: AutoState, failed_size: int) -> AutoState:
-    """The window ran out of memory at ``failed_size``: halve it and lower the ceiling.
+    """The window ran out of memory at ``failed_size``: shrink and lower the ceiling.
+
+    The next size is the largest one known to fit if it is below ``failed_size`` (a failed
+    growth probe goes back to it), else half of ``failed_size``.
 
     Raises:
         MemoryError: ``failed_size`` was already 1; nothing smaller exists.
     """
     if failed_size <= 1:
         raise MemoryError(
-            "out of memory with micro_batch_size=1: a single sample does not fit. Free memory, "
-            "raise memory_budget, enable gradient checkpointing "
+            "out of memory (or over memory_budget) with micro_batch_size=1: a single sample does "
+            "not fit. Free memory, raise memory_budget, enable gradient checkpointing "
             "(bigbatch.enable_checkpointing(model)) or use a smaller model or sequence length."
         )
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
-    return AutoState(size=max(1, failed_size // 2), ceiling=ceiling, clean_windows=0)
+    fits = state.fits if state.fits is not None and state.fits < failed_size else None
+    size = fits if fits is not None else max(1, failed_size // 2)
+    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits)
 
 
-def after_success(state: AutoState, used_size: int, n_samples: int, grow_after: int = 10) -> AutoState:
+def after_success(
+    state: AutoState, used_size: int, n_samples: int, grow_after: int = 10
+) -> AutoState:
     """A window of ``n_samples`` completed at ``used_size``; maybe probe a larger size."""
+    fits = used_size if state.fits is None else max(state.fits, used_size)
     if state.size is None:
-        return AutoState(size=used_size, ceiling=state.ceiling)
+        return AutoState(size=used_size, ceiling=state.ceiling, fits=fits)
     clean = state.clean_windows + 1
     # Only grow when the window was really cut at the current size (a short last batch says nothing).
     if clean >= grow_after and state.ceiling is not None and used_size == state.size:
         bigger = (state.size + state.ceiling) // 2
         if bigger > state.size:
-            return AutoState(size=bigger, ceiling=state.ceiling)
-    return replace(state, clean_windows=clean)
+            return AutoState(size=bigger, ceiling=state.ceiling, fits=fits)
+    return replace(state, clean_windows=clean, fits=fits)
 
 
 def parse_bytes(value: int | float | str | None, name: str = "memory_budget") -> int | None:
@@ -94,7 +116,7 @@ def parse_bytes(value: int | float | str | None, name: str = "memory_budget") ->
         number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"{name}={value!r} must be positive, e.g. {name}=\"6GiB\".")
+        raise ValueError(f'{name}={value!r} must be positive, e.g. {name}="6GiB".')
     return size
 
 

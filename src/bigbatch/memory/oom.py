@@ -6,8 +6,11 @@ Only real allocator failures count, so that auto micro-batch never hides a genui
 * the CPU allocator's failure, which torch raises as a plain ``RuntimeError`` whose text holds
   ``DefaultCPUAllocator: can't allocate memory``,
 * ``MemoryBudgetExceeded``, raised by bigbatch itself when a step went over ``memory_budget``,
+* a ``RuntimeError`` holding ``CUDA error: out of memory`` (a CUDA library, e.g. cuBLAS,
+  failing to allocate outside the caching allocator),
 * any of these as the ``__cause__`` / ``__context__`` of another exception (a wrapper
-  re-raising it), but never a ``RuntimeError`` that merely mentions memory.
+  re-raising it; a context hidden by ``raise ... from None`` is not followed), but never a
+  ``RuntimeError`` that merely mentions memory.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import gc
 
 import torch
 
-_CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+_ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -38,9 +41,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, (torch.OutOfMemoryError, MemoryBudgetExceeded, MemoryError)):
             return True
-        if isinstance(current, RuntimeError) and _CPU_ALLOCATOR_FAILURE in str(current):
+        if isinstance(current, RuntimeError) and any(
+            t in str(current) for t in _ALLOCATOR_FAILURES
+        ):
             return True
-        current = current.__cause__ or current.__context__
+        hidden = current.__suppress_context__ and current.__cause__ is None
+        current = current.__cause__ or (None if hidden else current.__context__)
     return False
 
 

@@ -13,6 +13,13 @@ What is counted, per device:
   system (``malloc_trim``) at entry so the baseline is honest. It counts everything the process
   touches (Python objects, other threads), page-granular; on systems without ``clear_refs`` the
   high-water mark cannot be reset and the reading is only an upper bound (``exact=False``).
+  Only pages really touched count: ``torch.empty`` of 1 GiB that is never written adds nothing
+  (on CUDA it counts in full).
+
+Measurements may be nested or overlap (a ``measure_peak`` around a ``train_step`` whose
+``memory_budget`` probes every window): both counters are process-wide and a new measurement
+resets them, so the peak seen so far is first handed to every measurement still open on the same
+device (see ``_open_probes``).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +53,7 @@ class PeakMemory:
     baseline_bytes: int = 0
     reserved_bytes: int = 0
     exact: bool = True
+    _carried_bytes: int = field(default=0, repr=False)  # raw peak before a nested reset
 
     def __str__(self) -> str:
         return f"{format_bytes(self.peak_bytes)} peak on {self.device}"
@@ -55,23 +64,29 @@ class PeakProbe:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._record: PeakMemory | None = None
 
     def reset(self) -> PeakMemory:
         """Start a new measurement; return a record holding the baseline."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self._hand_peak_to_open_probes()
             torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            return PeakMemory(str(self.device), baseline_bytes=base)
-        _malloc_trim()
-        exact = _reset_rss_high_water_mark()
-        return PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
+            record = PeakMemory(
+                str(self.device), baseline_bytes=torch.cuda.memory_allocated(self.device)
+            )
+        else:
+            self._hand_peak_to_open_probes()
+            _malloc_trim()
+            exact = _reset_rss_high_water_mark()
+            record = PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
+        self._record = record
+        _open_probes.add(self)
+        return record
 
     def peak_bytes(self, record: PeakMemory) -> int:
         """Peak above the baseline since ``reset`` (cheap: no synchronisation on CUDA)."""
-        if self.device.type == "cuda":
-            return max(0, torch.cuda.max_memory_allocated(self.device) - record.baseline_bytes)
-        return max(0, _proc_status_bytes("VmHWM") - record.baseline_bytes)
+        return max(0, max(self._raw_peak(), record._carried_bytes) - record.baseline_bytes)
 
     def finish(self, record: PeakMemory) -> PeakMemory:
         """Fill ``record`` with the final reading."""
@@ -79,7 +94,24 @@ class PeakProbe:
             torch.cuda.synchronize(self.device)
             record.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         record.peak_bytes = self.peak_bytes(record)
+        _open_probes.discard(self)
         return record
+
+    def _raw_peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return _proc_status_bytes("VmHWM")
+
+    def _hand_peak_to_open_probes(self) -> None:
+        for probe in list(_open_probes):
+            if probe is not self and probe.device == self.device and probe._record is not None:
+                record = probe._record
+                record._carried_bytes = max(record._carried_bytes, self._raw_peak())
+
+
+# Measurements still open. Module state on purpose: the counters they read are process-wide, so a
+# measurement that resets them must tell the others (weak: a probe nobody holds is finished).
+_open_probes: weakref.WeakSet[PeakProbe] = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -110,12 +142,18 @@ def measure_peak(device: torch.device | str | None = None) -> Iterator[PeakMemor
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``None`` -> the current CUDA device if there is one, else the CPU."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else "cpu"
+        )
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={str(device)!r} is not supported by measure_peak: use 'cpu' or 'cuda'.")
+        raise ValueError(
+            f"device={str(device)!r} is not supported by measure_peak: use 'cpu' or 'cuda'."
+        )
     return device
 
 
