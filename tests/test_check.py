@@ -23,6 +23,19 @@ from bigbatch.check import NotExactError, check
 from bigbatch.cli import main
 
 
+class CountingBlock(nn.Module):
+    """A block whose output depends on how often it ran: a checkpoint recompute differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x)) * self.calls
+
+
 def bn_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
@@ -158,3 +171,17 @@ def test_cli_check(tmp_path, capsys):
     assert "NOT exact" in out and "batch-statistics" in out and "1.weight" in out
     assert main(["check", f"{path}:missing"]) == 2
     assert "bigbatch check: error: task" in capsys.readouterr().err
+
+
+def test_checkpointing_same_gradient_or_diagnosed(gen):
+    batch = classification_batch(10, torch.float64, gen)
+    model = mlp()
+    bigbatch.enable_checkpointing(model, blocks=["0", "2"])
+    assert check(model, batch, mean_ce).exact
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Sequential(CountingBlock(), CountingBlock()), nn.Linear(6, 3))
+    bigbatch.enable_checkpointing(bad, blocks=["0.0", "0.1"])
+    report = check(bad, batch, mean_ce)
+    assert not report.exact
+    kinds = {d.kind: d for d in report.diagnoses}
+    assert kinds["checkpointing"].modules == ("0.0", "0.1")

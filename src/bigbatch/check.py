@@ -6,7 +6,8 @@ loss and the gradient that ``Accumulator.train_step`` really accumulates (Σ los
 and compares them per parameter. When they differ it diagnoses why: modules whose output for one
 sample depends on the other samples (found by probing every module, not by class name), a loss
 that returns a mean as if it were a ``(loss_sum, count)`` pair, a batch-coupled loss (in-batch
-negatives), dropout drawn per micro-batch, or non-determinism.
+negatives), dropout drawn per micro-batch, or non-determinism. When blocks of the model are
+checkpointed (``enable_checkpointing``) it also checks that the gradient is the same without.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bigbatch._tree import map_tensors, tensor_leaves
 from bigbatch._warnings import BigBatchWarning
 from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn, as_sum_and_count
+from bigbatch.memory.checkpointing import checkpointed_blocks, disable_checkpointing
 from bigbatch.split import Batch, batch_size
 
 Grads = dict[str, torch.Tensor]
@@ -36,7 +38,7 @@ class Diagnosis:
 
     Attributes:
         kind: ``"batch-statistics"``, ``"mean-as-sum"``, ``"batch-coupled-loss"``,
-            ``"dropout"`` or ``"non-deterministic"``.
+            ``"dropout"``, ``"non-deterministic"`` or ``"checkpointing"``.
         modules: the modules responsible (names in the model), if any.
         message: what happens and what to do.
     """
@@ -143,6 +145,19 @@ def check(
     )
     if not report.exact:
         report.diagnoses = diagnose(model, batch, loss_fn, size, seed, tolerance, full)
+    if checkpointed_blocks(model):
+        plain = _full_grads(model, batch, loss_fn, seed, checkpointing=False)
+        worst = max(_differences(full, plain).values(), default=0.0)
+        if worst > tolerance:
+            report.exact = False
+            report.diagnoses.append(Diagnosis(
+                "checkpointing", tuple(checkpointed_blocks(model)),
+                f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
+                "recomputed forward of these blocks is not the first one (state changed by the "
+                "forward, or randomness outside torch's RNG).",
+            ))
+    if raise_on_failure and not report.exact:
+        raise NotExactError(report)
         if raise_on_failure:
             raise NotExactError(report)
     return report
@@ -259,8 +274,12 @@ def _sum_and_count(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) -
     return float(loss_sum), float(count)
 
 
-def _full_grads(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) -> Grads:
+def _full_grads(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, checkpointing: bool = True
+) -> Grads:
     work = _copy(model)
+    if not checkpointing:
+        disable_checkpointing(work)
     with _seeded(seed):
         loss_sum, count = as_sum_and_count(loss_fn(work, batch), batch_size(batch))
         (loss_sum / count).backward()
