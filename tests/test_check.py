@@ -33,7 +33,7 @@ class CountingBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return torch.tanh(self.linear(x)) * self.calls
+        return torch.tanh(self.linear(x) * self.calls)  # tanh saves its output: recomputed
 
 
 def bn_model() -> nn.Module:
