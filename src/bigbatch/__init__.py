@@ -4,6 +4,9 @@ Exact gradient accumulation for PyTorch: the optimizer steps equal those of full
 however the logical batch is cut into micro-batches.
 """
 
+from bigbatch._warnings import BigBatchWarning
+from bigbatch.batchnorm import batchnorm
+from bigbatch.check import CheckReport, NotExactError, check
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
@@ -14,12 +17,17 @@ from bigbatch.train.task import Task
 
 __all__ = [
     "Accumulator",
+    "BigBatchWarning",
+    "CheckReport",
+    "NotExactError",
     "LossFn",
     "LossOutput",
     "MemoryBudgetExceeded",
     "PeakMemory",
     "StepResult",
     "Task",
+    "batchnorm",
+    "check",
     "disable_checkpointing",
     "enable_checkpointing",
     "is_out_of_memory",

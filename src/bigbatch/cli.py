@@ -55,7 +55,25 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if run_demo() < 1e-10 else 1
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo]
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    check = sub.add_parser(
+        "check", help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)"
+    )
+    check.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
+    check.add_argument("--batch-size", type=int, default=16, help="samples in the batch compared")
+    check.add_argument(
+        "--micro-batch-size", type=int, default=None, help="samples per micro-batch (default: a third)"
+    )
+    check.set_defaults(run=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from bigbatch.check import run_check_command
+
+    return run_check_command(args.task, args.batch_size, args.micro_batch_size)
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_check]
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.batchnorm import warn_batch_coupled, window
 from bigbatch.loss import LossFn, as_sum_and_count, check_count, check_scalar_loss
 from bigbatch.memory import auto
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
@@ -120,6 +121,7 @@ class Accumulator:
         self.sync = make_sync(model, auto=self.auto_state is not None)
         self._window = _Window()
         self._in_micro_batch = False
+        self._layers_checked = False  # warn once about batch-coupled layers (bigbatch.batchnorm)
 
     # ------------------------------------------------------------------ the high-level path
     def train_step(self, batch: Batch, loss_fn: LossFn) -> StepResult:
@@ -186,9 +188,13 @@ class Accumulator:
         pieces = split(batch, size)
         probe = PeakProbe(self.device) if self.memory_budget is not None else None
         record = probe.reset() if probe else None
+        if not self._layers_checked and len(pieces) > 1:  # one micro-batch is the full batch: exact
+            warn_batch_coupled(self.model)
+            self._layers_checked = True
         for i, piece in enumerate(pieces):
             # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
-            with self.micro_batch(last=i == len(pieces) - 1 and not self.sync.defers_sync):
+            last = i == len(pieces) - 1 and not self.sync.defers_sync
+            with self.micro_batch(last=last), window(self.model, batch_size(batch)):
                 loss_sum, count = as_sum_and_count(loss_fn(self.model, piece), batch_size(piece))
                 self.backward(loss_sum, count)
             if probe and record and probe.peak_bytes(record) > self.memory_budget:  # type: ignore[operator]
