@@ -46,6 +46,8 @@ Note [auto micro-batch across ranks]
     retries the step). FSDP cannot be made safe this way (each forward all-gathers, so a rank
     failing mid-forward strands the others), and DDP broadcasting module buffers each forward
     has the same problem: both are refused in distributed auto mode with the fix in the message.
+    Only out-of-memory errors are agreed on: any other error on one rank is raised there and
+    the other ranks wait in the agreement all-reduce until the launcher (torchrun) stops them.
 
 Note [FSDP and no_sync memory]
     Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
