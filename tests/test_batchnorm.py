@@ -29,7 +29,7 @@ def test_invalid_policy_names_the_allowed_values():
 
 def test_micro_warns_once_naming_layers():
     with pytest.warns(
-        bigbatch.BigBatchWarning, match="BatchNorm layers 1 use statistics per micro-batch"
+        bigbatch.BigBatchWarning, match=r"BatchNorm layers '1' \(BatchNorm1d\) use statistics per micro-batch"
     ):
         bigbatch.batchnorm(bn_model(), "micro")
 
@@ -129,7 +129,7 @@ def test_engine_warns_once_at_first_step(gen):
         torch.randint(0, 3, (10,), generator=gen),
     )
     with pytest.warns(
-        bigbatch.BigBatchWarning, match="1 normalise with batch statistics in training mode"
+        bigbatch.BigBatchWarning, match=r"'1' \(BatchNorm1d\) normalise with batch statistics in training mode"
     ):
         acc.train_step((x, y), mean_ce)
     with warnings.catch_warnings():

@@ -72,7 +72,7 @@ def test_batchnorm_is_not_exact_and_named(gen):
     assert not report.exact
     kinds = {d.kind: d for d in report.diagnoses}
     assert kinds["batch-statistics"].modules == ("1",)
-    assert "1 change one sample's output" in kinds["batch-statistics"].message
+    assert "'1' (BatchNorm1d) change one sample's output" in kinds["batch-statistics"].message
 
 
 def test_custom_batch_coupled_module_found_by_probing(gen):

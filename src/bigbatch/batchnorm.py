@@ -71,7 +71,7 @@ def batchnorm(model: nn.Module, policy: str = "micro", momentum_correction: bool
         layer._bigbatch_correct = momentum_correction  # type: ignore[assignment]
         layer._bigbatch_momentum = layer.momentum  # type: ignore[assignment]
     if policy == "micro" and layers:
-        names = ", ".join(name for name, _ in layers)
+        names = ", ".join(label(name, layer) for name, layer in layers)
         warnings.warn(
             f"BatchNorm layers {names} use statistics per micro-batch (ghost-batch semantics): "
             'accumulated steps differ from big-batch steps. Use policy="groupnorm" for exactness.',
@@ -89,10 +89,15 @@ def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
 def unhandled_batch_coupled(model: nn.Module) -> list[str]:
     """Names of BatchNorm layers in training mode that no ``batchnorm`` policy has handled."""
     return [
-        name or type(m).__name__
+        label(name, m)
         for name, m in batchnorm_layers(model)
         if m.training and getattr(m, "_bigbatch_policy", None) is None
     ]
+
+
+def label(name: str, module: nn.Module) -> str:
+    """How messages name a module: ``'features.1' (BatchNorm2d)``."""
+    return f"'{name}' ({type(module).__name__})" if name else type(module).__name__
 
 
 def warn_batch_coupled(model: nn.Module) -> None:
@@ -129,11 +134,11 @@ def corrected_momentum(momentum: float, samples: int, window_samples: int) -> fl
 
 
 def _pre_forward(layer: _BatchNorm, args: tuple[Any, ...]) -> None:
-    if layer._bigbatch_policy == "freeze":  # type: ignore[comparison-overlap]
+    if getattr(layer, "_bigbatch_policy", None) == "freeze":
         layer.training = False  # survives model.train(): set again before every forward
         return
-    base = layer._bigbatch_momentum
-    n = getattr(layer, "_bigbatch_window", None)
+    base: float | None = getattr(layer, "_bigbatch_momentum", None)
+    n: int | None = getattr(layer, "_bigbatch_window", None)
     if n and base is not None and layer.training and args and isinstance(args[0], torch.Tensor):
         layer.momentum = corrected_momentum(base, args[0].shape[0], n)
     else:

@@ -24,6 +24,7 @@ from torch import nn
 
 from bigbatch._tree import map_tensors, tensor_leaves
 from bigbatch._warnings import BigBatchWarning
+from bigbatch.batchnorm import label
 from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn, as_sum_and_count
 from bigbatch.memory.checkpointing import checkpointed_blocks, disable_checkpointing
@@ -179,7 +180,7 @@ def diagnose(
     if coupled:
         found.append(Diagnosis(
             "batch-statistics", tuple(coupled),
-            f"{', '.join(coupled)} change one sample's output when other samples change (batch "
+            f"{_labels(model, coupled)} change one sample's output when other samples change (batch "
             "statistics in training mode): each micro-batch sees its own statistics. Use "
             'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
         ))
@@ -188,7 +189,7 @@ def diagnose(
     if dropout and not coupled and not any(d.kind != "dropout" for d in found):
         found.append(Diagnosis(
             "dropout", tuple(dropout),
-            f"{', '.join(dropout)} draw their masks per micro-batch, so the masks differ from the "
+            f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ from the "
             "full batch's: each step is an equally valid sample, not the same numbers.",
         ))
     return found
@@ -216,7 +217,11 @@ def coupled_modules(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
         h.remove()
     coupled = [names[m] for m, (a, kw) in inputs.items() if _is_coupled(m, a, kw, n, seed)]
     inner = [c for c in coupled if not any(o != c and (c == "" or o.startswith(c + ".")) for o in coupled)]
-    return [c or type(work).__name__ for c in inner]
+    return inner
+
+
+def _labels(model: nn.Module, names: list[str]) -> str:
+    return ", ".join(label(name, model.get_submodule(name)) for name in names)
 
 
 def _is_coupled(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, seed: int) -> bool:
@@ -247,7 +252,7 @@ def _loss_diagnoses(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
     n = batch_size(batch)
     work = _copy(model).eval()  # probes the loss alone: no dropout, running statistics
     half = n // 2
-    parts = [map_tensors(lambda t, a=a, b=b: t[a:b], batch) for a, b in ((0, half), (half, n))]
+    parts = [_rows(batch, a, b) for a, b in ((0, half), (half, n))]
     with torch.no_grad():
         whole, count = _sum_and_count(work, batch, loss_fn, seed)
         sums = [_sum_and_count(work, p, loss_fn, seed) for p in parts]
@@ -266,6 +271,10 @@ def _loss_diagnoses(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
         "of a contrastive loss): a micro-batch sees fewer of them. Compute such a loss over "
         "cached embeddings of the whole batch, or accept the smaller pool per micro-batch.",
     )]
+
+
+def _rows(batch: Batch, start: int, stop: int) -> Batch:
+    return map_tensors(lambda t: t[start:stop], batch)
 
 
 def _sum_and_count(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) -> tuple[float, float]:
