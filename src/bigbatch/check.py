@@ -190,7 +190,8 @@ def diagnose(
         found.append(Diagnosis(
             "dropout", tuple(dropout),
             f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ from the "
-            "full batch's: each step is an equally valid sample, not the same numbers.",
+            "full batch's (fused kernels draw in another order): each step is an equally valid "
+            "sample, not the same numbers. Put those modules in eval() to check the rest.",
         ))
     return found
 
