@@ -14,20 +14,26 @@ import torch.nn.functional as F
 import bigbatch
 
 
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def cnn_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    layer = lambda: nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
-    lm = nn.Sequential(nn.Embedding(1000, 256), *[layer() for _ in range(4)], nn.Linear(256, 1000))
+    blocks = [nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True) for _ in range(4)]
+    lm = nn.Sequential(nn.Embedding(1000, 256), *blocks, nn.Linear(256, 1000))
     ids = torch.randint(0, 1000, (16, 64))
-    lm_loss = lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten())
     cnn = nn.Sequential(
         nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
         nn.Flatten(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10),
     )
     images = (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
-    cnn_loss = lambda m, b: F.cross_entropy(m(b[0]), b[1])
     for name, model, batch, loss in [("transformer LM", lm, ids, lm_loss), ("CNN + BatchNorm", cnn, images, cnn_loss)]:
         params = sum(p.numel() for p in model.parameters())
         start = time.perf_counter()
