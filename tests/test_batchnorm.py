@@ -143,3 +143,15 @@ def test_engine_warns_once_at_first_step(gen):
         bigbatch.Accumulator(
             model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4
         ).train_step((x, y), mean_ce)
+
+
+def test_every_batchnorm_class_is_found_and_handled_ones_are_not():
+    from bigbatch.batchnorm import unhandled_batch_coupled
+
+    model = nn.Sequential(nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4))
+    assert unhandled_batch_coupled(model) == [
+        "'0' (BatchNorm3d)", "'1' (SyncBatchNorm)", "'2' (LazyBatchNorm1d)"
+    ]
+    bigbatch.batchnorm(model, "freeze")
+    assert unhandled_batch_coupled(model) == []
+    assert unhandled_batch_coupled(nn.BatchNorm2d(3).eval()) == []

@@ -141,6 +141,8 @@ def test_raise_on_failure_and_small_batch(gen):
         check(bn_model(), classification_batch(10, torch.float32, gen), mean_ce, raise_on_failure=True)
     with pytest.raises(ValueError, match="at least 2 samples"):
         check(mlp(), classification_batch(1, torch.float64, gen), mean_ce)
+    with pytest.raises(ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"):
+        check(mlp(), classification_batch(10, torch.float64, gen), mean_ce, micro_batch_size=10)
 
 
 TASK = '''
@@ -171,6 +173,8 @@ def test_cli_check(tmp_path, capsys):
     assert "NOT exact" in out and "batch-statistics" in out and "1.weight" in out
     assert main(["check", f"{path}:missing"]) == 2
     assert "bigbatch check: error: task" in capsys.readouterr().err
+    assert main(["check", f"{path}:good", "--batch-size", "1"]) == 2
+    assert "--batch-size 1 is too small: use at least 2" in capsys.readouterr().err
 
 
 def test_checkpointing_same_gradient_or_diagnosed(gen):

@@ -120,7 +120,7 @@ def check(
         The ``CheckReport``.
 
     Raises:
-        ValueError: the batch has fewer than 2 samples.
+        ValueError: the batch has fewer than 2 samples, or ``micro_batch_size`` covers it all.
         NotExactError: not exact and ``raise_on_failure`` is set.
 
     Example:
@@ -133,6 +133,11 @@ def check(
     if n < 2:
         raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
     size = micro_batch_size or max(1, (n + 2) // 3)
+    if size >= n:
+        raise ValueError(
+            f"micro_batch_size={size} covers the whole batch of {n} samples, so there is nothing to "
+            "compare: use a smaller micro_batch_size or a larger batch."
+        )
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     full = _full_grads(model, batch, loss_fn, seed)
     acc = _accumulated_grads(model, batch, loss_fn, size, seed)
