@@ -12,6 +12,7 @@ from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, 
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
+from bigbatch.memory.planner import Plan, plan
 from bigbatch.split import split
 from bigbatch.train.task import Task
 
@@ -24,6 +25,7 @@ __all__ = [
     "LossOutput",
     "MemoryBudgetExceeded",
     "PeakMemory",
+    "Plan",
     "StepResult",
     "Task",
     "batchnorm",
@@ -32,6 +34,7 @@ __all__ = [
     "enable_checkpointing",
     "is_out_of_memory",
     "measure_peak",
+    "plan",
     "sample_cross_entropy",
     "sample_mse",
     "split",

@@ -41,7 +41,7 @@ from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn
 from bigbatch.memory.auto import format_bytes, parse_bytes
 from bigbatch.memory.checkpointing import enable_checkpointing, find_blocks
-from bigbatch.memory.oom import is_out_of_memory, release_memory
+from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.memory.peak import measure_peak, resolve_device
 from bigbatch.split import Batch, split
 from bigbatch.split import batch_size as count_samples
@@ -181,7 +181,7 @@ def plan(
 
     Raises:
         ValueError: bad sizes or fractions, or a batch whose size is not ``batch_size``.
-        MemoryError: no measured configuration fits the budget.
+        MemoryBudgetExceeded: no measured configuration fits the budget.
 
     Example:
         >>> net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(2)])
@@ -349,7 +349,7 @@ def _choose(
             if smallest
             else "none (all ran out of memory)"
         )
-        raise MemoryError(
+        raise MemoryBudgetExceeded(
             f"no configuration fits memory_budget={format_bytes(budget)}: the smallest peak measured "
             f"was {lowest}. Raise memory_budget, try smaller micro_batch_sizes (down to 1), "
             "checkpointing=(1.0,), a lower precision, or a smaller model or sequence length."

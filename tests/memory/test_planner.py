@@ -1,0 +1,215 @@
+"""The planner: its choice fits and is the fastest that fits, beats the naive choice, and says why.
+
+The model is big enough (a few MiB of activations per sample) that the CPU's resident-set
+readings separate the configurations clearly, and small enough that a plan takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from bigbatch import Accumulator, MemoryBudgetExceeded, measure_peak
+from bigbatch.cli import main
+from bigbatch.memory import planner
+from bigbatch.memory.planner import fit_memory, plan
+
+BATCH = 32
+SIZES = [2, 8, 16, 32]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 256) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(4)])
+
+
+def square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean()
+
+
+def plain_peak(model: nn.Module, batch: torch.Tensor, micro_batch_size: int) -> int:
+    """Peak of one plain step (the reference the planner's numbers are checked against)."""
+    opt = torch.optim.AdamW(model.parameters())
+    with measure_peak("cpu") as peak:
+        Accumulator(model, opt, micro_batch_size=micro_batch_size).train_step(batch, square_loss)
+    return peak.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def setting():
+    torch.set_num_threads(2)
+    planner._fix_mmap_threshold()  # Note [honest CPU peaks], also for the reference readings
+    batch = torch.randn(BATCH, 64, 256, generator=torch.Generator().manual_seed(1))
+    plain_peak(make_model(), batch, 16)  # warm-up
+    # A budget that micro-batch 16 fits and the full batch does not (without checkpointing).
+    low, high = plain_peak(make_model(), batch, 16), plain_peak(make_model(), batch, BATCH)
+    assert high > 1.3 * low, (low, high)
+    budget = (low + high) // 2
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = plan(
+        model,
+        batch,
+        square_loss,
+        memory_budget=budget,
+        micro_batch_sizes=SIZES,
+        checkpointing=(0, 1),
+        steps=1,
+    )
+    return result, budget, model, before
+
+
+def test_choice_fits_and_is_the_fastest_fitting(setting):
+    result, budget, _, _ = setting
+    assert result.memory_budget == budget
+    assert result.choice.fits and result.choice.peak_bytes <= budget
+    fitting = [c for c in result.candidates if c.fits and c.seconds_per_step is not None]
+    assert all(result.choice.seconds_per_step <= c.seconds_per_step for c in fitting)
+    assert not any(
+        c.fits for c in result.candidates if c.micro_batch_size == BATCH and c.checkpointing == 0
+    )
+
+
+def test_beats_the_naive_choice_and_says_why(setting):
+    result, budget, _, _ = setting
+    assert (result.naive.micro_batch_size, result.naive.checkpointing) == (2, 1.0)
+    assert result.choice is not result.naive
+    assert result.choice.seconds_per_step < result.naive.seconds_per_step
+    assert result.speedup_over_naive > 1
+    assert result.reason.startswith(f"{result.choice.describe()} is the fastest that fits")
+    assert (
+        "the speed of the naive micro-batch 2 x 16 steps with every block checkpointed"
+        in result.reason
+    )
+
+
+def test_users_model_is_untouched(setting):
+    _, _, model, before = setting
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert "forward" not in model[0].__dict__  # not left checkpointed
+
+
+def test_fit_predicts_the_peak(setting):
+    result, budget, _, _ = setting
+    measured = [c for c in result.candidates if c.checkpointing == 0 and c.measured]
+    fit = fit_memory(measured[:-1], 0.0)  # from the smaller sizes only
+    last = measured[-1]
+    assert fit.predict(last.micro_batch_size) == pytest.approx(last.peak_bytes, rel=0.2)
+    assert fit.bytes_per_sample > 0
+    # Checkpointing every block keeps less per sample than none.
+    by_fraction = {f.checkpointing: f for f in result.fits}
+    assert by_fraction[1.0].bytes_per_sample < by_fraction[0.0].bytes_per_sample
+    assert by_fraction[0.0].largest_fitting(budget) < BATCH
+
+
+def test_sizes_above_one_that_does_not_fit_are_predicted_not_run():
+    def fake(m: int, peak: int, fits: bool) -> planner.Candidate:
+        return planner.Candidate(m, 32 // m, 0.0, peak, 1.0, 32.0, fits)
+
+    fit = fit_memory([fake(2, 300, True), fake(4, 500, False)], 0.0)
+    assert (fit.base_bytes, fit.bytes_per_sample) == pytest.approx((100, 100))
+    [predicted] = planner._predicted([8], 32, 0.0, fit, fake(4, 500, False), budget=400)
+    assert (predicted.peak_bytes, predicted.measured, predicted.fits) == (900, False, False)
+    assert fit.largest_fitting(400) == 3
+
+
+def test_nothing_fits_names_the_budget_and_the_smallest_peak():
+    batch = torch.randn(8, 64, 256)
+    with pytest.raises(
+        MemoryBudgetExceeded,
+        match=r"no configuration fits memory_budget=1.00 MiB: the smallest peak measured was "
+        r"[0-9.]+ MiB \(micro-batch 2 x 4 steps with every block checkpointed\)\. Raise memory_budget",
+    ):
+        plan(
+            make_model(),
+            batch,
+            square_loss,
+            memory_budget="1MiB",
+            micro_batch_sizes=[2],
+            checkpointing=(1,),
+            steps=1,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"micro_batch_sizes": [0, 2]},
+            r"micro_batch_sizes=\[0, 2\] is not allowed: use integers from 1 to the batch size 8",
+        ),
+        (
+            {"checkpointing": (0, 2)},
+            r"checkpointing=\[0, 2\] is not allowed: use fractions of the blocks in \[0, 1\]",
+        ),
+        ({"batch_size": 16}, r"batch_size=16 but the batch has 8 samples"),
+        ({"steps": 0}, r"steps=0 is not allowed: use a positive integer"),
+        ({"memory_budget": "lots"}, r"memory_budget='lots' is not a size"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan(make_model(), torch.randn(8, 4, 256), square_loss, **kwargs)
+
+
+def test_batch_function_needs_batch_size():
+    with pytest.raises(ValueError, match=r"batch is a function: pass batch_size"):
+        plan(make_model(), lambda n: torch.randn(n, 4, 256), square_loss)
+
+
+TASK = """
+import torch
+import torch.nn as nn
+from bigbatch import Task
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+def task():
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8, 64), torch.randn(40, 8, 64))
+    return Task(model=nn.Sequential(Block(), Block()), train_data=data, loss_fn=loss)
+"""
+
+
+def test_cli_prints_the_table_and_the_choice(tmp_path, capsys):
+    (tmp_path / "plan_task.py").write_text(textwrap.dedent(TASK))
+    path = f"{tmp_path / 'plan_task.py'}:task"
+    args = ["plan", path, "--batch-size", "16", "--micro-batch-sizes", "4,16", "--steps", "1"]
+    assert main(args + ["--checkpointing", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "bigbatch plan: batch 16 on cpu" in out and "<- chosen" in out
+    assert "choice: micro-batch" in out and "is the fastest that fits" in out
+    assert main(args + ["--memory-budget", "1KiB"]) == 2
+    assert (
+        "bigbatch plan: error: no configuration fits memory_budget=1.00 KiB"
+        in capsys.readouterr().err
+    )
+
+
+def test_cli_help_says_what_it_measures(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "peak memory" in out and "--memory-budget" in out and "--micro-batch-sizes" in out
