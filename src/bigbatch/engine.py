@@ -23,7 +23,7 @@ from bigbatch.memory import auto
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.memory.peak import PeakProbe
 from bigbatch.precision import make_precision
-from bigbatch.split import Batch, batch_size, check_micro_batch_size, split
+from bigbatch.split import Batch, batch_size, check_micro_batch_size, micro_batch_sizes, split
 from bigbatch.sync import make_sync
 
 
@@ -191,18 +191,20 @@ class Accumulator:
         if not self._layers_checked and len(pieces) > 1:  # one micro-batch is the full batch: exact
             warn_batch_coupled(self.model)
             self._layers_checked = True
-        for i, piece in enumerate(pieces):
-            # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
-            last = i == len(pieces) - 1 and not self.sync.defers_sync
-            with self.micro_batch(last=last), window(self.model, batch_size(batch)):
-                loss_sum, count = as_sum_and_count(loss_fn(self.model, piece), batch_size(piece))
-                self.backward(loss_sum, count)
-            if probe and record and probe.peak_bytes(record) > self.memory_budget:  # type: ignore[operator]
-                raise MemoryBudgetExceeded(
-                    f"micro_batch_size={size} used {auto.format_bytes(probe.peak_bytes(record))}, "
-                    f"over memory_budget={auto.format_bytes(self.memory_budget or 0)}; use "
-                    'micro_batch_size="auto", a smaller micro-batch or a larger budget.'
-                )
+        sizes = micro_batch_sizes(batch_size(batch), size)  # the sizes of `pieces`, without a re-walk
+        with window(self.model, sum(sizes)):
+            for i, piece in enumerate(pieces):
+                # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
+                last = i == len(pieces) - 1 and not self.sync.defers_sync
+                with self.micro_batch(last=last):
+                    loss_sum, count = as_sum_and_count(loss_fn(self.model, piece), sizes[i])
+                    self.backward(loss_sum, count)
+                if probe and record and probe.peak_bytes(record) > self.memory_budget:  # type: ignore[operator]
+                    raise MemoryBudgetExceeded(
+                        f"micro_batch_size={size} used {auto.format_bytes(probe.peak_bytes(record))}, "
+                        f"over memory_budget={auto.format_bytes(self.memory_budget or 0)}; use "
+                        'micro_batch_size="auto", a smaller micro-batch or a larger budget.'
+                    )
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
