@@ -1,0 +1,57 @@
+"""A causal language model on padded sequences, with a token-normalised loss.
+
+Run: PYTHONPATH=src python examples/causal_lm.py
+
+The model is a tiny GPT-2 built from a config (random weights, nothing downloaded). Sequences
+have very different lengths, so micro-batches hold different numbers of real tokens: dividing
+each micro-batch's token mean by the number of micro-batches would weigh a token of a short
+micro-batch more than one of a long one. ``bigbatch.token_cross_entropy`` returns
+``(loss_sum, count)`` and the engine divides once by the window's total token count, which is
+the full batch's token mean. The script checks that against one full-batch step.
+"""
+
+import copy
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import bigbatch
+
+torch.manual_seed(0)
+no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # so the two runs can match
+tiny = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
+config = GPT2Config(**tiny, **no_dropout)
+model = GPT2LMHeadModel(config).double()  # float64: the comparison below is not blurred by rounding
+reference = copy.deepcopy(model)
+
+
+def padded_batch(n: int, length: int = 24) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, config.vocab_size, (n, length))
+    real = torch.randint(3, length + 1, (n,))  # each sequence's real length
+    mask = (torch.arange(length)[None, :] < real[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)  # padding is not predicted
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return bigbatch.token_cross_entropy(logits, batch["labels"], shift=True)  # (loss_sum, tokens)
+
+
+acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_size=3)
+ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+for step in range(3):
+    batch = padded_batch(8)  # 8 sequences at 3: micro-batches of 3 + 3 + 2
+    result = acc.train_step(batch, loss_fn)
+    loss_sum, tokens = loss_fn(reference, batch)  # the full batch in one step, for comparison
+    ref_loss = loss_sum / tokens
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    print(f"step {step}: token-mean loss {result.loss:.5f} (full batch {ref_loss.item():.5f}, "
+          f"{int(result.count)} tokens)")
+with torch.no_grad():
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    difference = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in pairs)
+print(f"largest relative parameter difference from full-batch training: {difference:.1e}")
+assert difference < 1e-10, "accumulated training should match full-batch training"
