@@ -78,12 +78,16 @@ def hand_loop(model: nn.Module, batch: Any, micro: int) -> Step:
 
 
 def engine(model: nn.Module, batch: Any, micro: int) -> Step:
-    acc = bigbatch.Accumulator(model, _adamw(model), micro_batch_size=micro, max_grad_norm=MAX_GRAD_NORM)
+    acc = bigbatch.Accumulator(
+        model, _adamw(model), micro_batch_size=micro, max_grad_norm=MAX_GRAD_NORM
+    )
     return lambda: acc.train_step(batch, mean_ce) and None
 
 
 def engine_low_level(model: nn.Module, batch: Any, micro: int) -> Step:
-    acc = bigbatch.Accumulator(model, _adamw(model), micro_batch_size=micro, max_grad_norm=MAX_GRAD_NORM)
+    acc = bigbatch.Accumulator(
+        model, _adamw(model), micro_batch_size=micro, max_grad_norm=MAX_GRAD_NORM
+    )
 
     def step() -> None:
         pieces = pieces_of(batch, micro)
@@ -155,7 +159,11 @@ def installed(module: str | None) -> bool:
 
 
 def alternate(
-    steps: dict[str, Step], device: torch.device, rounds: int, per_round: int, clock: Callable[[], float]
+    steps: dict[str, Step],
+    device: torch.device,
+    rounds: int,
+    per_round: int,
+    clock: Callable[[], float],
 ) -> dict[str, list[float]]:
     """Seconds per step of each contender, one sample per round, the order rotating every round."""
     names = list(steps)
@@ -176,11 +184,16 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def bench_model(label: str, model: nn.Module, features: int, args: argparse.Namespace) -> list[list[str]]:
+def bench_model(
+    label: str, model: nn.Module, features: int, args: argparse.Namespace
+) -> list[list[str]]:
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     n = args.micro * args.k
-    batch = (torch.randn(n, features, generator=gen).to(device), torch.randint(0, 10, (n,), generator=gen).to(device))
+    batch = (
+        torch.randn(n, features, generator=gen).to(device),
+        torch.randint(0, 10, (n,), generator=gen).to(device),
+    )
     steps = {}
     for name, (make, module) in CONTENDERS.items():
         if installed(module) and (args.only is None or name in args.only or name == "hand loop"):
@@ -197,9 +210,16 @@ def bench_model(label: str, model: nn.Module, features: int, args: argparse.Name
         ratios = [t / h for t, h in zip(times, hand, strict=True)]
         r1, r2, r3 = quartiles(ratios)
         t1, t2, t3 = quartiles(times)
-        rows.append([
-            label, name, f"{t2 * 1e3:.2f}", f"{t1 * 1e3:.2f}-{t3 * 1e3:.2f}", f"{r2:.3f}", f"{r1:.3f}-{r3:.3f}",
-        ])
+        rows.append(
+            [
+                label,
+                name,
+                f"{t2 * 1e3:.2f}",
+                f"{t1 * 1e3:.2f}-{t3 * 1e3:.2f}",
+                f"{r2:.3f}",
+                f"{r1:.3f}-{r3:.3f}",
+            ]
+        )
     return rows
 
 
@@ -228,11 +248,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro", type=int, default=32, help="micro-batch size (default: 32)")
     parser.add_argument("--k", type=int, default=4, help="micro-batches per step (default: 4)")
     parser.add_argument("--rounds", type=int, default=40, help="round-robin rounds (default: 40)")
-    parser.add_argument("--round-ms", type=float, default=100.0, help="time per contender per round")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per contender (default: 5)")
+    parser.add_argument(
+        "--round-ms", type=float, default=100.0, help="time per contender per round"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps per contender (default: 5)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
-    parser.add_argument("--clock", choices=list(CLOCKS), default=None, help="default: cpu on CPU, wall on CUDA")
-    parser.add_argument("--only", nargs="*", default=None, help="contenders to run (the hand loop always)")
+    parser.add_argument(
+        "--clock", choices=list(CLOCKS), default=None, help="default: cpu on CPU, wall on CUDA"
+    )
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="contenders to run (the hand loop always)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Fabric / Accelerate notes about single-device accumulation
@@ -249,7 +277,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} alternated rounds, {_clock(args)} clock, on {device_name(args.device)} "
         f"(torch {torch.__version__})"
     )
-    headers = ["model", "loop", "ms/step (median)", "ms/step p25-p75", "ratio to hand loop", "ratio p25-p75"]
+    headers = [
+        "model",
+        "loop",
+        "ms/step (median)",
+        "ms/step p25-p75",
+        "ratio to hand loop",
+        "ratio p25-p75",
+    ]
     print_table(title, headers, rows)
 
 

@@ -19,7 +19,15 @@ import bigbatch
 
 torch.manual_seed(0)
 no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # so the two runs can match
-tiny = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0}
+tiny = {
+    "vocab_size": 64,
+    "n_positions": 32,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 2,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 config = GPT2Config(**tiny, **no_dropout)
 model = GPT2LMHeadModel(config).double()  # float64: the comparison below is not blurred by rounding
 reference = copy.deepcopy(model)
@@ -33,12 +41,16 @@ def padded_batch(n: int, length: int = 24) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_fn(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return bigbatch.token_cross_entropy(logits, batch["labels"], shift=True)  # (loss_sum, tokens)
 
 
-acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_size=3)
+acc = bigbatch.Accumulator(
+    model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_size=3
+)
 ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 for step in range(3):
     batch = padded_batch(8)  # 8 sequences at 3: micro-batches of 3 + 3 + 2
@@ -48,8 +60,10 @@ for step in range(3):
     ref_loss.backward()
     ref_opt.step()
     ref_opt.zero_grad(set_to_none=True)
-    print(f"step {step}: token-mean loss {result.loss:.5f} (full batch {ref_loss.item():.5f}, "
-          f"{int(result.count)} tokens)")
+    print(
+        f"step {step}: token-mean loss {result.loss:.5f} (full batch {ref_loss.item():.5f}, "
+        f"{int(result.count)} tokens)"
+    )
 with torch.no_grad():
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     difference = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in pairs)

@@ -28,4 +28,6 @@ for i, (x, y) in enumerate(loader):
     if last:
         result = acc.step()  # normalise, clip, optimizer step, scheduler step, zero_grad
         if i // micro_batches_per_step % 5 == 0:
-            print(f"step {i // micro_batches_per_step}: loss {result.loss:.4f}, lr {scheduler.get_last_lr()[0]:.4f}")
+            print(
+                f"step {i // micro_batches_per_step}: loss {result.loss:.4f}, lr {scheduler.get_last_lr()[0]:.4f}"
+            )

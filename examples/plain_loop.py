@@ -18,7 +18,7 @@ micro_batch_size = 4
 accumulation_steps = 3  # ceil(10 / 4)
 
 for step, (x, y) in enumerate(data):
-    for xb, yb in zip(x.split(micro_batch_size), y.split(micro_batch_size)):
+    for xb, yb in zip(x.split(micro_batch_size), y.split(micro_batch_size), strict=True):
         loss = F.cross_entropy(model(xb), yb)
         # WRONG for uneven micro-batches: the last one holds 2 samples, not 4, yet each
         # micro-batch mean gets the same weight 1/3. The gradient is not the full batch's mean

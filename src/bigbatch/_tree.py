@@ -50,7 +50,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 def _rebuild_mapping(original: Mapping, items: dict) -> Any:
     if type(original) is dict:
         return items
+    rebuild: Any = type(original)  # a concrete Mapping subclass, e.g. BatchEncoding
     try:
-        return type(original)(items)
+        return rebuild(items)
     except Exception:  # a mapping type whose constructor takes something else
         return items

@@ -191,7 +191,7 @@ class Accumulator:
         if not self._layers_checked and len(pieces) > 1:  # one micro-batch is the full batch: exact
             warn_batch_coupled(self.model)
             self._layers_checked = True
-        sizes = micro_batch_sizes(batch_size(batch), size)  # the sizes of `pieces`, without a re-walk
+        sizes = micro_batch_sizes(batch_size(batch), size)  # those of `pieces`, without a re-walk
         with window(self.model, sum(sizes)):
             for i, piece in enumerate(pieces):
                 # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
@@ -267,7 +267,9 @@ class Accumulator:
                 "least one micro-batch first (or use train_step(batch, loss_fn))."
             )
         local = [w.loss_sum, w.count, w.backward_scale]
-        totals = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in local])
+        totals = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in local]
+        )
         totals[:2] = self.sync.all_reduce_sum(totals[:2])
         loss_total, count_total, backward_scale = totals.tolist()  # the one host sync per step
         if count_total <= 0:
@@ -281,7 +283,7 @@ class Accumulator:
         self.precision.unscale_(self.optimizer)
         if params:
             scale = self.sync.world_size / (count_total * backward_scale)
-            torch._foreach_mul_([p.grad for p in params], scale)
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
         grad_norm = _clip_or_norm(params, self.max_grad_norm)
         skipped = self.precision.step(self.optimizer)
         if self.scheduler is not None and not skipped:

@@ -19,12 +19,12 @@ Note [window normalisation]
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int, float]]]
+LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]
 """What a ``loss_fn`` returns: a scalar mean, or a ``(loss_sum, count)`` pair."""
 
 LossFn = Callable[[torch.nn.Module, Any], LossOutput]

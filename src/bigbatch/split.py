@@ -7,6 +7,7 @@ consecutive views, the last one possibly smaller (10 samples at 4 give 4 + 4 + 2
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bigbatch._tree import map_tensors, tensor_leaves
@@ -72,9 +73,13 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     pieces = []
     start = 0
     for size in micro_batch_sizes(n, micro_batch_size):
-        pieces.append(map_tensors(lambda t, a=start, b=start + size: t[a:b], batch))
+        pieces.append(map_tensors(_rows(start, start + size), batch))
         start += size
     return pieces
+
+
+def _rows(start: int, stop: int) -> Callable[[Any], Any]:
+    return lambda tensor: tensor[start:stop]
 
 
 def check_micro_batch_size(micro_batch_size: object) -> int:

@@ -1,0 +1,143 @@
+"""Code-line budget of the package (STYLE.md rules 1-3, 9, 22): print sizes, fail above the caps.
+
+"Code lines" leave out docstrings (any bare string statement), comments and blank lines.
+
+Run: python tools/size.py            modules, and the functions over the soft budget
+     python tools/size.py --all      every function too
+
+Exits 1, naming each offender, when a module, function or the public API is over its hard cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import sys
+import tokenize
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "bigbatch"
+MODULE_SOFT, MODULE_HARD = 300, 500
+FUNCTION_SOFT, FUNCTION_HARD = 30, 60
+PACKAGE_SOFT = 4000
+PUBLIC_NAMES_HARD = 25
+MODULE_CAPS = {"engine.py": 300}  # the engine stays small enough to read in one sitting
+FUNCTION_CAPS = {("train/loop.py", "fit"): 100}  # the trainer's loop reads top to bottom
+
+
+def code_lines(source: str) -> set[int]:
+    """Line numbers holding code: not blank, not only a comment, not part of a docstring."""
+    lines: set[int] = set()
+    skip = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+        tokenize.ENCODING,
+    }
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            if isinstance(node.value.value, str):
+                lines.difference_update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return lines
+
+
+def functions(source: str) -> list[tuple[str, int, int]]:
+    """``(qualified name, first line, last line)`` of every function, methods as ``Class.name``."""
+    found: list[tuple[str, int, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                found.append((name, child.lineno, child.end_lineno or child.lineno))
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def public_names(init: Path) -> list[str]:
+    """The names listed in ``__all__`` of ``init`` (read, not imported)."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
+    return []
+
+
+def measure(package: Path) -> tuple[list[tuple[str, int]], list[tuple[str, str, int]]]:
+    """Code lines per module (relative path) and per function ``(module, function, lines)``."""
+    modules, funcs = [], []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        source = path.read_text()
+        lines = code_lines(source)
+        modules.append((rel, len(lines)))
+        for name, first, last in functions(source):
+            funcs.append((rel, name, len([n for n in lines if first <= n <= last])))
+    return modules, funcs
+
+
+def violations(package: Path) -> list[str]:
+    """One message per hard cap exceeded."""
+    modules, funcs = measure(package)
+    found = []
+    for rel, n in modules:
+        cap = MODULE_CAPS.get(rel, MODULE_HARD)
+        if n > cap:
+            found.append(f"{rel}: {n} code lines, over the cap of {cap}: split it by job.")
+    for rel, name, n in funcs:
+        cap = FUNCTION_CAPS.get((rel, name.rsplit(".", 1)[-1]), FUNCTION_HARD)
+        if n > cap:
+            found.append(
+                f"{rel}: {name}() has {n} code lines, over the cap of {cap}: extract steps."
+            )
+    names = public_names(package / "__init__.py")
+    if len(names) > PUBLIC_NAMES_HARD:
+        found.append(
+            f"bigbatch.__all__ has {len(names)} names, over the cap of {PUBLIC_NAMES_HARD}."
+        )
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--all", action="store_true", help="print every function, not only long ones"
+    )
+    args = parser.parse_args(argv)
+    modules, funcs = measure(PACKAGE)
+    print(
+        f"{'code lines':>10}  module (soft {MODULE_SOFT}, hard {MODULE_HARD}; engine.py {MODULE_CAPS['engine.py']})"
+    )
+    for rel, n in modules:
+        print(f"{n:>10}  {rel}{'  (over soft budget)' if n > MODULE_SOFT else ''}")
+    total = sum(n for _, n in modules)
+    print(f"{total:>10}  total (soft budget {PACKAGE_SOFT} at 1.0)")
+    shown = [f for f in funcs if args.all or f[2] > FUNCTION_SOFT]
+    print(
+        f"\n{'code lines':>10}  function ({'all' if args.all else f'over the soft budget of {FUNCTION_SOFT}'}; hard {FUNCTION_HARD})"
+    )
+    for rel, name, n in sorted(shown, key=lambda f: -f[2]):
+        print(f"{n:>10}  {rel}: {name}")
+    print(f"\npublic names: {len(public_names(PACKAGE / '__init__.py'))} (cap {PUBLIC_NAMES_HARD})")
+    problems = violations(PACKAGE)
+    for problem in problems:
+        print(f"OVER: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
