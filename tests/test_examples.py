@@ -18,11 +18,18 @@ NEEDS = {"causal_lm.py": "transformers"}
 def test_example_runs(name: str) -> None:
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name)],
-        env=env, capture_output=True, text=True, timeout=180, cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
     )
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     assert "step 0" in done.stdout
