@@ -1,0 +1,308 @@
+"""Every bad-input error of the engine, the split and the loss contract, matched by message.
+
+And: a step that fails leaves the parameters, the optimizer state and ``.grad`` as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import classification_batch, mean_ce, mlp
+from reference import full_batch_step, max_relative_error
+
+import bigbatch
+from bigbatch.split import split
+
+
+def _acc(**kwargs):
+    model = mlp()
+    return bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def _batch(gen, n=10):
+    return classification_batch(n, torch.float64, gen)
+
+
+# ---------------------------------------------------------------- micro_batch_size
+@pytest.mark.parametrize("value", [0, -3])
+def test_non_positive_micro_batch_size(value):
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_batch_size={value} is not allowed: use a positive integer or \"auto\"",
+    ):
+        _acc(micro_batch_size=value)
+
+
+@pytest.mark.parametrize("value", [2.5, 4.0, "8", None])
+def test_non_integer_micro_batch_size(value):
+    with pytest.raises(
+        TypeError,
+        match=rf"micro_batch_size={re.escape(repr(value))} is not allowed: use a positive integer",
+    ):
+        _acc(micro_batch_size=value)
+
+
+def test_bool_micro_batch_size():
+    with pytest.raises(TypeError, match=r"micro_batch_size=True is not allowed"):
+        _acc(micro_batch_size=True)
+
+
+@pytest.mark.parametrize("typo", ["Auto", "atuo", "auto "])
+def test_auto_typo(typo):
+    with pytest.raises(
+        TypeError, match=rf"micro_batch_size={re.escape(repr(typo))} is not allowed: .*\"auto\""
+    ):
+        _acc(micro_batch_size=typo)
+
+
+def test_split_checks_micro_batch_size_too():
+    with pytest.raises(ValueError, match=r"micro_batch_size=0 is not allowed"):
+        split(torch.zeros(4, 2), 0)
+
+
+# ---------------------------------------------------------------- the batch
+def test_tensors_disagree_on_first_dimension(gen):
+    batch = {
+        "x": torch.randn(10, 6, dtype=torch.float64, generator=gen),
+        "y": torch.zeros(9, dtype=torch.long),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"disagree on the first \(sample\) dimension \(batch\['x'\] has 10, batch\['y'\] has 9\)",
+    ):
+        _acc(micro_batch_size=4).train_step(batch, lambda m, b: F.cross_entropy(m(b["x"]), b["y"]))
+
+
+def test_empty_batch():
+    batch = (torch.zeros(0, 6, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"the batch is empty \(first dimension 0\)"):
+        _acc(micro_batch_size=4).train_step(batch, mean_ce)
+
+
+@pytest.mark.parametrize("batch", [[], {"ids": [1, 2, 3]}, "text", None])
+def test_batch_without_tensors(batch):
+    with pytest.raises(
+        TypeError, match=r"batch: found no tensor in a \w+; pass a tensor or a tuple"
+    ):
+        _acc(micro_batch_size=4).train_step(batch, mean_ce)
+
+
+def test_zero_dimensional_tensor_in_batch():
+    with pytest.raises(TypeError, match=r"batch\[1\] is a 0-dimensional tensor"):
+        _acc(micro_batch_size=4).train_step(
+            (torch.zeros(10, 6, dtype=torch.float64), torch.tensor(3)), mean_ce
+        )
+
+
+# ---------------------------------------------------------------- the loss contract
+def test_non_scalar_loss(gen):
+    per_sample = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"loss_fn's return value has shape \(4,\); it must be a scalar"
+    ):
+        _acc(micro_batch_size=4).train_step(_batch(gen), per_sample)
+
+
+def test_non_scalar_loss_sum_in_pair(gen):
+    pair = lambda m, b: (F.cross_entropy(m(b[0]), b[1], reduction="none"), len(b[1]))  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"loss_fn's loss_sum has shape \(4,\); it must be a scalar"
+    ):
+        _acc(micro_batch_size=4).train_step(_batch(gen), pair)
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        (1.5, r"loss_fn returned float; return a scalar tensor .* or a pair \(loss_sum, count\)"),
+        (None, r"loss_fn returned NoneType; return a scalar tensor"),
+        ((torch.ones(()), 1, 2), r"loss_fn returned tuple; return a scalar tensor"),
+        ((2.0, 4), r"loss_fn returned a pair whose first item is a float; it must be the loss sum"),
+    ],
+)
+def test_loss_fn_returns_the_wrong_type(output, message, gen):
+    with pytest.raises(TypeError, match=message):
+        _acc(micro_batch_size=4).train_step(_batch(gen), lambda m, b: output)
+
+
+@pytest.mark.parametrize(
+    "count, error, message",
+    [
+        (-1, ValueError, r"loss_fn's count=-1 is negative; it must count the items summed over"),
+        ("4", TypeError, r"loss_fn's count='4' is not a number"),
+        (True, TypeError, r"loss_fn's count=True is not a number"),
+        (torch.ones(2), ValueError, r"loss_fn's count has shape \(2,\); it must be a scalar"),
+    ],
+)
+def test_bad_count(count, error, message, gen):
+    with pytest.raises(error, match=message):
+        _acc(micro_batch_size=4).train_step(_batch(gen), lambda m, b: (m(b[0]).sum(), count))
+
+
+def test_backward_rejects_non_scalar_loss_sum():
+    acc = _acc()
+    with pytest.raises(ValueError, match=r"loss_sum has shape \(2, 3\); it must be a scalar"):
+        acc.backward(torch.ones(2, 3, requires_grad=True), 6)
+
+
+def _snapshot(acc):
+    params = [p.detach().clone() for p in acc.model.parameters()]
+    state = copy.deepcopy(acc.optimizer.state_dict())
+    return params, state
+
+
+def _assert_unchanged(acc, snapshot):
+    params, state = snapshot
+    for before, p in zip(params, acc.model.parameters(), strict=True):
+        assert torch.equal(before, p)
+        assert p.grad is None
+    now = acc.optimizer.state_dict()
+    assert now["param_groups"] == state["param_groups"]
+    assert now["state"].keys() == state["state"].keys()
+    for key, values in state["state"].items():
+        for name, value in values.items():
+            other = now["state"][key][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_zero_total_count_leaves_everything_unchanged(gen):
+    model = mlp()
+    acc = bigbatch.Accumulator(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), micro_batch_size=4
+    )
+    acc.train_step(_batch(gen), mean_ce)  # the optimizer now has state to protect
+    before = _snapshot(acc)
+    no_items = lambda m, b: (m(b[0]).sum() * 0, 0)  # noqa: E731  (e.g. every label is padding)
+    with pytest.raises(
+        ValueError,
+        match=r"the window's total count is 0: no item to average over .* The window was discarded",
+    ):
+        acc.train_step(_batch(gen), no_items)
+    _assert_unchanged(acc, before)
+    acc.train_step(_batch(gen), mean_ce)  # usable afterwards
+
+
+# ---------------------------------------------------------------- misuse of the two paths
+def test_step_with_nothing_accumulated():
+    with pytest.raises(
+        RuntimeError,
+        match=r"step\(\) called with nothing accumulated: call backward\(loss_sum, count\)",
+    ):
+        _acc().step()
+
+
+def test_train_step_with_pending_backward(gen):
+    acc = _acc(micro_batch_size=4)
+    x, y = _batch(gen)
+    acc.backward(F.cross_entropy(acc.model(x), y, reduction="sum"), len(y))
+    with pytest.raises(
+        RuntimeError,
+        match=r"train_step\(\) called while 1 micro-batch\(es\) from backward\(\) await a step\(\)",
+    ):
+        acc.train_step((x, y), mean_ce)
+    acc.step()  # the pending window is still intact and can be stepped
+
+
+def test_train_step_with_gradients_already_present(gen):
+    acc = _acc(micro_batch_size=4)
+    x, y = _batch(gen)
+    mean_ce(acc.model, (x, y)).backward()
+    with pytest.raises(
+        RuntimeError,
+        match=r"found gradients already in the parameters' \.grad.*zero_grad\(set_to_none=True\)",
+    ):
+        acc.train_step((x, y), mean_ce)
+
+
+def test_backward_outside_micro_batch_under_bf16(gen):
+    acc = _acc(precision="bf16")
+    x, y = classification_batch(4, torch.float64, gen)
+    with pytest.raises(
+        RuntimeError,
+        match=r"precision='bf16' needs the forward under autocast: .*acc\.micro_batch\(last=\.\.\.\)",
+    ):
+        acc.backward(F.cross_entropy(acc.model(x), y, reduction="sum"), 4)
+
+
+# ---------------------------------------------------------------- constructor arguments
+@pytest.mark.parametrize("name", ["fp8", "float32", "BF16", ""])
+def test_unknown_precision(name):
+    with pytest.raises(
+        ValueError,
+        match=rf"precision={re.escape(repr(name))} is not allowed: use one of 'fp32', 'bf16', 'fp16'",
+    ):
+        _acc(precision=name)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_bad_max_grad_norm(value):
+    with pytest.raises(
+        ValueError,
+        match=rf"max_grad_norm={re.escape(repr(value))} is not allowed: use a positive number or None",
+    ):
+        _acc(max_grad_norm=value)
+
+
+@pytest.mark.parametrize("value", ["6 gigs", "GiB", "6QB", "-1GiB"])
+def test_bad_memory_budget_string(value):
+    with pytest.raises(
+        ValueError,
+        match=rf"memory_budget={re.escape(repr(value))} is not a size: write a number with a unit, e\.g\. memory_budget=\"6GiB\"",
+    ):
+        _acc(memory_budget=value)
+
+
+@pytest.mark.parametrize("value", ["0GiB", 0, -5])
+def test_non_positive_memory_budget(value):
+    with pytest.raises(
+        ValueError,
+        match=rf"memory_budget={re.escape(repr(value))} must be positive, e\.g\. memory_budget=\"6GiB\"",
+    ):
+        _acc(memory_budget=value)
+
+
+# ---------------------------------------------------------------- a failing step changes nothing
+class _FailOnCall:
+    """A loss_fn that fails on its ``n``-th call (with ``error``), and works otherwise."""
+
+    def __init__(self, n, error):
+        self.calls, self.n, self.error = 0, n, error
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls == self.n:
+            if self.error == "non-scalar":
+                return F.cross_entropy(model(batch[0]), batch[1], reduction="none")
+            raise self.error
+        return mean_ce(model, batch)
+
+
+@pytest.mark.parametrize(
+    "error", [KeyError("labels"), "non-scalar"], ids=["user-exception", "bad-loss"]
+)
+@pytest.mark.parametrize("micro", [4, 3])  # 10 = 4+4+2 and 3+3+3+1
+def test_failure_in_second_micro_batch_changes_nothing(error, micro, gen):
+    ref = mlp()
+    model = copy.deepcopy(ref)
+    make_opt = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    opt_ref, opt = make_opt(ref.parameters()), make_opt(model.parameters())
+    acc = bigbatch.Accumulator(model, opt, micro_batch_size=micro, max_grad_norm=0.5)
+    first = _batch(gen)
+    full_batch_step(ref, opt_ref, mean_ce, first, max_grad_norm=0.5)
+    acc.train_step(first, mean_ce)  # the optimizer has state now
+    before = _snapshot(acc)
+    failing = _FailOnCall(2, error)  # the window's first micro-batch has back-propagated by then
+    with pytest.raises(
+        (KeyError, ValueError), match=rf"labels|has shape \({micro},\); it must be a scalar"
+    ):
+        acc.train_step(_batch(gen), failing)
+    assert failing.calls == 2
+    _assert_unchanged(acc, before)
+    batch = _batch(gen)
+    full_batch_step(ref, opt_ref, mean_ce, batch, max_grad_norm=0.5)
+    acc.train_step(batch, mean_ce)
+    assert max_relative_error(ref, model) < 1e-10
