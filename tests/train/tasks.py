@@ -31,11 +31,18 @@ def _accuracy(model: nn.Module, batch):
 
 def _model(dtype: torch.dtype, dropout: float) -> nn.Module:
     return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)
+        nn.Linear(6, 16),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(16, 16),
+        nn.GELU(),
+        nn.Linear(16, 3),
     ).to(dtype)
 
 
-def classify(n: int = 50, dropout: float = 0.0, dtype: torch.dtype = torch.float64) -> bigbatch.Task:
+def classify(
+    n: int = 50, dropout: float = 0.0, dtype: torch.dtype = torch.float64
+) -> bigbatch.Task:
     """An MLP on a 3-class problem: 50 samples, an eval set and an accuracy metric."""
     return bigbatch.Task(
         model=_model(dtype, dropout),

@@ -60,7 +60,14 @@ def test_fit_equals_plain_full_batch_loop(case, tmp_path):
     task = tasks.classify(n=25)  # 25 samples at batch 10: the last batch of an epoch holds 5
     task.optimizer = optimizer
     want, losses = plain_loop(
-        task, 10, 3, 0.05, optimizer, seed=7, schedule=schedule, max_grad_norm=settings.get("max_grad_norm")
+        task,
+        10,
+        3,
+        0.05,
+        optimizer,
+        seed=7,
+        schedule=schedule,
+        max_grad_norm=settings.get("max_grad_norm"),
     )
     summary = bigbatch.fit(
         task, batch_size=10, epochs=3, lr=0.05, seed=7, out=str(tmp_path), quiet=True,
@@ -90,7 +97,9 @@ def test_lr_scaling_and_gradient_accumulation_steps(tmp_path):
 
 def test_steps_run_across_epochs_and_model_pt_is_saved(tmp_path):
     task = tasks.classify(n=20)
-    summary = bigbatch.fit(task, bigbatch.TrainConfig(batch_size=8, steps=7, out=str(tmp_path), quiet=True))
+    summary = bigbatch.fit(
+        task, bigbatch.TrainConfig(batch_size=8, steps=7, out=str(tmp_path), quiet=True)
+    )
     assert summary.steps == 7
     assert [r["epoch"] for r in read_csv(os.path.join(tmp_path, "metrics.csv"))] == list("0001112")
     saved = torch.load(os.path.join(tmp_path, "model.pt"))
@@ -99,7 +108,9 @@ def test_steps_run_across_epochs_and_model_pt_is_saved(tmp_path):
 
 def test_auto_micro_batch_under_the_trainer(tmp_path):
     task = tasks.classify(n=20)
-    bigbatch.fit(task, batch_size=10, micro_batch_size="auto", steps=2, out=str(tmp_path), quiet=True)
+    bigbatch.fit(
+        task, batch_size=10, micro_batch_size="auto", steps=2, out=str(tmp_path), quiet=True
+    )
     assert read_csv(os.path.join(tmp_path, "metrics.csv"))[0]["micro_batch_size"] == "10"
 
 
@@ -108,7 +119,9 @@ def test_a_folder_with_a_run_needs_resume(tmp_path):
     with pytest.raises(ValueError, match=r"already holds a run \(step 1 of 1\): add --resume"):
         bigbatch.fit(tasks.classify(n=20), batch_size=10, steps=1, out=str(tmp_path), quiet=True)
     with pytest.raises(ValueError, match=r"belongs to another run \(batch_size: 10 -> 5"):
-        bigbatch.fit(tasks.classify(n=20), batch_size=5, steps=1, out=str(tmp_path), quiet=True, resume=True)
+        bigbatch.fit(
+            tasks.classify(n=20), batch_size=5, steps=1, out=str(tmp_path), quiet=True, resume=True
+        )
 
 
 def test_bad_task_data_is_named():

@@ -136,19 +136,17 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
         >>> resolve_batch(TrainConfig(batch_size=10, micro_batch_size=4))
         (10, 4, 3)
     """
-    b, m, k = config.batch_size, config.micro_batch_size, config.gradient_accumulation_steps
-    if m == "auto":
+    k = config.gradient_accumulation_steps
+    if config.micro_batch_size == "auto":
         if k is not None:
             raise ValueError(
                 f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
                 f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
             )
-        return (b or DEFAULT_BATCH_SIZE), "auto", None
-    if b is None:
-        b = (m or DEFAULT_BATCH_SIZE) * (k or 1)
-    if m is None:
-        m = math.ceil(b / (k or 1))
-    m = min(int(m), b)
+        return (config.batch_size or DEFAULT_BATCH_SIZE), "auto", None
+    given_m = int(config.micro_batch_size) if config.micro_batch_size is not None else None
+    b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
+    m = min(given_m or math.ceil(b / (k or 1)), b)
     if k is not None and math.ceil(b / m) != k:
         raise ValueError(
             f"batch_size={b}, micro_batch_size={config.micro_batch_size} and "
@@ -176,7 +174,9 @@ def field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
 
 
-def make_config(config: TrainConfig | dict[str, Any] | None = None, **overrides: Any) -> TrainConfig:
+def make_config(
+    config: TrainConfig | dict[str, Any] | None = None, **overrides: Any
+) -> TrainConfig:
     """A ``TrainConfig`` from a config, a dict of settings and/or keyword arguments.
 
     Raises:
@@ -217,7 +217,9 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}.")
+        raise ValueError(
+            f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}."
+        )
 
 
 def _check_positive_int(name: str, value: Any, zero: bool = False, auto: bool = False) -> None:

@@ -32,7 +32,9 @@ class RunLog:
         quiet: no progress bar.
     """
 
-    def __init__(self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False) -> None:
+    def __init__(
+        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False
+    ) -> None:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
@@ -49,7 +51,15 @@ class RunLog:
         self._csv.writerow(row)
         self._file.flush()
         if self._tensorboard is not None:
-            for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric"):
+            for key in (
+                "loss",
+                "lr",
+                "grad_norm",
+                "samples_per_s",
+                "tokens_per_s",
+                "peak_bytes",
+                "metric",
+            ):
                 if row.get(key) not in (None, ""):
                     self._tensorboard.add_scalar(f"train/{key}", float(row[key]), int(row["step"]))
         if self._bar is not None:
@@ -96,7 +106,13 @@ def speed_text(row: dict[str, Any]) -> str:
 class _ProgressBar:
     def __init__(self, total: int, done: int) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
             TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),

@@ -27,7 +27,13 @@ from bigbatch.memory.auto import AutoState
 from bigbatch.memory.peak import PeakProbe
 from bigbatch.split import batch_size as samples_in
 from bigbatch.train import resume
-from bigbatch.train.config import RESUMABLE_CHANGES, TrainConfig, make_config, resolve_batch, scaled_lr
+from bigbatch.train.config import (
+    RESUMABLE_CHANGES,
+    TrainConfig,
+    make_config,
+    resolve_batch,
+    scaled_lr,
+)
 from bigbatch.train.log import RunLog
 from bigbatch.train.report import Summary, print_summary, summarize
 from bigbatch.train.task import Task, TaskError
@@ -63,7 +69,9 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     total_steps = config.steps or (config.epochs or 1) * steps_per_epoch
 
     model = _prepare_model(task.model, config, ranks)
-    optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=scaled_lr(config, batch_size))
+    optimizer = (task.optimizer or torch.optim.AdamW)(
+        model.parameters(), lr=scaled_lr(config, batch_size)
+    )
     scheduler = (task.scheduler or _default_schedule(config))(optimizer, total_steps)
     acc = Accumulator(
         model, optimizer, micro_batch_size, scheduler, config.max_grad_norm, config.precision,
@@ -83,17 +91,17 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
             result = acc.train_step(batch, task.loss_fn)
             seconds = time.perf_counter() - started
             elapsed_s += seconds
-            evaluation = _evaluate_every(task, model, config, step, total_steps, micro_batch_size)
-            row = _row(step, (step - 1) // steps_per_epoch, result, optimizer, seconds, probe.finish(record))
-            log.step({**row, **evaluation})
+            epoch = (step - 1) // steps_per_epoch
+            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record))
+            log.step({**row, **_evaluate_every(task, model, config, step, micro_batch_size)})
             if ranks.is_main and _snapshot_due(config, step, steps_per_epoch, total_steps):
                 _save(acc, config, identity, step, steps_per_epoch, elapsed_s)
     finally:
         log.close()
-    evaluation = evaluate(task, model, _eval_batch_size(micro_batch_size, batch_size))
+    final = evaluate(task, model, _eval_batch_size(micro_batch_size, batch_size))
     if ranks.is_main:
         resume.atomic_save(distributed.unwrap(model).state_dict(), f"{config.out}/model.pt")
-    summary = summarize(config.out, elapsed_s, batch_size, evaluation)
+    summary = summarize(config.out, elapsed_s, batch_size, final)
     if ranks.is_main and not config.quiet:
         print_summary(summary)
     return summary
@@ -112,7 +120,9 @@ def _check_task(task: Task) -> None:
         raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
 
 
-def _prepare_model(model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks) -> torch.nn.Module:
+def _prepare_model(
+    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
+) -> torch.nn.Module:
     if config.gradient_checkpointing:
         from bigbatch.memory.checkpointing import enable_checkpointing
 
@@ -124,7 +134,9 @@ def _prepare_model(model: torch.nn.Module, config: TrainConfig, ranks: distribut
 def _default_schedule(config: TrainConfig) -> Any:
     """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
 
-    def make(optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    def make(
+        optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LambdaLR:
         warmup = config.warmup_steps
 
         def factor(step: int) -> float:
@@ -148,7 +160,9 @@ def _identity(task: Task, config: TrainConfig) -> dict[str, Any]:
     return {**settings, "model": shapes, "train_samples": len(task.train_data)}
 
 
-def _start(acc: Accumulator, config: TrainConfig, identity: dict[str, Any], total_steps: int) -> tuple[int, float]:
+def _start(
+    acc: Accumulator, config: TrainConfig, identity: dict[str, Any], total_steps: int
+) -> tuple[int, float]:
     """Restore the snapshot when resuming; seed everything when starting. Returns (step, time)."""
     resume.clean_stale_temps(config.out)
     state = resume.read_snapshot(config.out)
@@ -193,18 +207,27 @@ def _batches(
     ``(seed, epoch)`` (the sampler's own generator, never the global one), so skipping to a
     position loads nothing and draws no random number."""
     collate = task.collate_fn or torch.utils.data.default_collate
-    sampler = distributed.make_sampler(task.train_data, ranks, shuffle=config.shuffle, seed=config.seed)
+    sampler = distributed.make_sampler(
+        task.train_data, ranks, shuffle=config.shuffle, seed=config.seed
+    )
     epoch, position = divmod(start_step, steps_per_epoch)
     while True:
         sampler.set_epoch(epoch)
         order = list(sampler)
         for i in range(position, steps_per_epoch):
-            yield collate([task.train_data[j] for j in order[i * rank_batch : (i + 1) * rank_batch]])
+            yield collate(
+                [task.train_data[j] for j in order[i * rank_batch : (i + 1) * rank_batch]]
+            )
         epoch, position = epoch + 1, 0
 
 
 def _row(
-    step: int, epoch: int, result: StepResult, optimizer: torch.optim.Optimizer, seconds: float, peak: Any
+    step: int,
+    epoch: int,
+    result: StepResult,
+    optimizer: torch.optim.Optimizer,
+    seconds: float,
+    peak: Any,
 ) -> dict[str, Any]:
     samples = int(result.samples or 0)
     tokens = result.count != samples  # the loss counts tokens (or pixels), not samples
@@ -242,12 +265,16 @@ def _save(
 
 
 # ---------------------------------------------------------------------------- evaluation
-def evaluate(task: Task, model: torch.nn.Module, batch_size: int) -> tuple[float | None, float | None]:
+def evaluate(
+    task: Task, model: torch.nn.Module, batch_size: int
+) -> tuple[float | None, float | None]:
     """``(eval_loss, metric)`` over the task's eval data, each ``Σ sum / Σ count``; Nones without."""
     if task.eval_data is None:
         return None, None
     device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(task.eval_data, batch_size=batch_size, collate_fn=task.collate_fn)
+    loader = torch.utils.data.DataLoader(
+        task.eval_data, batch_size=batch_size, collate_fn=task.collate_fn
+    )
     totals = [0.0, 0.0, 0.0, 0.0]  # loss sum, loss count, metric sum, metric count
     was_training = model.training
     model.eval()
@@ -258,7 +285,9 @@ def evaluate(task: Task, model: torch.nn.Module, batch_size: int) -> tuple[float
             totals[0] += float(loss_sum)
             totals[1] += float(count)
             if task.metric is not None:
-                metric_sum, metric_count = as_sum_and_count(task.metric(model, batch), samples_in(batch))
+                metric_sum, metric_count = as_sum_and_count(
+                    task.metric(model, batch), samples_in(batch)
+                )
                 totals[2] += float(metric_sum)
                 totals[3] += float(metric_count)
     model.train(was_training)
@@ -267,7 +296,7 @@ def evaluate(task: Task, model: torch.nn.Module, batch_size: int) -> tuple[float
 
 
 def _evaluate_every(
-    task: Task, model: torch.nn.Module, config: TrainConfig, step: int, total_steps: int, micro: Any
+    task: Task, model: torch.nn.Module, config: TrainConfig, step: int, micro: Any
 ) -> dict[str, Any]:
     if not config.eval_every or step % config.eval_every or task.eval_data is None:
         return {}

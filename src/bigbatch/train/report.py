@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from bigbatch.memory.auto import format_bytes
 from bigbatch.train.log import METRICS_CSV, read_csv
@@ -56,7 +55,9 @@ class Summary:
     out: str
 
 
-def summarize(out: str, time_s: float, batch_size: int, evaluation: tuple[float | None, float | None]) -> Summary:
+def summarize(
+    out: str, time_s: float, batch_size: int, evaluation: tuple[float | None, float | None]
+) -> Summary:
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
     samples = sum(int(r["samples"]) for r in rows)
@@ -154,16 +155,25 @@ def plot_run(out: str, path: str | None = None) -> str:
     steps = [int(r["step"]) for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
     top.plot(steps, [float(r["loss"]) for r in rows], color="tab:blue", label="train loss")
-    evals = [(s, float(r["eval_loss"])) for s, r in zip(steps, rows) if r["eval_loss"]]
+    evals = [r for r in rows if r["eval_loss"]]
     if evals:
-        top.plot(*zip(*evals), "o-", color="tab:orange", label="eval loss")
+        eval_steps = [int(r["step"]) for r in evals]
+        eval_loss = [float(r["eval_loss"]) for r in evals]
+        top.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="eval loss")
     top.set_ylabel("loss")
     top.set_title(f"bigbatch run {os.path.basename(os.path.abspath(out))}: loss per optimizer step")
     top.legend()
     top.grid(alpha=0.3)
     mib = 2.0**20
-    bottom.plot(steps, [int(r["peak_bytes"]) / mib for r in rows], color="tab:red", label="peak in use")
-    bottom.plot(steps, [int(r["step_peak_bytes"]) / mib for r in rows], color="tab:purple", label="added by the step")
+    bottom.plot(
+        steps, [int(r["peak_bytes"]) / mib for r in rows], color="tab:red", label="peak in use"
+    )
+    bottom.plot(
+        steps,
+        [int(r["step_peak_bytes"]) / mib for r in rows],
+        color="tab:purple",
+        label="added by the step",
+    )
     bottom.set_ylabel("memory (MiB)")
     bottom.set_xlabel("optimizer step")
     bottom.set_ylim(bottom=0)
@@ -173,7 +183,3 @@ def plot_run(out: str, path: str | None = None) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _as_dict(summary: Summary) -> dict[str, Any]:
-    return dataclasses.asdict(summary)

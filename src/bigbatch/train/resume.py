@@ -96,7 +96,11 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
         RunMismatchError: naming each difference as ``key: saved -> now``.
     """
     keys = sorted(set(saved) | set(current))
-    diffs = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+    ]
     if diffs:
         raise RunMismatchError(
             f"run folder {out!r} belongs to another run ({'; '.join(diffs)}): resume with the same "
