@@ -66,7 +66,9 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """
     module_name, sep, func_name = path.partition(":")
     if not sep or not module_name or not func_name:
-        raise TaskError(f"task {path!r} is not of the form module:function (e.g. my_project.tasks:mnist).")
+        raise TaskError(
+            f"task {path!r} is not of the form module:function (e.g. my_project.tasks:mnist)."
+        )
     module = _import(module_name, path)
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
@@ -84,7 +86,9 @@ def _import(module_name: str, path: str) -> Any:
     if module_name.endswith(".py"):
         if not os.path.exists(module_name):
             raise TaskError(f"task {path!r}: file {module_name!r} does not exist.")
-        spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+        spec = importlib.util.spec_from_file_location(
+            os.path.basename(module_name)[:-3], module_name
+        )
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         return module
