@@ -14,6 +14,8 @@ from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.memory.planner import Plan, plan
 from bigbatch.split import split
+from bigbatch.train.config import TrainConfig
+from bigbatch.train.loop import fit
 from bigbatch.train.task import Task
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "Plan",
     "StepResult",
     "Task",
+    "TrainConfig",
     "batchnorm",
     "check",
     "disable_checkpointing",
     "enable_checkpointing",
+    "fit",
     "is_out_of_memory",
     "measure_peak",
     "plan",

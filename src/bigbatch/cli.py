@@ -7,6 +7,7 @@ Each subcommand is registered by one ``_add_<name>(subparsers)`` function that s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -153,8 +154,222 @@ def _float_list(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
+_TRAIN_EPILOG = """\
+examples:
+  bigbatch train my_project/tasks.py:mnist --batch-size 1024 --micro-batch-size 64 --epochs 3
+  bigbatch train my_project.tasks:lm --batch-size 256 --micro-batch-size auto --memory-budget 6GiB
+  bigbatch train my_project.tasks:lm --config run.toml --lr 3e-4        # flags override the file
+  bigbatch train my_project.tasks:lm --config run.toml --resume         # continue after a crash
+
+TASK is module:function (or file.py:function) returning bigbatch.Task(model=..., train_data=...,
+loss_fn=...). Batch sizes: any two of --batch-size, --micro-batch-size and
+--gradient-accumulation-steps determine the third (batch = micro-batch x steps); the optimizer
+step is the exact big-batch step however the batch is cut. --lr is the rate at
+--reference-batch-size; --lr-scaling linear uses lr x batch/reference, sqrt uses
+lr x sqrt(batch/reference). A TOML --config holds the same names with _ for - (batch_size = 256).
+The run folder (--out) gets metrics.csv (one row per optimizer step), snapshot.pt (resume state,
+written atomically), model.pt (final state dict) and summary.json; `bigbatch report DIR` plots it.
+"""
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train",
+        help="train a task with exact gradient accumulation (progress bar, CSV, resume, report)",
+        description="Train TASK's model on its data: one exact optimizer step per effective batch, "
+        "cut into micro-batches that fit in memory.",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    opt = argparse.SUPPRESS  # only the flags given override the --config file
+    train.add_argument(
+        "task",
+        metavar="TASK",
+        nargs="?",
+        default=opt,
+        help="module:function returning a bigbatch.Task (or `task` in --config)",
+    )
+    train.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help="TOML file of settings (keys = these flags' names with _ for -)",
+    )
+    train.add_argument(
+        "--batch-size",
+        type=int,
+        default=opt,
+        help="effective batch: samples per optimizer step (default 32)",
+    )
+    train.add_argument(
+        "--micro-batch-size",
+        type=_int_or_auto,
+        default=opt,
+        help="samples per forward/backward, or auto: the largest that fits",
+    )
+    train.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=opt,
+        help="micro-batches per optimizer step",
+    )
+    train.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="recompute the model's repeated blocks in backward (less memory, ~1 more forward)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default=opt,
+        help="fp32 (default), bf16 or fp16 autocast",
+    )
+    train.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=opt,
+        help="clip the gradient's 2-norm (default: no clipping)",
+    )
+    train.add_argument(
+        "--lr",
+        type=float,
+        default=opt,
+        help="learning rate at --reference-batch-size (default 1e-3)",
+    )
+    train.add_argument(
+        "--lr-scaling",
+        choices=("none", "linear", "sqrt"),
+        default=opt,
+        help="scale --lr with batch/reference (default none)",
+    )
+    train.add_argument(
+        "--reference-batch-size", type=int, default=opt, help="the batch size --lr was tuned for"
+    )
+    train.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default=opt,
+        help="after warm-up: constant (default) or cosine to 0",
+    )
+    train.add_argument(
+        "--warmup-steps", type=int, default=opt, help="steps of linear warm-up (default 0)"
+    )
+    train.add_argument("--steps", type=int, default=opt, help="optimizer steps to run")
+    train.add_argument(
+        "--epochs",
+        type=int,
+        default=opt,
+        help="passes over the data (default 1 when --steps is not given)",
+    )
+    train.add_argument(
+        "--memory-budget",
+        default=opt,
+        help="cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)",
+    )
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=opt,
+        help="seeds the model, dropout and the data order (default 0)",
+    )
+    train.add_argument(
+        "--out", metavar="DIR", default=opt, help="run folder (default runs/bigbatch)"
+    )
+    train.add_argument(
+        "--save-every",
+        type=int,
+        default=opt,
+        help="resume snapshot every N steps (default: each epoch's end)",
+    )
+    train.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="continue the run in --out from its snapshot",
+    )
+    train.add_argument(
+        "--eval-every", type=int, default=opt, help="evaluate every N steps (default: at the end)"
+    )
+    train.add_argument(
+        "--device", choices=("cpu", "cuda"), default=opt, help="default: cuda when available"
+    )
+    train.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="reshuffle every epoch (default on)",
+    )
+    train.add_argument(
+        "--quiet",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="no progress bar and no table",
+    )
+    train.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from bigbatch.train.config import field_names, load_toml, make_config
+    from bigbatch.train.loop import fit
+    from bigbatch.train.task import load_task
+
+    settings = load_toml(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k in field_names()}
+    config = make_config(settings, **flags)
+    if not config.task:
+        raise ValueError(
+            'no task: give TASK (module:function) or `task = "module:function"` in --config.'
+        )
+    torch.manual_seed(config.seed)  # the task function builds the model: same seed, same weights
+    fit(load_task(config.task), config)
+    return 0
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or auto") from None
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    report = sub.add_parser(
+        "report",
+        help="summarise a run folder and plot its loss and memory over steps (PNG)",
+        description="Print the summary of a finished `bigbatch train` run and draw DIR/report.png: "
+        "the loss per optimizer step and the peak memory per step.",
+        epilog="example:\n  bigbatch report runs/bigbatch",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_argument("out", metavar="DIR", help="the --out folder of a `bigbatch train` run")
+    report.add_argument(
+        "--png", default=None, help="where to write the plot (default DIR/report.png)"
+    )
+    report.set_defaults(run=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from bigbatch.train.report import load_summary, plot_run, print_summary
+
+    if not os.path.isdir(args.out):
+        raise FileNotFoundError(
+            f"run folder {args.out!r} does not exist: give the --out folder of a run."
+        )
+    path = plot_run(args.out, args.png)
+    print_summary(load_summary(args.out), title="bigbatch report")
+    print(f"plot: {path}")
+    return 0
+
+
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_demo,
+    _add_train,
+    _add_report,
     _add_check,
     _add_plan,
 ]

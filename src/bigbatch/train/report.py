@@ -1,0 +1,185 @@
+"""The end of a run: the summary (a table on screen, ``summary.json``) and the PNG plot.
+
+``bigbatch report DIR`` reads ``DIR/metrics.csv`` and ``DIR/summary.json`` and draws the loss
+curve and the peak memory over optimizer steps into ``DIR/report.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from bigbatch.memory.auto import format_bytes
+from bigbatch.train.log import METRICS_CSV, read_csv
+
+SUMMARY_JSON = "summary.json"
+REPORT_PNG = "report.png"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run did, the numbers the seed comparisons quote.
+
+    Attributes:
+        steps: optimizer steps taken.
+        samples: training samples seen.
+        tokens: items the loss counted, when that is not the samples (tokens); else ``None``.
+        time_s: training time in seconds, summed over resumes.
+        samples_per_s: ``samples / time_s``.
+        tokens_per_s: ``tokens / time_s`` or ``None``.
+        peak_bytes: highest memory in use during a step (CUDA allocator, or CPU resident set).
+        step_peak_bytes: highest memory a step added above what was in use before it.
+        final_loss: the last step's loss.
+        eval_loss: loss on the task's eval data at the end (``None`` without eval data).
+        metric: the task's metric on the eval data at the end (``None`` without one).
+        batch_size: effective batch.
+        micro_batch_size: the last micro-batch size used.
+        out: the run folder.
+    """
+
+    steps: int
+    samples: int
+    tokens: float | None
+    time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    peak_bytes: int
+    step_peak_bytes: int
+    final_loss: float
+    eval_loss: float | None
+    metric: float | None
+    batch_size: int
+    micro_batch_size: int | None
+    out: str
+
+
+def summarize(
+    out: str, time_s: float, batch_size: int, evaluation: tuple[float | None, float | None]
+) -> Summary:
+    """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``."""
+    rows = read_csv(os.path.join(out, METRICS_CSV))
+    samples = sum(int(r["samples"]) for r in rows)
+    count = sum(float(r["count"]) for r in rows)
+    tokens = count if any(r["tokens_per_s"] for r in rows) else None
+    time_s = max(time_s, 1e-9)
+    summary = Summary(
+        steps=len(rows),
+        samples=samples,
+        tokens=tokens,
+        time_s=time_s,
+        samples_per_s=samples / time_s,
+        tokens_per_s=None if tokens is None else tokens / time_s,
+        peak_bytes=max((int(r["peak_bytes"]) for r in rows), default=0),
+        step_peak_bytes=max((int(r["step_peak_bytes"]) for r in rows), default=0),
+        final_loss=float(rows[-1]["loss"]) if rows else float("nan"),
+        eval_loss=evaluation[0],
+        metric=evaluation[1],
+        batch_size=batch_size,
+        micro_batch_size=int(rows[-1]["micro_batch_size"]) if rows else None,
+        out=out,
+    )
+    with open(os.path.join(out, SUMMARY_JSON), "w") as file:
+        json.dump(dataclasses.asdict(summary), file, indent=2)
+    return summary
+
+
+def load_summary(out: str) -> Summary:
+    """Read ``out/summary.json``.
+
+    Raises:
+        FileNotFoundError: ``out`` is not a finished run folder.
+    """
+    path = os.path.join(out, SUMMARY_JSON)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: give the --out folder of a finished `bigbatch train` run."
+        )
+    with open(path) as file:
+        return Summary(**json.load(file))
+
+
+def summary_rows(summary: Summary) -> list[tuple[str, str]]:
+    """The summary as (name, value) lines, for a table."""
+    rows = [
+        ("optimizer steps", f"{summary.steps:,}"),
+        ("effective batch", f"{summary.batch_size:,} (micro-batch {summary.micro_batch_size})"),
+        ("time", f"{summary.time_s:.1f} s"),
+        ("samples/s", f"{summary.samples_per_s:,.1f}"),
+    ]
+    if summary.tokens_per_s is not None:
+        rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
+    rows += [
+        ("peak memory", format_bytes(summary.peak_bytes)),
+        ("peak added by a step", format_bytes(summary.step_peak_bytes)),
+        ("final loss", f"{summary.final_loss:.4f}"),
+    ]
+    if summary.eval_loss is not None:
+        rows.append(("eval loss", f"{summary.eval_loss:.4f}"))
+    if summary.metric is not None:
+        rows.append(("eval metric", f"{summary.metric:.4f}"))
+    return rows
+
+
+def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
+    """Print the summary as a table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{title}: {summary.out}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for name, value in summary_rows(summary):
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def plot_run(out: str, path: str | None = None) -> str:
+    """Draw the loss and the peak memory over optimizer steps; return the PNG's path.
+
+    Raises:
+        FileNotFoundError: ``out`` has no ``metrics.csv``.
+    """
+    rows = read_csv(os.path.join(out, METRICS_CSV))
+    if not rows:
+        raise FileNotFoundError(
+            f"{os.path.join(out, METRICS_CSV)} is missing or empty: give the --out folder of a "
+            "`bigbatch train` run."
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(r["step"]) for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
+    top.plot(steps, [float(r["loss"]) for r in rows], color="tab:blue", label="train loss")
+    evals = [r for r in rows if r["eval_loss"]]
+    if evals:
+        eval_steps = [int(r["step"]) for r in evals]
+        eval_loss = [float(r["eval_loss"]) for r in evals]
+        top.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="eval loss")
+    top.set_ylabel("loss")
+    top.set_title(f"bigbatch run {os.path.basename(os.path.abspath(out))}: loss per optimizer step")
+    top.legend()
+    top.grid(alpha=0.3)
+    mib = 2.0**20
+    bottom.plot(
+        steps, [int(r["peak_bytes"]) / mib for r in rows], color="tab:red", label="peak in use"
+    )
+    bottom.plot(
+        steps,
+        [int(r["step_peak_bytes"]) / mib for r in rows],
+        color="tab:purple",
+        label="added by the step",
+    )
+    bottom.set_ylabel("memory (MiB)")
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylim(bottom=0)
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    path = path or os.path.join(out, REPORT_PNG)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,82 @@
+"""Tiny tasks for the trainer's tests (run by the CLI in child processes too: `tasks.py:name`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import bigbatch
+
+
+def _data(n: int, seed: int, dtype: torch.dtype) -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen, dtype=dtype)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _accuracy(model: nn.Module, batch):
+    x, y = batch
+    return (model(x).argmax(-1) == y).sum(), y.shape[0]
+
+
+def _model(dtype: torch.dtype, dropout: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(16, 16),
+        nn.GELU(),
+        nn.Linear(16, 3),
+    ).to(dtype)
+
+
+def classify(
+    n: int = 50, dropout: float = 0.0, dtype: torch.dtype = torch.float64
+) -> bigbatch.Task:
+    """An MLP on a 3-class problem: 50 samples, an eval set and an accuracy metric."""
+    return bigbatch.Task(
+        model=_model(dtype, dropout),
+        train_data=_data(n, 1, dtype),
+        loss_fn=_loss,
+        eval_data=_data(40, 2, dtype),
+        metric=_accuracy,
+    )
+
+
+def classify_dropout() -> bigbatch.Task:
+    """``classify`` with dropout: a resumed run must replay the same random masks."""
+    return classify(dropout=0.3)
+
+
+def killable() -> bigbatch.Task:
+    """``classify_dropout`` whose loss writes each micro-batch it starts to $KILL_LOG and, at
+    the micro-batch number $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there."""
+    task = classify_dropout()
+    log, stop_at = os.environ.get("KILL_LOG"), int(os.environ.get("STOP_AT", "0"))
+    calls = [0]
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        calls[0] += 1
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{calls[0]}\n")
+        if calls[0] == stop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return _loss(model, batch)
+
+    task.loss_fn = loss_fn
+    return task
+
+
+def not_a_task():
+    return {"model": None}
