@@ -24,6 +24,9 @@ PACKAGE_SOFT = 4000
 PUBLIC_NAMES_HARD = 25
 MODULE_CAPS = {"engine.py": 300}  # the engine stays small enough to read in one sitting
 FUNCTION_CAPS = {("train/loop.py", "fit"): 100}  # the trainer's loop reads top to bottom
+# Over a hard cap when the budget landed: reported to the lead, to be split. Each may shrink, not
+# grow: the figure is the size at the time, and a larger one fails like any other.
+KNOWN_OVER = {("cli.py", "_add_train"): 135}  # one add_argument per TrainConfig field
 
 
 def code_lines(source: str) -> set[int]:
@@ -99,8 +102,11 @@ def violations(package: Path) -> list[str]:
         if n > cap:
             found.append(f"{rel}: {n} code lines, over the cap of {cap}: split it by job.")
     for rel, name, n in funcs:
-        cap = FUNCTION_CAPS.get((rel, name.rsplit(".", 1)[-1]), FUNCTION_HARD)
-        if n > cap:
+        short = name.rsplit(".", 1)[-1]
+        cap = FUNCTION_CAPS.get((rel, short), FUNCTION_HARD)
+        if n > cap and n <= KNOWN_OVER.get((rel, short), 0):
+            print(f"known: {rel}: {name}() has {n} code lines, over the cap of {cap} (to be split)")
+        elif n > cap:
             found.append(
                 f"{rel}: {name}() has {n} code lines, over the cap of {cap}: extract steps."
             )
