@@ -43,17 +43,65 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+_DEMO_DESCRIPTION = """\
+Train one model three ways and show that they give the same result on less memory.
+
+The data are scikit-learn's 1,797 bundled 8x8 digit images (no download; 1,400 to train, 397
+held out). A wide MLP (64 -> 8192 -> 10, float64) is trained from the same initial weights on
+the same batches of --batch-size images with AdamW:
+
+  full batch    a plain PyTorch loop: the whole batch in one forward/backward per step
+  accumulated   bigbatch.Accumulator(micro_batch_size=--micro-batch-size)
+  auto          Accumulator(micro_batch_size="auto", memory_budget=half the full batch's peak)
+
+The table gives each run's micro-batch, peak memory per step (the process's resident-set
+high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
+difference from the full batch (float64 rounding: ~1e-13). The plot (--out) overlays the
+loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
+"""
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
-        "demo", help="train a small model with the full batch and accumulated, and compare"
+        "demo",
+        help="train one model full-batch, accumulated and auto under a budget: same weights, less memory",
+        description=_DEMO_DESCRIPTION,
+        epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    demo.add_argument(
+        "--batch-size", type=int, default=512, help="samples per optimizer step (default 512)"
+    )
+    demo.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=64,
+        help="the accumulated run's micro-batch (default 64)",
+    )
+    demo.add_argument(
+        "--out",
+        metavar="FILE.png",
+        default="bigbatch-demo.png",
+        help="where to write the plot (default bigbatch-demo.png)",
     )
     demo.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bigbatch.demo import run_demo
+    from bigbatch.demo import load_digits, run_demo
 
-    return 0 if run_demo() < 1e-10 else 1
+    try:
+        load_digits()
+    except ImportError as exc:
+        print(
+            f"bigbatch demo: error: the demo's data come with scikit-learn ({exc}): run "
+            'pip install scikit-learn (or pip install -e ".[demo]" in a clone).',
+            file=sys.stderr,
+        )
+        return 2
+    result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
+    return 0 if result.exact() else 1
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
