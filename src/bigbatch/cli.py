@@ -89,10 +89,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bigbatch.demo import load_digits, run_demo
+    from bigbatch.demo import run_demo
 
     try:
-        load_digits()
+        import sklearn.datasets  # noqa: F401  (the demo's data; imported here to say what to install)
     except ImportError as exc:
         print(
             f"bigbatch demo: error: the demo's data come with scikit-learn ({exc}): run "

@@ -39,6 +39,7 @@ from bigbatch.memory.planner import _fix_mmap_threshold
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 EXACT = 1e-10  # float64: a difference above this is not rounding
+MIN_BATCH = 256  # below, half the full batch's peak is less than the parameters' share alone
 
 
 @dataclass(frozen=True)
@@ -237,11 +238,11 @@ def run_demo(
         The ``DemoResult``; ``.exact()`` says whether the runs agree.
 
     Raises:
-        ValueError: ``steps`` or ``batch_size`` out of range.
+        ValueError: ``steps``, ``batch_size`` or ``micro_batch_size`` out of range.
         ImportError: scikit-learn is not installed.
     """
     data = load_digits()
-    _check_sizes(steps, batch_size, len(data.y_train))
+    _check_sizes(steps, batch_size, micro_batch_size, len(data.y_train))
     order = batch_order(len(data.y_train), batch_size, steps)
     init = make_model(hidden)
     warm_up(init, data, batch_size)
@@ -264,12 +265,19 @@ def run_demo(
     return result
 
 
-def _check_sizes(steps: int, batch_size: int, n_train: int) -> None:
+def _check_sizes(steps: int, batch_size: int, micro_batch_size: int, n_train: int) -> None:
     if steps < 2:
         raise ValueError(f"steps={steps} is too few: use 2 or more (the first step is a warm-up).")
-    if not 1 <= batch_size <= n_train:
+    if not MIN_BATCH <= batch_size <= n_train:
         raise ValueError(
-            f"batch_size={batch_size} is not allowed: use 1 to {n_train} (the training images)."
+            f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n_train} (the training "
+            "images; below, half the full batch's peak leaves no room for the gradients and the "
+            "optimizer step)."
+        )
+    if not 1 <= micro_batch_size <= batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch size "
+            f"({batch_size})."
         )
 
 
@@ -356,9 +364,10 @@ def _verdict(result: DemoResult) -> str:
             f"difference {max(result.differences):.0e}), the same test accuracy "
             f"({result.accuracies[0]:.2%}); {memory}."
         )
+    accuracies = ", ".join(f"{a:.2%}" for a in result.accuracies)
     return (
-        f"[bold red]NOT the same[/]: max relative weight difference "
-        f"{max(result.differences):.1e}, test accuracies {result.accuracies}; {memory}."
+        f"[bold red]NOT as expected[/]: max relative weight difference "
+        f"{max(result.differences):.1e}, test accuracies {accuracies}; {memory}."
     )
 
 
