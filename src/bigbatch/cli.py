@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _DEMO_DESCRIPTION = """\
-Train one model three ways and show that they give the same result on less memory.
+Train one model three ways on the CPU and show that they give the same result on less
+memory.
 
 The data are scikit-learn's 1,797 bundled 8x8 digit images (no download; 1,400 to train, 397
 held out). A wide MLP (64 -> 8192 -> 10, float64) is trained from the same initial weights on
@@ -56,7 +57,7 @@ the same batches of --batch-size images with AdamW:
 
 The table gives each run's micro-batch, peak memory per step (the process's resident-set
 high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
-difference from the full batch (float64 rounding: ~1e-13). The plot (--out) overlays the
+difference from the full batch (float64 rounding: ~1e-15). The plot (--out) overlays the
 loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
 """
 
