@@ -25,6 +25,7 @@ Note [demo peaks]
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -377,8 +378,6 @@ def _mib(n: int) -> str:
 
 def plot_demo(runs: Sequence[Run], budget: int, path: str) -> str:
     """Draw the loss curves of the runs overlaid and their peak memory as bars; return ``path``."""
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
