@@ -96,6 +96,17 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def in_group() -> bool:
+    """``True`` when this process is in an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if in_group():
+        dist.barrier()
+
+
 def is_main_process() -> bool:
     """``True`` on rank 0 and in a job without a process group."""
     return not dist.is_initialized() or dist.get_rank() == 0

@@ -34,7 +34,7 @@ from bigbatch.train.config import (
     resolve_batch,
     scaled_lr,
 )
-from bigbatch.train.log import RunLog
+from bigbatch.train.log import NullLog, RunLog
 from bigbatch.train.report import Summary, print_summary, summarize
 from bigbatch.train.task import Task, TaskError
 
@@ -62,6 +62,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     """
     config = make_config(config, **settings)
     _check_task(task)
+    joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     batch_size, micro_batch_size, _ = resolve_batch(config)
     rank_batch = distributed.per_rank_batch_size(batch_size, ranks.world_size)
@@ -80,7 +81,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     identity = _identity(task, config)
     start_step, elapsed_s = _start(acc, config, identity, total_steps)
 
-    log = RunLog(config.out, total_steps, start_step, quiet=config.quiet or not ranks.is_main)
+    log = RunLog(config.out, total_steps, start_step, config.quiet) if ranks.is_main else NullLog()
     probe = PeakProbe(ranks.device)
     batches = _batches(task, config, rank_batch, steps_per_epoch, start_step, ranks)
     try:
@@ -92,7 +93,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
             seconds = time.perf_counter() - started
             elapsed_s += seconds
             epoch = (step - 1) // steps_per_epoch
-            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record))
+            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record), ranks)
             log.step({**row, **_evaluate_every(task, model, config, step, micro_batch_size)})
             if ranks.is_main and _snapshot_due(config, step, steps_per_epoch, total_steps):
                 _save(acc, config, identity, step, steps_per_epoch, elapsed_s)
@@ -101,7 +102,9 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     final = evaluate(task, model, _eval_batch_size(micro_batch_size, batch_size))
     if ranks.is_main:
         resume.atomic_save(distributed.unwrap(model).state_dict(), f"{config.out}/model.pt")
-    summary = summarize(config.out, elapsed_s, batch_size, final)
+    # every rank waits here for rank 0's files (the summary reads metrics.csv)
+    distributed.teardown() if joined else distributed.barrier()
+    summary = summarize(config.out, elapsed_s, batch_size, final, write=ranks.is_main)
     if ranks.is_main and not config.quiet:
         print_summary(summary)
     return summary
@@ -228,8 +231,10 @@ def _row(
     optimizer: torch.optim.Optimizer,
     seconds: float,
     peak: Any,
+    ranks: distributed.Ranks,
 ) -> dict[str, Any]:
-    samples = int(result.samples or 0)
+    # every rank's i-th batch has the same size (the sampler deals out equal shares)
+    samples = int(result.samples or 0) * ranks.world_size
     tokens = result.count != samples  # the loss counts tokens (or pixels), not samples
     return {
         "step": step, "epoch": epoch, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
