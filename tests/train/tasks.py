@@ -80,3 +80,22 @@ def killable() -> bigbatch.Task:
 
 def not_a_task():
     return {"model": None}
+
+
+def bn_cnn(n: int = 24) -> bigbatch.Task:
+    """A float64 CNN with a BatchNorm2d on 2 x 8 x 8 images, 3 classes: accumulation is exact
+    only under a BatchNorm policy (``--batchnorm freeze`` or ``groupnorm``). No conv bias:
+    before a normalisation its gradient is 0 up to rounding, which Adam would amplify."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, 2, 8, 8, generator=gen, dtype=torch.float64)
+    y = (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+    model = nn.Sequential(
+        nn.Conv2d(2, 8, 3, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 3),
+    ).to(torch.float64)
+    return bigbatch.Task(
+        model=model, train_data=torch.utils.data.TensorDataset(x, y), loss_fn=_loss
+    )

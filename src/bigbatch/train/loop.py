@@ -21,6 +21,7 @@ import torch
 
 from bigbatch import distributed
 from bigbatch._tree import map_tensors
+from bigbatch.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import as_sum_and_count
 from bigbatch.memory.auto import AutoState
@@ -132,6 +133,9 @@ def _prepare_model(
         from bigbatch.memory.checkpointing import enable_checkpointing
 
         enable_checkpointing(model)
+    policy = config.batchnorm or "keep"  # TrainConfig stores None as "keep"
+    if policy != "keep":
+        apply_batchnorm(model, policy)  # before DDP wraps the modules
     model.train()
     return distributed.wrap(model, ranks)
 
