@@ -99,3 +99,20 @@ def bn_cnn(n: int = 24) -> bigbatch.Task:
     return bigbatch.Task(
         model=model, train_data=torch.utils.data.TensorDataset(x, y), loss_fn=_loss
     )
+
+
+def tiny_lm(n: int = 16, vocab: int = 11, length: int = 7) -> bigbatch.Task:
+    """A float64 next-token model on padded sequences of 2 to 7 tokens: the loss counts tokens
+    (``bigbatch.token_cross_entropy``), so the log reports tokens/s."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (n, length), generator=gen)
+    lengths = torch.randint(2, length + 1, (n,), generator=gen)
+    labels = ids.masked_fill(torch.arange(length) >= lengths[:, None], -100)
+    model = nn.Sequential(nn.Embedding(vocab, 8), nn.Tanh(), nn.Linear(8, vocab)).to(torch.float64)
+
+    def loss_fn(model: nn.Module, batch):
+        ids, labels = batch
+        return bigbatch.token_cross_entropy(model(ids), labels, shift=True)
+
+    data = torch.utils.data.TensorDataset(ids, labels)
+    return bigbatch.Task(model=model, train_data=data, loss_fn=loss_fn)
