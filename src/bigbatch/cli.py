@@ -262,24 +262,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=opt,
         help="micro-batches per optimizer step",
     )
-    train.add_argument(
-        "--gradient-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="recompute the model's repeated blocks in backward (less memory, ~1 more forward)",
-    )
-    train.add_argument(
-        "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        default=opt,
-        help="fp32 (default), bf16 or fp16 autocast",
-    )
-    train.add_argument(
-        "--max-grad-norm",
-        type=float,
-        default=opt,
-        help="clip the gradient's 2-norm (default: no clipping)",
-    )
+    _add_step_flags(train, opt)
     train.add_argument(
         "--lr",
         type=float,
@@ -356,6 +339,37 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="no progress bar and no table",
     )
     train.set_defaults(run=_run_train)
+
+
+def _add_step_flags(train: argparse.ArgumentParser, opt: str) -> None:
+    """How one optimizer step computes: checkpointing, precision, BatchNorm, clipping."""
+    train.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="recompute the model's repeated blocks in backward (less memory, ~1 more forward)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default=opt,
+        help="fp32 (default), bf16 or fp16 autocast",
+    )
+    train.add_argument(
+        "--batchnorm",
+        choices=("keep", "micro", "freeze", "groupnorm"),
+        default=opt,
+        help="BatchNorm under accumulation: a micro-batch's statistics are not the full "
+        "batch's. keep (default): leave the model, warn; micro: per-micro-batch statistics, "
+        "running stats moved once per step; freeze: use the running stats (exact, for "
+        "fine-tuning); groupnorm: swap in GroupNorm (exact)",
+    )
+    train.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=opt,
+        help="clip the gradient's 2-norm (default: no clipping)",
+    )
 
 
 def _run_train(args: argparse.Namespace) -> int:

@@ -3,16 +3,19 @@
 Layer 2: the trainer uses this; the engine never does (it only needs ``bigbatch.sync``).
 
 Note [global batch]
-    ``batch_size`` is always the GLOBAL effective batch, the one the optimizer steps on: with
-    ``W`` ranks each rank loads ``batch_size / W`` samples per step (``per_rank_batch_size``,
-    which refuses a remainder) and the engine normalises by the count summed over all ranks
-    (Note [global normalisation] in ``bigbatch.sync``), so the step equals the single-process
-    step on the same ``batch_size`` samples. ``make_sampler`` returns torch's
-    ``DistributedSampler`` for every world size, one process included: it draws the same
-    permutation everywhere (``seed + epoch``) and deals it out round-robin, so the union of
-    the ranks' i-th batches is exactly the single process's i-th batch. That holds when the
-    dataset size is divisible by ``W``; otherwise the sampler repeats (or, with
-    ``drop_last=True``, drops) up to ``W - 1`` samples per epoch, as torch's sampler does.
+    ``batch_size`` is always the GLOBAL effective batch, the one the optimizer steps on, and the
+    engine normalises by the count summed over all ranks (Note [global normalisation] in
+    ``bigbatch.sync``), so the step equals the single-process step on the same samples. The
+    trainer draws the single process's order (one permutation per epoch), cuts it into global
+    batches and ``deal``s each out: rank r takes every W-th sample from position r. So any
+    dataset size and any ``batch_size`` give the single-process steps exactly; the shares may
+    differ by one sample, and a batch smaller than W is refused (``check_batch_sizes``).
+    For your own loop, ``per_rank_batch_size`` (which refuses a remainder) and ``make_sampler``
+    give torch's ``DistributedSampler``: it draws the same permutation everywhere
+    (``seed + epoch``) and deals it out round-robin, so the union of the ranks' i-th batches
+    is the single process's i-th batch when the dataset size is divisible by ``W``; otherwise
+    the sampler repeats (or, with ``drop_last=True``, drops) up to ``W - 1`` samples per
+    epoch, as torch's sampler does.
 """
 
 from __future__ import annotations
@@ -96,6 +99,17 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def in_group() -> bool:
+    """``True`` when this process is in an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if in_group():
+        dist.barrier()
+
+
 def is_main_process() -> bool:
     """``True`` on rank 0 and in a job without a process group."""
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -137,6 +151,44 @@ def per_rank_batch_size(batch_size: int, world_size: int) -> int:
             f"--batch-size {fixed} or {fixed + world_size}."
         )
     return batch_size // world_size
+
+
+def deal(indices: list[int], ranks: Ranks) -> list[int]:
+    """This rank's share of one global batch: every ``W``-th index from its rank on.
+
+    The shares differ by at most one sample (10 on 4 ranks: 3 + 3 + 2 + 2); the engine
+    normalises by the count summed over the ranks, so the step is the step on all of
+    ``indices`` (Note [global batch]).
+
+    Example:
+        >>> deal([7, 1, 4, 0, 9], Ranks(1, 2, 1, torch.device("cpu")))
+        [1, 0]
+    """
+    return indices[ranks.rank :: ranks.world_size]
+
+
+def check_batch_sizes(dataset_size: int, batch_size: int, world_size: int) -> None:
+    """Refuse a global batch with fewer samples than ranks (one rank would get none).
+
+    The trainer's batches are ``batch_size`` samples, and the last of each epoch holds the
+    remainder ``dataset_size % batch_size``.
+
+    Raises:
+        ValueError: that last batch is non-empty but smaller than ``world_size``; the message
+            names a batch size that works.
+    """
+    last = dataset_size % batch_size
+    if 0 < last < world_size:
+        works = next(
+            b
+            for b in range(batch_size, 0, -1)
+            if b >= world_size and (dataset_size % b == 0 or dataset_size % b >= world_size)
+        )
+        raise ValueError(
+            f"the last batch of each epoch holds {last} sample(s) ({dataset_size} samples at "
+            f"batch_size={batch_size}), fewer than the {world_size} ranks: every rank needs at "
+            f"least one. Use e.g. --batch-size {works}, or --steps below one epoch."
+        )
 
 
 def make_sampler(

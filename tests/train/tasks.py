@@ -80,3 +80,39 @@ def killable() -> bigbatch.Task:
 
 def not_a_task():
     return {"model": None}
+
+
+def bn_cnn(n: int = 24) -> bigbatch.Task:
+    """A float64 CNN with a BatchNorm2d on 2 x 8 x 8 images, 3 classes: accumulation is exact
+    only under a BatchNorm policy (``--batchnorm freeze`` or ``groupnorm``). No conv bias:
+    before a normalisation its gradient is 0 up to rounding, which Adam would amplify."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, 2, 8, 8, generator=gen, dtype=torch.float64)
+    y = (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+    model = nn.Sequential(
+        nn.Conv2d(2, 8, 3, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 3),
+    ).to(torch.float64)
+    return bigbatch.Task(
+        model=model, train_data=torch.utils.data.TensorDataset(x, y), loss_fn=_loss
+    )
+
+
+def tiny_lm(n: int = 16, vocab: int = 11, length: int = 7) -> bigbatch.Task:
+    """A float64 next-token model on padded sequences of 2 to 7 tokens: the loss counts tokens
+    (``bigbatch.token_cross_entropy``), so the log reports tokens/s."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (n, length), generator=gen)
+    lengths = torch.randint(2, length + 1, (n,), generator=gen)
+    labels = ids.masked_fill(torch.arange(length) >= lengths[:, None], -100)
+    model = nn.Sequential(nn.Embedding(vocab, 8), nn.Tanh(), nn.Linear(8, vocab)).to(torch.float64)
+
+    def loss_fn(model: nn.Module, batch):
+        ids, labels = batch
+        return bigbatch.token_cross_entropy(model(ids), labels, shift=True)
+
+    data = torch.utils.data.TensorDataset(ids, labels)
+    return bigbatch.Task(model=model, train_data=data, loss_fn=loss_fn)

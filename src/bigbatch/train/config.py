@@ -28,9 +28,12 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+from bigbatch.batchnorm import POLICIES as BATCHNORM_POLICIES
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("constant", "cosine")
+BATCHNORMS = ("keep", *BATCHNORM_POLICIES)
 DEFAULT_BATCH_SIZE = 32
 
 # Fields that may change between a run and its resume (they do not change the result).
@@ -49,6 +52,13 @@ class TrainConfig:
         gradient_accumulation_steps: micro-batches per optimizer step.
         gradient_checkpointing: recompute the model's repeated blocks in backward.
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        batchnorm: what the model's BatchNorm layers do, since a micro-batch's statistics are
+            not the full batch's: ``"keep"`` (or ``None``; the default) leaves the model as it
+            is and the engine warns; ``"micro"`` keeps per-micro-batch statistics (ghost
+            batches) with the running statistics moved once per optimizer step; ``"freeze"``
+            normalises with the running statistics (exact; for fine-tuning); ``"groupnorm"``
+            replaces each BatchNorm with a GroupNorm (exact; per-sample). Applied before
+            training by ``bigbatch.batchnorm(model, policy)``.
         max_grad_norm: clip the gradient's 2-norm to this; ``None`` to not clip.
         lr: learning rate at ``reference_batch_size`` (Note [learning-rate scaling]).
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``.
@@ -77,6 +87,7 @@ class TrainConfig:
     gradient_accumulation_steps: int | None = None
     gradient_checkpointing: bool = False
     precision: str = "fp32"
+    batchnorm: str | None = "keep"
     max_grad_norm: float | None = None
     lr: float = 1e-3
     lr_scaling: str = "none"
@@ -97,6 +108,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
+        if self.batchnorm is None:  # the same run as "keep" (the resume identity compares these)
+            object.__setattr__(self, "batchnorm", "keep")
+        _check_choice("batchnorm", self.batchnorm, BATCHNORMS)
         _check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         for name in ("batch_size", "gradient_accumulation_steps", "steps", "epochs"):

@@ -74,6 +74,16 @@ class RunLog:
         self._file.close()
 
 
+class NullLog:
+    """The log of ranks other than 0: records nothing (rank 0 alone writes the run folder)."""
+
+    def step(self, row: dict[str, Any]) -> None:
+        """Ignore one optimizer step's row."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
 def read_csv(path: str) -> list[dict[str, str]]:
     """The rows of a ``metrics.csv`` (empty when there is no file)."""
     if not os.path.exists(path):

@@ -21,6 +21,7 @@ import torch
 
 from bigbatch import distributed
 from bigbatch._tree import map_tensors
+from bigbatch.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import as_sum_and_count
 from bigbatch.memory.auto import AutoState
@@ -34,7 +35,7 @@ from bigbatch.train.config import (
     resolve_batch,
     scaled_lr,
 )
-from bigbatch.train.log import RunLog
+from bigbatch.train.log import NullLog, RunLog
 from bigbatch.train.report import Summary, print_summary, summarize
 from bigbatch.train.task import Task, TaskError
 
@@ -62,11 +63,13 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     """
     config = make_config(config, **settings)
     _check_task(task)
+    joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     batch_size, micro_batch_size, _ = resolve_batch(config)
-    rank_batch = distributed.per_rank_batch_size(batch_size, ranks.world_size)
-    steps_per_epoch = math.ceil(len(task.train_data) / ranks.world_size / rank_batch)
+    steps_per_epoch = math.ceil(len(task.train_data) / batch_size)
     total_steps = config.steps or (config.epochs or 1) * steps_per_epoch
+    if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
+        distributed.check_batch_sizes(len(task.train_data), batch_size, ranks.world_size)
 
     model = _prepare_model(task.model, config, ranks)
     optimizer = (task.optimizer or torch.optim.AdamW)(
@@ -80,19 +83,20 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     identity = _identity(task, config)
     start_step, elapsed_s = _start(acc, config, identity, total_steps)
 
-    log = RunLog(config.out, total_steps, start_step, quiet=config.quiet or not ranks.is_main)
+    log = RunLog(config.out, total_steps, start_step, config.quiet) if ranks.is_main else NullLog()
     probe = PeakProbe(ranks.device)
-    batches = _batches(task, config, rank_batch, steps_per_epoch, start_step, ranks)
+    batches = _batches(task, config, batch_size, steps_per_epoch, start_step, ranks)
     try:
         for step in range(start_step + 1, total_steps + 1):
-            batch = map_tensors(lambda t: t.to(ranks.device), next(batches))
+            samples, batch = next(batches)
+            batch = map_tensors(lambda t: t.to(ranks.device), batch)
             record = probe.reset()
             started = time.perf_counter()
             result = acc.train_step(batch, task.loss_fn)
             seconds = time.perf_counter() - started
             elapsed_s += seconds
             epoch = (step - 1) // steps_per_epoch
-            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record))
+            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record), samples)
             log.step({**row, **_evaluate_every(task, model, config, step, micro_batch_size)})
             if ranks.is_main and _snapshot_due(config, step, steps_per_epoch, total_steps):
                 _save(acc, config, identity, step, steps_per_epoch, elapsed_s)
@@ -101,7 +105,9 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     final = evaluate(task, model, _eval_batch_size(micro_batch_size, batch_size))
     if ranks.is_main:
         resume.atomic_save(distributed.unwrap(model).state_dict(), f"{config.out}/model.pt")
-    summary = summarize(config.out, elapsed_s, batch_size, final)
+    # every rank waits here for rank 0's files (the summary reads metrics.csv)
+    distributed.teardown() if joined else distributed.barrier()
+    summary = summarize(config.out, elapsed_s, batch_size, final, write=ranks.is_main)
     if ranks.is_main and not config.quiet:
         print_summary(summary)
     return summary
@@ -127,6 +133,9 @@ def _prepare_model(
         from bigbatch.memory.checkpointing import enable_checkpointing
 
         enable_checkpointing(model)
+    policy = config.batchnorm or "keep"  # TrainConfig stores None as "keep"
+    if policy != "keep":
+        apply_batchnorm(model, policy)  # before DDP wraps the modules
     model.train()
     return distributed.wrap(model, ranks)
 
@@ -200,24 +209,23 @@ def _seed_everything(seed: int) -> None:
 
 # ---------------------------------------------------------------------------- data, log, snapshot
 def _batches(
-    task: Task, config: TrainConfig, rank_batch: int, steps_per_epoch: int, start_step: int,
+    task: Task, config: TrainConfig, batch_size: int, steps_per_epoch: int, start_step: int,
     ranks: distributed.Ranks,
-) -> Iterator[Any]:  # fmt: skip
-    """The training batches from ``start_step`` on: each epoch's order depends only on
-    ``(seed, epoch)`` (the sampler's own generator, never the global one), so skipping to a
-    position loads nothing and draws no random number."""
+) -> Iterator[tuple[int, Any]]:  # fmt: skip
+    """The training batches from ``start_step`` on, as ``(samples in the global batch, this
+    rank's share)``. Epoch e visits ``randperm(n)`` seeded by ``seed + e`` (its own generator,
+    never the global one), so skipping to a position loads nothing and draws no random number;
+    each global batch is dealt out to the ranks (Note [global batch] in bigbatch.distributed)."""
     collate = task.collate_fn or torch.utils.data.default_collate
-    sampler = distributed.make_sampler(
-        task.train_data, ranks, shuffle=config.shuffle, seed=config.seed
-    )
+    n = len(task.train_data)
     epoch, position = divmod(start_step, steps_per_epoch)
     while True:
-        sampler.set_epoch(epoch)
-        order = list(sampler)
+        seeded = torch.Generator().manual_seed(config.seed + epoch)
+        order = torch.randperm(n, generator=seeded).tolist() if config.shuffle else range(n)
         for i in range(position, steps_per_epoch):
-            yield collate(
-                [task.train_data[j] for j in order[i * rank_batch : (i + 1) * rank_batch]]
-            )
+            indices = list(order[i * batch_size : (i + 1) * batch_size])
+            share = distributed.deal(indices, ranks)
+            yield len(indices), collate([task.train_data[j] for j in share])
         epoch, position = epoch + 1, 0
 
 
@@ -228,8 +236,8 @@ def _row(
     optimizer: torch.optim.Optimizer,
     seconds: float,
     peak: Any,
+    samples: int,
 ) -> dict[str, Any]:
-    samples = int(result.samples or 0)
     tokens = result.count != samples  # the loss counts tokens (or pixels), not samples
     return {
         "step": step, "epoch": epoch, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],

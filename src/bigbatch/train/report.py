@@ -56,9 +56,14 @@ class Summary:
 
 
 def summarize(
-    out: str, time_s: float, batch_size: int, evaluation: tuple[float | None, float | None]
+    out: str,
+    time_s: float,
+    batch_size: int,
+    evaluation: tuple[float | None, float | None],
+    write: bool = True,
 ) -> Summary:
-    """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``."""
+    """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
+    (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
     samples = sum(int(r["samples"]) for r in rows)
     count = sum(float(r["count"]) for r in rows)
@@ -80,8 +85,9 @@ def summarize(
         micro_batch_size=int(rows[-1]["micro_batch_size"]) if rows else None,
         out=out,
     )
-    with open(os.path.join(out, SUMMARY_JSON), "w") as file:
-        json.dump(dataclasses.asdict(summary), file, indent=2)
+    if write:
+        with open(os.path.join(out, SUMMARY_JSON), "w") as file:
+            json.dump(dataclasses.asdict(summary), file, indent=2)
     return summary
 
 

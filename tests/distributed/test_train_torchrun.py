@@ -1,0 +1,79 @@
+"""``bigbatch train`` under a real ``torchrun --nproc_per_node 2`` (gloo, CPU) equals one process.
+
+The final ``model.pt`` of two ranks must equal the one-process run on the same effective batch
+(cut differently) to float64 rounding; rank 0 alone writes the run folder; the process group is
+left at the end; a batch the ranks cannot share is refused with a message naming the values.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.train.log import read_csv
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent.parent / "src"
+TASK = f"{HERE.parent / 'train' / 'tasks.py'}:classify"  # float64 MLP, 50 samples, no dropout
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _train(launcher: list[str], out: Path, *flags: str) -> None:
+    done = _run([*launcher, "train", TASK, "--out", str(out), "--quiet", "--seed", "3", *flags])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _max_relative_error(want: dict, got: dict) -> float:
+    return max(float((got[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "micro_batch_size"),
+    [("10", "3"), ("9", "auto")],  # 9 on 2 ranks: shares of 5 and 4; 50 = 5 x 9 + 5 at the end
+)
+def test_two_ranks_equal_one_process(tmp_path, batch_size, micro_batch_size):
+    steps = ["--batch-size", batch_size, "--epochs", "2", "--lr", "0.01"]
+    _train([sys.executable, "-m", "bigbatch"], tmp_path / "one", *steps, "--micro-batch-size", "4")
+    # the child runs `bigbatch train` (cli.main) and then checks the process group was left
+    child = [*TORCHRUN, str(HERE / "train_child.py")]
+    _train(child, tmp_path / "two", *steps, "--micro-batch-size", micro_batch_size)
+
+    one, two = (torch.load(tmp_path / d / "model.pt") for d in ("one", "two"))
+    assert _max_relative_error(one, two) < 1e-10
+    rows = read_csv(str(tmp_path / "two" / "metrics.csv"))
+    want = read_csv(str(tmp_path / "one" / "metrics.csv"))
+    assert [int(r["step"]) for r in rows] == list(range(1, len(want) + 1))  # one row per step
+    assert [int(r["samples"]) for r in rows] == [int(r["samples"]) for r in want]
+    assert all(r["tokens_per_s"] == "" for r in rows)  # the samples are global, the count too
+    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in want])
+    # rank 0 alone writes: one header (read_csv would choke on a second), one event file
+    assert len(os.listdir(tmp_path / "two" / "tensorboard")) == 1
+    assert (tmp_path / "two" / "summary.json").exists()
+    for rank in (0, 1):
+        assert (tmp_path / "two" / f"teardown-rank{rank}").read_text() == "left"
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused(tmp_path):
+    # 50 samples at 7: the last batch of the epoch holds 1 sample for 2 ranks
+    done = _run([*TORCHRUN, "-m", "bigbatch", "train", TASK, "--batch-size", "7", "--epochs", "1",
+                 "--out", str(tmp_path), "--quiet"])  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        "bigbatch train: error: the last batch of each epoch holds 1 sample(s) (50 samples at "
+        "batch_size=7), fewer than the 2 ranks: every rank needs at least one. Use e.g. "
+        "--batch-size 6" in done.stderr
+    )
+    assert not (tmp_path / "metrics.csv").exists()
