@@ -3,6 +3,7 @@ one-line message when scikit-learn (the demo's data) is missing."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,32 +11,55 @@ import sys
 import pytest
 
 from bigbatch.cli import main
-from bigbatch.demo import EXACT, run_demo
+from bigbatch.demo import EXACT
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
 
 
-def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path, capsys):
-    result = run_demo(steps=4, out=str(tmp_path / "plots" / "demo.png"))
-    full, accumulated, auto = result.runs
-    assert max(result.differences) < EXACT  # float64 rounding: ~1e-16
-    assert len(set(result.accuracies)) == 1 and result.accuracies[0] > 0.5
-    assert accumulated.micro_batch_sizes == [64] * 4
-    assert auto.micro_batch_size() < full.batch_size == 512
-    assert auto.retries[0] >= 1  # the full batch went over the budget and was redone smaller
-    assert auto.peak_bytes() <= result.budget_bytes < full.peak_bytes()
-    assert accumulated.peak_bytes() < full.peak_bytes()
-    assert result.exact()
-    assert os.path.getsize(result.plot_path) > 0
-    out = capsys.readouterr().out
-    assert "Same result" in out and "auto" in out and "demo.png" in out
+# Each run is a fresh process: resident-set readings in a process that earlier tests fragmented
+# are not the demo's (STYLE.md rule 21: real processes).
+CHILD = """
+import json, sys
+from bigbatch.demo import run_demo
+r = run_demo(steps=4, out=sys.argv[1])
+full, accumulated, auto = r.runs
+print(json.dumps(dict(
+    differences=r.differences, accuracies=r.accuracies, budget=r.budget_bytes, exact=r.exact(),
+    sizes=[x.micro_batch_sizes for x in r.runs], retries=auto.retries,
+    peaks=[x.peak_bytes() for x in r.runs], plot=r.plot_path)))
+"""
 
 
-def test_cli_demo_exits_0_and_writes_the_plot(tmp_path, capsys):
+def run_child(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path):
+    done = run_child("-c", CHILD, str(tmp_path / "plots" / "demo.png"))
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    full_peak, accumulated_peak, auto_peak = r["peaks"]
+    assert max(r["differences"]) < EXACT  # float64 rounding: ~1e-16
+    assert len(set(r["accuracies"])) == 1 and r["accuracies"][0] > 0.5
+    assert r["sizes"][:2] == [[512] * 4, [64] * 4]
+    assert max(r["sizes"][2]) < 512
+    assert r["retries"][0] >= 1  # the full batch went over the budget and was redone smaller
+    assert auto_peak <= r["budget"] < full_peak
+    assert accumulated_peak < full_peak
+    assert r["exact"] and os.path.getsize(r["plot"]) > 0
+    assert "Same result" in done.stdout
+
+
+def test_cli_demo_exits_0_and_writes_the_plot(tmp_path):
     png = tmp_path / "demo.png"
-    assert main(["demo", "--steps", "2", "--batch-size", "256", "--out", str(png)]) == 0
-    assert png.exists()
-    assert "Same result" in capsys.readouterr().out
+    done = run_child(
+        "-m", "bigbatch", "demo", "--steps", "2", "--batch-size", "256", "--out", str(png)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert png.exists() and "Same result" in done.stdout
 
 
 def test_demo_help_says_what_it_does(capsys):
@@ -62,10 +86,7 @@ def test_bad_settings_are_one_line(capsys, argv, match):
 def test_without_scikit_learn_one_line_says_what_to_install():
     # sys.modules[name] = None makes `import sklearn` raise ImportError: a real import failure.
     code = "import sys; sys.modules['sklearn'] = None; from bigbatch.cli import main; sys.exit(main(['demo']))"
-    env = {**os.environ, "PYTHONPATH": SRC}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = run_child("-c", code)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
