@@ -7,6 +7,7 @@ left at the end; a batch the ranks cannot share is refused with a message naming
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def test_two_ranks_equal_one_process(tmp_path, batch_size, micro_batch_size):
     assert all(r["tokens_per_s"] == "" for r in rows)  # the samples are global, the count too
     assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in want])
     # rank 0 alone writes: one header (read_csv would choke on a second), one event file
-    assert len(os.listdir(tmp_path / "two" / "tensorboard")) == 1
+    if importlib.util.find_spec("tensorboard") is not None:  # optional for users
+        assert len(os.listdir(tmp_path / "two" / "tensorboard")) == 1
     assert (tmp_path / "two" / "summary.json").exists()
     for rank in (0, 1):
         assert (tmp_path / "two" / f"teardown-rank{rank}").read_text() == "left"

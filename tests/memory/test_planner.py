@@ -6,7 +6,11 @@ readings separate the configurations clearly, and small enough that a plan takes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,8 +51,13 @@ def plain_peak(model: nn.Module, batch: torch.Tensor, micro_batch_size: int) -> 
     return peak.peak_bytes
 
 
-@pytest.fixture(scope="module")
-def setting():
+def _measure_in_this_process() -> tuple:
+    """Plan under a budget between micro-batch 16's peak and the full batch's, in this process.
+
+    Runs in a fresh child (see `setting`): the CPU readings are resident-set high-water marks,
+    and a process that earlier tests have used (large allocations move glibc's dynamic mmap
+    threshold and leave free heap behind) reads peaks too low to separate the configurations.
+    """
     torch.set_num_threads(2)
     planner._fix_mmap_threshold()  # Note [honest CPU peaks], also for the reference readings
     batch = torch.randn(BATCH, 128, 128, generator=torch.Generator().manual_seed(1))
@@ -68,11 +77,33 @@ def setting():
         checkpointing=(0, 1),
         steps=1,
     )
-    return result, budget, model, before
+    untouched = {
+        "weights": all(torch.equal(before[k], v) for k, v in model.state_dict().items()),
+        "grads": all(p.grad is None for p in model.parameters()),
+        "not checkpointed": "forward" not in model[0].__dict__,
+    }
+    return result, budget, untouched
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    """`_measure_in_this_process`, run in a fresh Python process; its result read back."""
+    out = tmp_path_factory.mktemp("plan") / "setting.pt"
+    here = Path(__file__).parent
+    code = (
+        "import torch, test_planner; "
+        f"torch.save(test_planner._measure_in_this_process(), {str(out)!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1] / "src"), str(here)])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
 
 
 def test_choice_fits_and_is_the_fastest_fitting(setting):
-    result, budget, _, _ = setting
+    result, budget, _ = setting
     assert result.memory_budget == budget
     assert result.choice.fits and result.choice.peak_bytes <= budget
     fitting = [c for c in result.candidates if c.fits and c.seconds_per_step is not None]
@@ -83,7 +114,7 @@ def test_choice_fits_and_is_the_fastest_fitting(setting):
 
 
 def test_beats_the_naive_choice_and_says_why(setting):
-    result, budget, _, _ = setting
+    result, budget, _ = setting
     assert (result.naive.micro_batch_size, result.naive.checkpointing) == (4, 1.0)
     assert result.choice is not result.naive
     assert result.choice.seconds_per_step < result.naive.seconds_per_step
@@ -96,14 +127,12 @@ def test_beats_the_naive_choice_and_says_why(setting):
 
 
 def test_users_model_is_untouched(setting):
-    _, _, model, before = setting
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert all(p.grad is None for p in model.parameters())
-    assert "forward" not in model[0].__dict__  # not left checkpointed
+    _, _, untouched = setting
+    assert untouched == {"weights": True, "grads": True, "not checkpointed": True}
 
 
 def test_fit_predicts_the_peak(setting):
-    result, budget, _, _ = setting
+    result, budget, _ = setting
     measured = [c for c in result.candidates if c.checkpointing == 0 and c.measured]
     fit = fit_memory(measured[:-1], 0.0)  # from the smaller sizes only
     last = measured[-1]

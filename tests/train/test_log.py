@@ -36,6 +36,7 @@ def test_samples_loss_reports_samples_per_second(tmp_path, capsys):
 
 
 def test_tensorboard_event_file_holds_one_point_per_step(tmp_path):
+    pytest.importorskip("tensorboard")  # in the test extra; optional for users
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     bigbatch.fit(tasks.classify(), batch_size=10, steps=4, out=str(tmp_path), quiet=True)
