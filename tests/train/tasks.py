@@ -60,9 +60,12 @@ def classify_dropout() -> bigbatch.Task:
 
 def killable() -> bigbatch.Task:
     """``classify_dropout`` whose loss writes each micro-batch it starts to $KILL_LOG and, at
-    the micro-batch number $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there."""
+    the micro-batch number $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there.
+    With $OOM_ABOVE set, a micro-batch larger than that raises ``MemoryError`` after its forward
+    (as a real out-of-memory error would), so ``--micro-batch-size auto`` adopts a smaller one."""
     task = classify_dropout()
     log, stop_at = os.environ.get("KILL_LOG"), int(os.environ.get("STOP_AT", "0"))
+    oom_above = int(os.environ.get("OOM_ABOVE", "0"))
     calls = [0]
 
     def loss_fn(model: nn.Module, batch) -> torch.Tensor:
@@ -72,7 +75,10 @@ def killable() -> bigbatch.Task:
                 f.write(f"{calls[0]}\n")
         if calls[0] == stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)
-        return _loss(model, batch)
+        loss = _loss(model, batch)
+        if oom_above and len(batch[0]) > oom_above:
+            raise MemoryError(f"micro-batch {len(batch[0])} > OOM_ABOVE={oom_above}")
+        return loss
 
     task.loss_fn = loss_fn
     return task

@@ -97,12 +97,12 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
             elapsed_s += seconds
             epoch = (step - 1) // steps_per_epoch
             row = _row(step, epoch, result, optimizer, seconds, probe.finish(record), samples)
-            log.step({**row, **_evaluate_every(task, model, config, step, micro_batch_size)})
+            log.step({**row, **_evaluate_every(task, acc, config, step, batch_size)})
             if ranks.is_main and _snapshot_due(config, step, steps_per_epoch, total_steps):
                 _save(acc, config, identity, step, steps_per_epoch, elapsed_s)
     finally:
         log.close()
-    final = evaluate(task, model, _eval_batch_size(micro_batch_size, batch_size))
+    final = evaluate(task, model, _eval_batch_size(acc, batch_size))
     if ranks.is_main:
         resume.atomic_save(distributed.unwrap(model).state_dict(), f"{config.out}/model.pt")
     # every rank waits here for rank 0's files (the summary reads metrics.csv)
@@ -304,13 +304,18 @@ def evaluate(
 
 
 def _evaluate_every(
-    task: Task, model: torch.nn.Module, config: TrainConfig, step: int, micro: Any
+    task: Task, acc: Accumulator, config: TrainConfig, step: int, batch_size: int
 ) -> dict[str, Any]:
     if not config.eval_every or step % config.eval_every or task.eval_data is None:
         return {}
-    eval_loss, metric = evaluate(task, model, _eval_batch_size(micro, config.batch_size or 32))
+    eval_loss, metric = evaluate(task, acc.model, _eval_batch_size(acc, batch_size))
     return {"eval_loss": eval_loss, "metric": metric if metric is not None else ""}
 
 
-def _eval_batch_size(micro_batch_size: Any, batch_size: int) -> int:
-    return micro_batch_size if isinstance(micro_batch_size, int) else batch_size
+def _eval_batch_size(acc: Accumulator, batch_size: int) -> int:
+    """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
+    (it fits with gradients kept, so it fits without): never the whole batch that did not."""
+    if isinstance(acc.micro_batch_size, int):
+        return acc.micro_batch_size
+    adopted = acc.auto_state.size if acc.auto_state is not None else None
+    return adopted or batch_size
