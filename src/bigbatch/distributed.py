@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,15 @@ def barrier() -> None:
     """Wait for every rank (a no-op without a process group)."""
     if in_group():
         dist.barrier()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank, indexed by rank (``[obj]`` without a process group)."""
+    if not in_group() or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def is_main_process() -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,14 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _start(args: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", **extra_env)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _train(launcher: list[str], out: Path, *flags: str) -> None:
@@ -79,3 +89,36 @@ def test_a_batch_smaller_than_the_ranks_is_refused(tmp_path):
         "--batch-size 6" in done.stderr
     )
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
+    """Dropout, and ranks that draw different amounts of randomness (batch 9: shares of 5 and 4):
+    rank 0 is killed mid-window, both workers SIGKILLed, and ``--resume`` under torchrun ends
+    bitwise equal to the uninterrupted two-rank run (each rank gets its own random state back)."""
+    task = f"{HERE.parent / 'train' / 'tasks.py'}:killable"
+    flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
+             "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3"]  # fmt: skip
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    done = _run([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(whole)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # rank 0 starts micro-batches 4+1 per step: number 8 is the second of step 4 (snapshot: 3)
+    env = {"KILL_LOG": str(tmp_path / "calls-{rank}.log"), "STOP_AT": "8"}
+    proc = _start([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run)], env)
+    logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not (logs[0].exists() and logs[0].read_text().split()[-1:] == ["8"]):
+        assert proc.poll() is None, "the run ended before the kill point"
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    for log in logs:  # the workers (torchrun starts each in its own session)
+        os.kill(int(log.read_text().split()[0]), signal.SIGKILL)
+    assert proc.wait(timeout=60) != 0
+    assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 3
+
+    done = _run([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run), "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    want, got = torch.load(whole / "model.pt"), torch.load(run / "model.pt")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    rows, ref = read_csv(str(run / "metrics.csv")), read_csv(str(whole / "metrics.csv"))
+    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ref]

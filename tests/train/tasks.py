@@ -59,12 +59,15 @@ def classify_dropout() -> bigbatch.Task:
 
 
 def killable() -> bigbatch.Task:
-    """``classify_dropout`` whose loss writes each micro-batch it starts to $KILL_LOG and, at
-    the micro-batch number $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there.
-    With $OOM_ABOVE set, a micro-batch larger than that raises ``MemoryError`` after its forward
-    (as a real out-of-memory error would), so ``--micro-batch-size auto`` adopts a smaller one."""
+    """``classify_dropout`` whose loss appends "<pid> <n>" to $KILL_LOG for the n-th micro-batch
+    it starts and, at n = $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there.
+    Under torchrun "{rank}" in $KILL_LOG is the rank, and rank 0 alone stops. With $OOM_ABOVE
+    set, a micro-batch larger than that raises ``MemoryError`` after its forward (as a real
+    out-of-memory error would), so ``--micro-batch-size auto`` adopts a smaller one."""
     task = classify_dropout()
-    log, stop_at = os.environ.get("KILL_LOG"), int(os.environ.get("STOP_AT", "0"))
+    rank = os.environ.get("RANK", "0")
+    log = os.environ.get("KILL_LOG", "").replace("{rank}", rank)
+    stop_at = int(os.environ.get("STOP_AT", "0")) if rank == "0" else 0
     oom_above = int(os.environ.get("OOM_ABOVE", "0"))
     calls = [0]
 
@@ -72,7 +75,7 @@ def killable() -> bigbatch.Task:
         calls[0] += 1
         if log:
             with open(log, "a") as f:
-                f.write(f"{calls[0]}\n")
+                f.write(f"{os.getpid()} {calls[0]}\n")
         if calls[0] == stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)
         loss = _loss(model, batch)

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,7 +82,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         config.memory_budget,
     )  # fmt: skip
     identity = _identity(task, config)
-    start_step, elapsed_s = _start(acc, config, identity, total_steps)
+    start_step, elapsed_s = _start(acc, config, identity, ranks)
 
     log = RunLog(config.out, total_steps, start_step, config.quiet) if ranks.is_main else NullLog()
     probe = PeakProbe(ranks.device)
@@ -98,8 +99,10 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
             epoch = (step - 1) // steps_per_epoch
             row = _row(step, epoch, result, optimizer, seconds, probe.finish(record), samples)
             log.step({**row, **_evaluate_every(task, acc, config, step, batch_size)})
-            if ranks.is_main and _snapshot_due(config, step, steps_per_epoch, total_steps):
-                _save(acc, config, identity, step, steps_per_epoch, elapsed_s)
+            if _snapshot_due(config, step, steps_per_epoch, total_steps):
+                rng = distributed.all_gather_object(resume.capture_rng())  # each rank's own
+                if ranks.is_main:
+                    _save(acc, config, identity, step, steps_per_epoch, elapsed_s, rng)
     finally:
         log.close()
     final = evaluate(task, model, _eval_batch_size(acc, batch_size))
@@ -170,7 +173,7 @@ def _identity(task: Task, config: TrainConfig) -> dict[str, Any]:
 
 
 def _start(
-    acc: Accumulator, config: TrainConfig, identity: dict[str, Any], total_steps: int
+    acc: Accumulator, config: TrainConfig, identity: dict[str, Any], ranks: distributed.Ranks
 ) -> tuple[int, float]:
     """Restore the snapshot when resuming; seed everything when starting. Returns (step, time)."""
     resume.clean_stale_temps(config.out)
@@ -192,8 +195,23 @@ def _start(
         acc.precision.scaler.load_state_dict(state["scaler"])
     if state["auto_state"] is not None:
         acc.auto_state = AutoState(**state["auto_state"])
-    resume.restore_rng(state["rng"])
+    _restore_rng(state["rng"], ranks)
     return int(state["step"]), float(state["elapsed_s"])
+
+
+def _restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
+    """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
+    if len(saved) == ranks.world_size:
+        resume.restore_rng(saved[ranks.rank])
+        return
+    if ranks.is_main:
+        warnings.warn(
+            f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every rank "
+            "takes rank 0's random state, so random draws (dropout) differ from the "
+            "uninterrupted run; resume on the same number of ranks for a bitwise-equal result.",
+            stacklevel=3,
+        )
+    resume.restore_rng(saved[0])
 
 
 def _seed_everything(seed: int) -> None:
@@ -256,7 +274,7 @@ def _snapshot_due(config: TrainConfig, step: int, steps_per_epoch: int, total_st
 
 def _save(
     acc: Accumulator, config: TrainConfig, identity: dict[str, Any], step: int, steps_per_epoch: int,
-    elapsed_s: float,
+    elapsed_s: float, rng: list[dict[str, Any]],
 ) -> None:  # fmt: skip
     scaler = acc.precision.scaler
     resume.write_snapshot(config.out, {
@@ -267,7 +285,7 @@ def _save(
         "scheduler": acc.scheduler.state_dict() if acc.scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "auto_state": dataclasses.asdict(acc.auto_state) if acc.auto_state is not None else None,
-        "rng": resume.capture_rng(), "elapsed_s": elapsed_s,
+        "rng": rng, "elapsed_s": elapsed_s,
         "torch_version": str(torch.__version__), "num_threads": torch.get_num_threads(),
     })  # fmt: skip
 

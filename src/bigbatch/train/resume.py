@@ -1,9 +1,10 @@
 """Resume snapshots: the whole training state in one file, written atomically.
 
 A snapshot is taken at an optimizer-step boundary and holds the model, the optimizer, the LR
-scheduler, the gradient scaler, every random generator (torch CPU and CUDA, numpy, Python), the
-data position (epoch and batches done; the order is a pure function of ``seed`` and the epoch),
-the adopted auto micro-batch size and the run's settings. A run killed mid-window redoes that
+scheduler, the gradient scaler, every random generator of every rank (torch CPU and CUDA, numpy,
+Python), the data position (epoch and batches done; the order is a pure function of ``seed`` and
+the epoch), the adopted auto micro-batch size and the run's settings. Under torchrun rank 0
+writes it and every rank reads it: the run folder must be one that every node sees. A run killed mid-window redoes that
 window from the same data and the same random state, so the resumed run ends bitwise equal to
 an uninterrupted one on the CPU.
 
@@ -86,7 +87,7 @@ def read_snapshot(out: str) -> dict[str, Any] | None:
     return state
 
 
-FORMAT = "bigbatch-snapshot-1"
+FORMAT = "bigbatch-snapshot-2"  # 2: one random state per rank
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> None:
