@@ -1,5 +1,3 @@
-import sys
+from bigbatch.cli import run
 
-from bigbatch.cli import main
-
-sys.exit(main())
+run()

@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run() -> None:
+    """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] after torchrun)."""
+    from bigbatch import distributed
+
+    distributed.exit_process(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bigbatch`` command; returns the exit code."""
     parser = build_parser()

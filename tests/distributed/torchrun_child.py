@@ -43,3 +43,4 @@ def main(out_path: str, batch_size: int, micro_batch_size: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    distributed.exit_process(0)  # Note [gloo exit]

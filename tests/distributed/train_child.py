@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed as dist
 
+from bigbatch import distributed
 from bigbatch.cli import main
 
 if __name__ == "__main__":
@@ -16,4 +17,4 @@ if __name__ == "__main__":
     out = sys.argv[sys.argv.index("--out") + 1]
     with open(os.path.join(out, f"teardown-rank{os.environ['RANK']}"), "w") as file:
         file.write("still in the group" if dist.is_initialized() else "left")
-    sys.exit(code)
+    distributed.exit_process(code)  # Note [gloo exit]
