@@ -125,3 +125,27 @@ def test_run_folder_of_another_run(capsys, tmp_path):
     assert "belongs to another run (batch_size: 10 -> 8)" in err and "choose another --out" in err
     code, _, err = run(capsys, "train", *common, "--batch-size", "10")
     assert code == 2 and "already holds a run (step 1 of 1): add --resume" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "line"),
+    [
+        (b"not a torch file", "is not a readable bigbatch snapshot (UnpicklingError)"),
+        ({"step": 3}, "is not a bigbatch snapshot; choose another --out"),
+        (
+            {"format": "bigbatch-snapshot-1"},
+            "was written by another version of bigbatch (bigbatch-snapshot-1; this one reads "
+            "bigbatch-snapshot-2): resume it with that version",
+        ),
+    ],
+)
+def test_a_snapshot_that_cannot_be_resumed_is_one_line(capsys, tmp_path, content, line):
+    import torch
+
+    if isinstance(content, bytes):
+        (tmp_path / "snapshot.pt").write_bytes(content)
+    else:
+        torch.save(content, tmp_path / "snapshot.pt")
+    argv = ("train", f"{TASKS}:classify", "--steps", "1", "--out", str(tmp_path), "--resume")
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and line in err, err

@@ -82,7 +82,13 @@ def read_snapshot(out: str) -> dict[str, Any] | None:
             f"{path} is not a readable bigbatch snapshot ({type(exc).__name__}); move it away or "
             "choose another --out."
         ) from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    found = state.get("format") if isinstance(state, dict) else None
+    if isinstance(found, str) and found.startswith("bigbatch-snapshot-") and found != FORMAT:
+        raise RunMismatchError(
+            f"{path} was written by another version of bigbatch ({found}; this one reads "
+            f"{FORMAT}): resume it with that version, or start again in another --out."
+        )
+    if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
     return state
 
