@@ -4,9 +4,9 @@ A snapshot is taken at an optimizer-step boundary and holds the model, the optim
 scheduler, the gradient scaler, every random generator of every rank (torch CPU and CUDA, numpy,
 Python), the data position (epoch and batches done; the order is a pure function of ``seed`` and
 the epoch), the adopted auto micro-batch size and the run's settings. Under torchrun rank 0
-writes it and every rank reads it: the run folder must be one that every node sees. A run killed mid-window redoes that
-window from the same data and the same random state, so the resumed run ends bitwise equal to
-an uninterrupted one on the CPU.
+writes it and every rank reads it: the run folder must be one that every node sees. A run
+killed mid-window redoes that window from the same data and the same random state, so the
+resumed run ends bitwise equal to an uninterrupted one on the CPU.
 
 Note [atomic snapshot]
     ``write_snapshot`` writes to a temporary file in the run folder, flushes and ``fsync``\\ s it,
