@@ -26,20 +26,17 @@ TASK = f"{HERE.parent / 'train' / 'tasks.py'}:classify"  # float64 MLP, 50 sampl
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's variables (torchrun sets its own), plus ``extra``."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-
-
-def _start(args: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.update(OMP_NUM_THREADS="1", **extra_env)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=120)
 
 
 def _train(launcher: list[str], out: Path, *flags: str) -> None:
@@ -103,8 +100,9 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
     # rank 0 starts micro-batches 4+1 per step: number 8 is the second of step 4 (snapshot: 3)
-    env = {"KILL_LOG": str(tmp_path / "calls-{rank}.log"), "STOP_AT": "8"}
-    proc = _start([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run)], env)
+    env = _env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT="8")
+    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
     deadline = time.monotonic() + 120
     while not (logs[0].exists() and logs[0].read_text().split()[-1:] == ["8"]):

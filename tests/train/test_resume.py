@@ -31,16 +31,20 @@ SRC = HERE.parents[1] / "src"
 TASK = f"{HERE / 'tasks.py'}:killable"
 SETTINGS = ["--batch-size", "10", "--epochs", "2", "--lr", "0.05", "--save-every", "3",
             "--seed", "3", "--quiet"]  # fmt: skip
-MICRO_PER_STEP = 3
 
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]), **extra}
 
 
+def _argv(out: Path, micro: str, *extra: str, launcher: tuple[str, ...] = ("-m", "bigbatch")):
+    """``bigbatch train`` on the killable task with SETTINGS (or ``launcher`` instead of ``-m``)."""
+    return [sys.executable, *launcher, "train", TASK, *SETTINGS, "--micro-batch-size", micro,
+            "--out", str(out), *extra]  # fmt: skip
+
+
 def _train(out: Path, micro: str, *extra: str, **env: str) -> None:
-    argv = [sys.executable, "-m", "bigbatch", "train", TASK, *SETTINGS, "--micro-batch-size",
-            micro, "--out", str(out), *extra]  # fmt: skip
+    argv = _argv(out, micro, *extra)
     done = subprocess.run(argv, env=_env(**env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -107,9 +111,8 @@ KILL_POINTS = {
 def test_sigkill_then_resume_is_bitwise_equal(point, tmp_path, uninterrupted):
     stop_at, snapshot_step = KILL_POINTS[point]
     out, calls = tmp_path / "run", tmp_path / "calls.log"
-    argv = [sys.executable, "-m", "bigbatch", "train", TASK, *SETTINGS, "--micro-batch-size",
-            "4", "--out", str(out)]  # fmt: skip
-    _kill_when_stopped(argv, _env(KILL_LOG=str(calls), STOP_AT=str(stop_at)), tmp_path / "err")
+    env = _env(KILL_LOG=str(calls), STOP_AT=str(stop_at))
+    _kill_when_stopped(_argv(out, "4"), env, tmp_path / "err")
     assert calls.read_text().split()[-1] == str(stop_at)  # killed where intended
     assert _snapshot_step(out) == snapshot_step
     _train(out, "4", "--resume")
@@ -118,8 +121,7 @@ def test_sigkill_then_resume_is_bitwise_equal(point, tmp_path, uninterrupted):
 
 def test_sigkill_while_writing_a_snapshot_keeps_the_last_good_one(tmp_path, uninterrupted):
     out = tmp_path / "run"
-    argv = [sys.executable, str(HERE / "torn_write_child.py"), "train", TASK, *SETTINGS,
-            "--micro-batch-size", "4", "--out", str(out)]  # fmt: skip
+    argv = _argv(out, "4", launcher=(str(HERE / "torn_write_child.py"),))
     # the 2nd write is the snapshot of step 5, killed with half of it on disk
     _kill_when_stopped(argv, _env(STOP_IN_WRITE="2"), tmp_path / "err")
     [temp] = glob.glob(str(out / ".*tmp*"))
@@ -135,12 +137,10 @@ def test_resume_keeps_the_adopted_auto_micro_batch(tmp_path, uninterrupted):
     assert [r["oom_retries"] for r in ref] == ["2"] + ["0"] * 9
     assert {r["micro_batch_size"] for r in ref} == {"2"}
     out, calls = tmp_path / "run", tmp_path / "calls.log"
-    argv = [sys.executable, "-m", "bigbatch", "train", TASK, *SETTINGS, "--micro-batch-size",
-            "auto", "--out", str(out)]  # fmt: skip
     # step 1 starts 7 micro-batches (10 and 5 fail, then 5 x 2), later steps 5 each:
     # micro-batch 30 is the third of step 6, after the snapshot of step 5
     env = _env(KILL_LOG=str(calls), STOP_AT="30", OOM_ABOVE="4")
-    _kill_when_stopped(argv, env, tmp_path / "err")
+    _kill_when_stopped(_argv(out, "auto"), env, tmp_path / "err")
     saved = torch.load(out / "snapshot.pt", weights_only=True)
     assert (saved["step"], saved["auto_state"]["size"]) == (5, 2)
     _train(out, "auto", "--resume", OOM_ABOVE="4")
