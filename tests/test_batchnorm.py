@@ -10,7 +10,7 @@ import torch.nn as nn
 from models import mean_ce
 
 import bigbatch
-from bigbatch.batchnorm import corrected_momentum
+from bigbatch.batchnorm_window import corrected_momentum
 
 
 def bn_model(momentum: float = 0.1) -> nn.Module:
@@ -136,7 +136,7 @@ def test_engine_warns_once_at_first_step(gen):
         warnings.simplefilter("error", bigbatch.BigBatchWarning)
         acc.train_step((x, y), mean_ce)  # once only
         whole = bigbatch.Accumulator(
-            bn_model(), torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=10
+            (other := bn_model()), torch.optim.SGD(other.parameters(), lr=0.1), micro_batch_size=10
         )
         whole.train_step((x, y), mean_ce)  # one micro-batch is the full batch: exact, no warning
         model.eval()
@@ -146,7 +146,7 @@ def test_engine_warns_once_at_first_step(gen):
 
 
 def test_every_batchnorm_class_is_found_and_handled_ones_are_not():
-    from bigbatch.batchnorm import unhandled_batch_coupled
+    from bigbatch.batchnorm_window import unhandled_batch_coupled
 
     model = nn.Sequential(nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4))
     assert unhandled_batch_coupled(model) == [

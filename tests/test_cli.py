@@ -7,6 +7,7 @@ import os
 import pytest
 
 from bigbatch.cli import main
+from bigbatch.train.resume import FORMAT
 
 TASKS = os.path.join(os.path.dirname(__file__), "train", "tasks.py")
 
@@ -135,7 +136,7 @@ def test_run_folder_of_another_run(capsys, tmp_path):
         (
             {"format": "bigbatch-snapshot-1"},
             "was written by another version of bigbatch (bigbatch-snapshot-1; this one reads "
-            "bigbatch-snapshot-2): resume it with that version",
+            f"{FORMAT}): resume it with that version",
         ),
     ],
 )

@@ -2,7 +2,8 @@
 
 A batch is whatever a DataLoader yields: a tensor, a tuple ``(x, y)``, a dict, a tokenizer's
 ``BatchEncoding`` (a ``Mapping`` that is not a ``dict``), nested any way. Non-tensor leaves
-(strings, ints, ``None``) are carried through untouched.
+(strings, ints, ``None``) are carried through untouched by ``map_tensors``; ``rows`` also cuts
+per-sample columns that are not tensors (see ``rows``).
 """
 
 from __future__ import annotations
@@ -55,3 +56,33 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Any:
         return rebuild(items)
     except Exception:  # a mapping type whose constructor takes something else
         return items
+
+
+def rows(tree: Any, start: int, stop: int, n: int) -> Any:
+    """``tree`` with every per-sample leaf cut to its rows ``start:stop`` of ``n``.
+
+    Per-sample leaves are tensors (cut along their first dimension) and **columns**: a list or
+    tuple of exactly ``n`` values that are not containers, such as the list of ``n`` ids or
+    strings that ``default_collate`` makes from a dataset of ``(x, y, "id")`` items. Anything
+    else that is not a tensor (a per-batch constant, a list of another length) is passed whole.
+
+    >>> rows({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, 1, 3, 4)
+    {'x': tensor([1, 2]), 'id': ['b', 'c'], 'lr': 0.1}
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree[start:stop]
+    if isinstance(tree, Mapping):
+        return _rebuild_mapping(tree, {k: rows(v, start, stop, n) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
+        return type(tree)(*(rows(v, start, stop, n) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        if is_column(tree, n):
+            return type(tree)(tree[start:stop])
+        return type(tree)(rows(v, start, stop, n) for v in tree)
+    return tree
+
+
+def is_column(values: tuple | list, n: int) -> bool:
+    """A list / tuple of ``n`` non-container values: one value per sample (see ``rows``)."""
+    containers = (torch.Tensor, Mapping, tuple, list)
+    return len(values) == n and not any(isinstance(v, containers) for v in values)

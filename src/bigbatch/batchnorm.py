@@ -1,31 +1,28 @@
-"""BatchNorm under accumulation: ``batchnorm(model, policy)`` and the engine's window hook.
+"""BatchNorm under accumulation: ``batchnorm(model, policy)`` chooses what the layers do.
 
 BatchNorm in training mode normalises each sample with statistics of the *micro*-batch it is in,
-so an accumulated step is not the big-batch step. Three policies:
+so an accumulated step is not the big-batch step. The policies:
 
 * ``"micro"``: keep ghost-batch semantics (statistics per micro-batch, what PyTorch does under
-  accumulation anyway) and say so once with a ``BigBatchWarning`` naming the layers.
+  accumulation anyway) and say so once with a ``BigBatchWarning`` naming the layers; inside the
+  engine's windows the running statistics move once per optimizer step as far as one big-batch
+  update would (Note [momentum correction] in ``bigbatch.batchnorm_window``).
 * ``"freeze"``: normalise with the running statistics (eval-mode BatchNorm, for fine-tuning),
   even after ``model.train()``; the running statistics no longer change. The affine weight and
   bias stay trainable: call ``layer.requires_grad_(False)`` to freeze them too. Exact.
 * ``"groupnorm"``: replace every BatchNorm with a ``GroupNorm`` (affine weights copied).
   GroupNorm is per-sample, so accumulation is exact.
+* ``"keep"``: undo any of the above; the layers behave as they did before (a swapped GroupNorm
+  becomes the original BatchNorm again, with the affine weights it has learned since).
 
-Note [momentum correction]: a window of ``n`` samples cut into micro-batches of ``s_1..s_k``
-samples runs k BatchNorm updates ``r <- (1 - a_j) r + a_j stat_j``. With the momentum correction
-each update uses ``a_j = 1 - (1 - m)^(s_j / n)``, so ``Π (1 - a_j) = 1 - m``: after one optimizer
-step the old running value keeps exactly the weight ``1 - m`` that one big-batch update gives it,
-and the new statistics together get weight ``m`` (not ``1 - (1 - m)^k``, k times as far). When
-every micro-batch has the big batch's statistics the result equals the big-batch update exactly.
-The engine tells the layers ``n`` through ``window(model, n)`` around each window; outside a
-window (your own loop) the layers use their plain momentum.
+Each policy is a record that holds what it changed (``BatchNormHook``: its hook handles and the
+layer's momentum; ``_Swapped``: the original BatchNorm), so undoing restores the model's behaviour
+and its ``state_dict`` exactly; nothing else is set on the user's layers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,16 +30,21 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch._warnings import BigBatchWarning
+from bigbatch.batchnorm_window import BatchNormHook, batchnorm_layers, hooks_of, label
 
-POLICIES = ("micro", "freeze", "groupnorm")
+POLICIES = ("micro", "freeze", "groupnorm", "keep")
 
 
-def batchnorm(model: nn.Module, policy: str = "micro", momentum_correction: bool = True) -> nn.Module:
+def batchnorm(
+    model: nn.Module, policy: str = "micro", momentum_correction: bool = True
+) -> nn.Module:
     """Choose how the model's BatchNorm layers behave under accumulation (in place).
+
+    A new policy replaces the previous one; ``"keep"`` undoes every policy.
 
     Args:
         model: the module whose BatchNorm layers (any dimension, SyncBatchNorm, lazy) to handle.
-        policy: ``"micro"``, ``"freeze"`` or ``"groupnorm"`` (see the module docstring).
+        policy: ``"micro"``, ``"freeze"``, ``"groupnorm"`` or ``"keep"`` (module docstring).
         momentum_correction: for ``"micro"``, move the running statistics once per optimizer
             step as far as one big-batch update would (Note [momentum correction]).
 
@@ -56,20 +58,24 @@ def batchnorm(model: nn.Module, policy: str = "micro", momentum_correction: bool
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
         >>> type(batchnorm(model, "groupnorm")[1]).__name__
         'GroupNorm'
+        >>> type(batchnorm(model, "keep")[1]).__name__
+        'BatchNorm2d'
     """
     if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is not allowed: use one of {', '.join(map(repr, POLICIES))}.")
+        raise ValueError(
+            f"policy={policy!r} is not allowed: use one of {', '.join(map(repr, POLICIES))}."
+        )
+    if policy == "groupnorm":
+        for name, layer in batchnorm_layers(model):  # checked before anything changes
+            _check_initialised(name, layer)
+    _undo(model)
     layers = batchnorm_layers(model)
     if policy == "groupnorm":
         for name, layer in layers:
-            _replace(model, name, _to_groupnorm(name, layer))
-        return model
-    for _, layer in layers:
-        if getattr(layer, "_bigbatch_policy", None) is None:
-            layer.register_forward_pre_hook(_pre_forward)
-        layer._bigbatch_policy = policy  # type: ignore[assignment]
-        layer._bigbatch_correct = momentum_correction  # type: ignore[assignment]
-        layer._bigbatch_momentum = layer.momentum  # type: ignore[assignment]
+            _replace(model, name, _Swapped.install(layer))
+    elif policy in ("micro", "freeze"):
+        for _, layer in layers:
+            BatchNormHook(layer, policy, momentum_correction)
     if policy == "micro" and layers:
         names = ", ".join(label(name, layer) for name, layer in layers)
         warnings.warn(
@@ -81,71 +87,54 @@ def batchnorm(model: nn.Module, policy: str = "micro", momentum_correction: bool
     return model
 
 
-def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
-    """The model's BatchNorm layers (every dimension, SyncBatchNorm, lazy) with their names."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+def _undo(model: nn.Module) -> None:
+    """Remove every policy: hooks off, swapped GroupNorms back to their BatchNorm."""
+    for name, module in list(model.named_modules()):
+        for hook in hooks_of(module):
+            hook.remove()
+        swapped = _Swapped.of(module)
+        if swapped is not None:
+            _replace(model, name, swapped.restore(module))
 
 
-def unhandled_batch_coupled(model: nn.Module) -> list[str]:
-    """Names of BatchNorm layers in training mode that no ``batchnorm`` policy has handled."""
-    return [
-        label(name, m)
-        for name, m in batchnorm_layers(model)
-        if m.training and getattr(m, "_bigbatch_policy", None) is None
-    ]
+class _Swapped:
+    """Kept on a GroupNorm that ``"groupnorm"`` put in place of a BatchNorm: the BatchNorm itself.
+
+    Registered as a no-op forward pre-hook of the GroupNorm, so it lives and dies with the module
+    and ``_undo`` can find it; it changes nothing in the GroupNorm's forward.
+    """
+
+    def __init__(self, original: _BatchNorm) -> None:
+        self.original = original
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        return None
+
+    @classmethod
+    def install(cls, layer: _BatchNorm) -> nn.GroupNorm:
+        norm = _to_groupnorm(layer)
+        record = cls(layer)
+        record.handle = norm.register_forward_pre_hook(record)
+        return norm
+
+    @staticmethod
+    def of(module: nn.Module) -> _Swapped | None:
+        found = [h for h in module._forward_pre_hooks.values() if isinstance(h, _Swapped)]
+        return found[0] if found else None
+
+    def restore(self, norm: nn.Module) -> _BatchNorm:
+        """The original BatchNorm, holding the affine weights the GroupNorm learned."""
+        self.handle.remove()
+        if self.original.affine and isinstance(norm, nn.GroupNorm):
+            with torch.no_grad():
+                self.original.weight.copy_(norm.weight)
+                self.original.bias.copy_(norm.bias)
+        self.original.train(norm.training)
+        return self.original
 
 
-def label(name: str, module: nn.Module) -> str:
-    """How messages name a module: ``'features.1' (BatchNorm2d)``."""
-    return f"'{name}' ({type(module).__name__})" if name else type(module).__name__
-
-
-def warn_batch_coupled(model: nn.Module) -> None:
-    """Warn (``BigBatchWarning``) when the model holds unhandled BatchNorm layers in training mode."""
-    names = unhandled_batch_coupled(model)
-    if names:
-        warnings.warn(
-            f"{', '.join(names)} normalise with batch statistics in training mode, so each "
-            "micro-batch sees its own statistics and accumulation is not exact. Choose a policy "
-            'with bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm"), or run '
-            "`bigbatch check` to see the effect.",
-            BigBatchWarning,
-            stacklevel=3,
-        )
-
-
-@contextlib.contextmanager
-def window(model: nn.Module, samples: int) -> Iterator[None]:
-    """Tell momentum-corrected BatchNorm layers that the next forwards form a window of ``samples``."""
-    layers = [m for _, m in batchnorm_layers(model) if getattr(m, "_bigbatch_correct", False)]
-    for layer in layers:
-        layer._bigbatch_window = samples  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer._bigbatch_window = None  # type: ignore[assignment]
-            layer.momentum = layer._bigbatch_momentum  # type: ignore[assignment]
-
-
-def corrected_momentum(momentum: float, samples: int, window_samples: int) -> float:
-    """Momentum for a micro-batch of ``samples`` in a window of ``window_samples`` (Note above)."""
-    return 1.0 - (1.0 - momentum) ** (samples / window_samples)
-
-
-def _pre_forward(layer: _BatchNorm, args: tuple[Any, ...]) -> None:
-    if getattr(layer, "_bigbatch_policy", None) == "freeze":
-        layer.training = False  # survives model.train(): set again before every forward
-        return
-    base: float | None = getattr(layer, "_bigbatch_momentum", None)
-    n: int | None = getattr(layer, "_bigbatch_window", None)
-    if n and base is not None and layer.training and args and isinstance(args[0], torch.Tensor):
-        layer.momentum = corrected_momentum(base, args[0].shape[0], n)
-    else:
-        layer.momentum = base
-
-
-def _to_groupnorm(name: str, layer: _BatchNorm) -> nn.GroupNorm:
+def _check_initialised(name: str, layer: _BatchNorm) -> None:
     if isinstance(layer.weight, nn.parameter.UninitializedParameter) or (
         not layer.affine and layer.num_features == 0
     ):
@@ -153,6 +142,9 @@ def _to_groupnorm(name: str, layer: _BatchNorm) -> nn.GroupNorm:
             f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
             'batchnorm(model, policy="groupnorm").'
         )
+
+
+def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
     channels = layer.num_features
     groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(channels)
     norm = nn.GroupNorm(groups, channels, eps=layer.eps, affine=layer.affine)
@@ -160,6 +152,7 @@ def _to_groupnorm(name: str, layer: _BatchNorm) -> nn.GroupNorm:
         with torch.no_grad():
             norm.weight.copy_(layer.weight)
             norm.bias.copy_(layer.bias)
+    norm.train(layer.training)
     return norm.to(device=layer.weight.device if layer.affine else None, dtype=_dtype(layer))
 
 

@@ -24,11 +24,11 @@ from torch import nn
 
 from bigbatch._tree import map_tensors, tensor_leaves
 from bigbatch._warnings import BigBatchWarning
-from bigbatch.batchnorm import label
+from bigbatch.batchnorm_window import label
 from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn, as_sum_and_count
 from bigbatch.memory.checkpointing import checkpointed_blocks, disable_checkpointing
-from bigbatch.split import Batch, batch_size
+from bigbatch.split import Batch, batch_size, check_micro_batch_size
 
 Grads = dict[str, torch.Tensor]
 
@@ -132,6 +132,8 @@ def check(
     n = batch_size(batch)
     if n < 2:
         raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
+    if micro_batch_size is not None:
+        check_micro_batch_size(micro_batch_size)
     size = micro_batch_size or max(1, (n + 2) // 3)
     if size >= n:
         raise ValueError(
@@ -150,54 +152,68 @@ def check(
         tolerance=tolerance,
     )
     if not report.exact:
-        report.diagnoses = diagnose(model, batch, loss_fn, size, seed, tolerance, full)
+        report.diagnoses = diagnose(model, batch, loss_fn, seed, tolerance, full)
     if checkpointed_blocks(model):
         plain = _full_grads(model, batch, loss_fn, seed, checkpointing=False)
         worst = max(_differences(full, plain).values(), default=0.0)
         if worst > tolerance:
             report.exact = False
-            report.diagnoses.append(Diagnosis(
-                "checkpointing", tuple(checkpointed_blocks(model)),
-                f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
-                "recomputed forward of these blocks is not the first one (state changed by the "
-                "forward, or randomness outside torch's RNG).",
-            ))
+            report.diagnoses.append(
+                Diagnosis(
+                    "checkpointing",
+                    tuple(checkpointed_blocks(model)),
+                    f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
+                    "recomputed forward of these blocks is not the first one (state changed by the "
+                    "forward, or randomness outside torch's RNG).",
+                )
+            )
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
-        if raise_on_failure:
-            raise NotExactError(report)
     return report
 
 
 def diagnose(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, size: int, seed: int, tolerance: float, full: Grads
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, tolerance: float, full: Grads
 ) -> list[Diagnosis]:
     """Why the accumulated gradient differs: every cause found (see the module docstring)."""
     found = []
     again = _full_grads(model, batch, loss_fn, seed)
     if max(_differences(again, full).values(), default=0.0) > tolerance:
-        found.append(Diagnosis(
-            "non-deterministic", (),
-            "two full-batch runs from the same seed give different gradients: the model or loss "
-            "uses randomness or non-deterministic kernels outside torch's seeded RNG.",
-        ))
+        found.append(
+            Diagnosis(
+                "non-deterministic",
+                (),
+                "two full-batch runs from the same seed give different gradients: the model or loss "
+                "uses randomness or non-deterministic kernels outside torch's seeded RNG.",
+            )
+        )
     coupled = coupled_modules(model, batch, loss_fn, seed)
     if coupled:
-        found.append(Diagnosis(
-            "batch-statistics", tuple(coupled),
-            f"{_labels(model, coupled)} change one sample's output when other samples change (batch "
-            "statistics in training mode): each micro-batch sees its own statistics. Use "
-            'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
-        ))
+        found.append(
+            Diagnosis(
+                "batch-statistics",
+                tuple(coupled),
+                f"{_labels(model, coupled)} change one sample's output when other samples change (batch "
+                "statistics in training mode): each micro-batch sees its own statistics. Use "
+                'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
+            )
+        )
     found.extend(_loss_diagnoses(model, batch, loss_fn, seed))
-    dropout = [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+    dropout = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
     if dropout and not coupled and not any(d.kind != "dropout" for d in found):
-        found.append(Diagnosis(
-            "dropout", tuple(dropout),
-            f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ from the "
-            "full batch's (fused kernels draw in another order): each step is an equally valid "
-            "sample, not the same numbers. Put those modules in eval() to check the rest.",
-        ))
+        found.append(
+            Diagnosis(
+                "dropout",
+                tuple(dropout),
+                f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ from the "
+                "full batch's (fused kernels draw in another order): each step is an equally valid "
+                "sample, not the same numbers. Put those modules in eval() to check the rest.",
+            )
+        )
     return found
 
 
@@ -222,7 +238,11 @@ def coupled_modules(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
     for h in hooks:
         h.remove()
     coupled = [names[m] for m, (a, kw) in inputs.items() if _is_coupled(m, a, kw, n, seed)]
-    inner = [c for c in coupled if not any(o != c and (c == "" or o.startswith(c + ".")) for o in coupled)]
+    inner = [
+        c
+        for c in coupled
+        if not any(o != c and (c == "" or o.startswith(c + ".")) for o in coupled)
+    ]
     return inner
 
 
@@ -230,7 +250,9 @@ def _labels(model: nn.Module, names: list[str]) -> str:
     return ", ".join(label(name, model.get_submodule(name)) for name in names)
 
 
-def _is_coupled(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, seed: int) -> bool:
+def _is_coupled(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, seed: int
+) -> bool:
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
         return False
     x = args[0]
@@ -265,25 +287,36 @@ def _loss_diagnoses(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
     tol = 1e-9 * max(1.0, abs(whole))
     if abs(whole - sum(s for s, _ in sums)) <= tol and abs(count - sum(c for _, c in sums)) <= 1e-9:
         return []
-    if abs(whole * n - sum(s * batch_size(p) for (s, _), p in zip(sums, parts, strict=True))) <= tol * n:
-        return [Diagnosis(
-            "mean-as-sum", (),
-            "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair: return "
-            "(per_item_losses.sum(), count), or the mean alone.",
-        )]
-    return [Diagnosis(
-        "batch-coupled-loss", (),
-        "each sample's loss depends on the other samples in the batch (e.g. in-batch negatives "
-        "of a contrastive loss): a micro-batch sees fewer of them. Compute such a loss over "
-        "cached embeddings of the whole batch, or accept the smaller pool per micro-batch.",
-    )]
+    if (
+        abs(whole * n - sum(s * batch_size(p) for (s, _), p in zip(sums, parts, strict=True)))
+        <= tol * n
+    ):
+        return [
+            Diagnosis(
+                "mean-as-sum",
+                (),
+                "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair: return "
+                "(per_item_losses.sum(), count), or the mean alone.",
+            )
+        ]
+    return [
+        Diagnosis(
+            "batch-coupled-loss",
+            (),
+            "each sample's loss depends on the other samples in the batch (e.g. in-batch negatives "
+            "of a contrastive loss): a micro-batch sees fewer of them. Compute such a loss over "
+            "cached embeddings of the whole batch, or accept the smaller pool per micro-batch.",
+        )
+    ]
 
 
 def _rows(batch: Batch, start: int, stop: int) -> Batch:
     return map_tensors(lambda t: t[start:stop], batch)
 
 
-def _sum_and_count(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) -> tuple[float, float]:
+def _sum_and_count(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int
+) -> tuple[float, float]:
     with _seeded(seed):
         loss_sum, count = as_sum_and_count(loss_fn(model, batch), batch_size(batch))
     return float(loss_sum), float(count)
@@ -301,7 +334,9 @@ def _full_grads(
     return _grads(work)
 
 
-def _accumulated_grads(model: nn.Module, batch: Batch, loss_fn: LossFn, size: int, seed: int) -> Grads:
+def _accumulated_grads(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, size: int, seed: int
+) -> Grads:
     """The gradient ``Accumulator.train_step`` steps with, captured by a recording optimizer."""
     work = _copy(model)
     params = [p for p in work.parameters() if p.requires_grad]
@@ -334,7 +369,9 @@ def _copy(model: nn.Module) -> nn.Module:
 
 
 def _grads(model: nn.Module) -> Grads:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {
+        name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def _differences(got: Grads, want: Grads) -> dict[str, float]:
@@ -343,12 +380,16 @@ def _differences(got: Grads, want: Grads) -> dict[str, float]:
     The floor keeps a gradient that is zero in exact arithmetic (a bias before a normalisation)
     from turning rounding noise into a relative difference of 1.
     """
-    total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()])))
+    total = float(
+        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()]))
+    )
     floor = max(1e-6 * total, torch.finfo(torch.float64).tiny)
     out = {}
     for name, g in want.items():
         a = got.get(name, torch.zeros_like(g))
-        out[name] = float(torch.linalg.vector_norm(a - g)) / max(float(torch.linalg.vector_norm(g)), floor)
+        out[name] = float(torch.linalg.vector_norm(a - g)) / max(
+            float(torch.linalg.vector_norm(g)), floor
+        )
     return out
 
 
@@ -359,28 +400,3 @@ def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
-
-
-def run_check_command(task_path: str, batch_size_: int, micro_batch_size: int | None) -> int:
-    """``bigbatch check``: check one batch of a task, print a table; 0 when exact, else 1."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from bigbatch.train.task import load_task
-
-    if batch_size_ < 2:
-        raise ValueError(f"--batch-size {batch_size_} is too small: use at least 2.")
-    task = load_task(task_path)
-    loader = torch.utils.data.DataLoader(
-        task.train_data, batch_size=batch_size_, shuffle=False, collate_fn=task.collate_fn
-    )
-    report = check(task.model, next(iter(loader)), task.loss_fn, micro_batch_size)
-    table = Table(title=f"bigbatch check {task_path}: worst parameters")
-    table.add_column("parameter")
-    table.add_column("relative difference", justify="right")
-    for name, diff in report.worst(10):
-        table.add_row(name, f"{diff:.2e}")
-    console = Console()
-    console.print(table)
-    console.print(report.summary(), markup=False)
-    return 0 if report.exact else 1

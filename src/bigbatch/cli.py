@@ -1,7 +1,18 @@
-"""The ``bigbatch`` command line: parse, build the settings, call the library.
+"""The ``bigbatch`` command line: parse, build the settings, call the library, print.
 
-Each subcommand is registered by one ``_add_<name>(subparsers)`` function that sets ``run``;
-``main`` turns the errors users can fix into one clear line (exit 2) instead of a traceback.
+Each subcommand is registered by one ``_add_<name>(subparsers)`` function that sets ``run``.
+``bigbatch train``'s flags are made from the fields of ``TrainConfig`` (one list of settings).
+``main`` is the one error boundary (Note [error boundary]).
+
+Note [error boundary]
+    Every error a user can cause ends in one line on stderr and exit code 2, never a traceback:
+    a bad flag or setting, a task that cannot be used, a run folder that is locked, read-only or
+    full, a step with NaN, no memory left. An error raised by bigbatch's own checks prints its
+    message (it names the setting and what is allowed); one raised inside the user's code (the
+    task function, the loss, the model) prints the user's frame instead: ``file:line in
+    function``, the exception, and the line of code, since bigbatch's internals would not help.
+    An error inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does
+    every error with ``BIGBATCH_TRACEBACK=1`` in the environment.
 """
 
 from __future__ import annotations
@@ -9,11 +20,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
 
-from bigbatch.train.task import TaskError
-
-USER_ERRORS: tuple[type[BaseException], ...] = (TaskError, ValueError, TypeError, FileNotFoundError)
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
+CHECKED = (
+    ValueError,
+    TypeError,
+    RuntimeError,
+    OSError,
+    MemoryError,
+    FloatingPointError,
+    ImportError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bigbatch",
         description="Train with the batch size you want on the memory you have: exact gradient "
         "accumulation for PyTorch.",
+        epilog="Errors print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in _SUBCOMMANDS:
@@ -30,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run() -> None:
-    """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] after torchrun)."""
+    """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
     from bigbatch import distributed
 
     distributed.exit_process(main())
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bigbatch`` command; returns the exit code."""
+    """Entry point of the ``bigbatch`` command; returns the exit code (Note [error boundary])."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -45,9 +70,58 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.run(args) or 0)
-    except USER_ERRORS as exc:
-        print(f"bigbatch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"bigbatch {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = getattr(exc, "exit_code", 2)  # a stopped run says how it stopped
+        line = explain(exc)
+        if line is None or os.environ.get("BIGBATCH_TRACEBACK"):
+            raise
+        print(f"bigbatch {args.command}: {'' if code != 2 else 'error: '}{line}", file=sys.stderr)
+        return int(code)
+
+
+def explain(exc: BaseException) -> str | None:
+    """The line the user sees for ``exc``, or ``None`` for a bug in bigbatch (Note [error boundary])."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    origin = frames[-1] if frames else None
+    user = next((f for f in reversed(frames) if _is_user_code(f.filename)), None)
+    message = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        message = f"{exc.filename}: {exc.strerror}"
+    if origin is None or _in_bigbatch(origin.filename):
+        if not isinstance(exc, CHECKED):
+            return None
+        return f"{_where(user)}: {message}" if user is not None else message
+    frame = user or origin
+    code = f"\n    {frame.line}" if frame.line else ""
+    return f"{_where(frame)} in {frame.name}: {type(exc).__name__}: {message}{code}"
+
+
+def _where(frame: traceback.FrameSummary) -> str:
+    return f"{_short(frame.filename)}:{frame.lineno}"
+
+
+def _short(path: str) -> str:
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+
+
+def _in_bigbatch(path: str) -> bool:
+    return Path(path).resolve().is_relative_to(PACKAGE_DIR)
+
+
+def _is_user_code(path: str) -> bool:
+    if path.startswith("<") or _in_bigbatch(path):
+        return False
+    resolved = Path(path).resolve()
+    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if any(resolved.is_relative_to(Path(lib).resolve()) for lib in libraries):
+        return False
+    return "site-packages" not in resolved.parts and "dist-packages" not in resolved.parts
 
 
 _DEMO_DESCRIPTION = """\
@@ -88,11 +162,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="the accumulated run's micro-batch (default 64)",
     )
     demo.add_argument(
-        "--out",
-        metavar="FILE.png",
-        default="bigbatch-demo.png",
+        "--out", metavar="FILE.png", default="bigbatch-demo.png",
         help="where to write the plot (default bigbatch-demo.png)",
-    )
+    )  # fmt: skip
     demo.set_defaults(run=_run_demo)
 
 
@@ -102,12 +174,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         import sklearn.datasets  # noqa: F401  (the demo's data; imported here to say what to install)
     except ImportError as exc:
-        print(
-            f"bigbatch demo: error: the demo's data come with scikit-learn ({exc}): run "
-            'pip install scikit-learn (or pip install -e ".[demo]" in a clone).',
-            file=sys.stderr,
-        )
-        return 2
+        raise ImportError(
+            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
+            '(or pip install -e ".[demo]" in a clone).'
+        ) from None
     result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
     return 0 if result.exact() else 1
 
@@ -128,9 +198,18 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from bigbatch.check import run_check_command
+    from bigbatch.check import check
+    from bigbatch.console import print_check
+    from bigbatch.train.task import first_batch, load_task
 
-    return run_check_command(args.task, args.batch_size, args.micro_batch_size)
+    if args.batch_size < 2:
+        raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
+    task = load_task(args.task)
+    report = check(
+        task.model, first_batch(task, args.batch_size), task.loss_fn, args.micro_batch_size
+    )
+    print_check(report, title=f"bigbatch check {args.task}: worst parameters")
+    return 0 if report.exact else 1
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -150,54 +229,38 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "--batch-size", type=int, required=True, help="effective batch (samples per step)"
     )
     plan.add_argument(
-        "--memory-budget",
-        default=None,
+        "--memory-budget", default=None,
         help="memory a step may use, e.g. 6GiB (default: the GPU's memory, or the CPU's available memory)",
-    )
+    )  # fmt: skip
     plan.add_argument(
-        "--micro-batch-sizes",
-        type=_int_list,
-        default=None,
+        "--micro-batch-sizes", type=_int_list, default=None,
         help="comma-separated sizes to try, e.g. 1,2,4 (default: powers of two up to the batch)",
-    )
+    )  # fmt: skip
     plan.add_argument(
-        "--checkpointing",
-        type=_float_list,
-        default=None,
+        "--checkpointing", type=_float_list, default=None,
         help="comma-separated fractions of the blocks to checkpoint (default: 0,0.5,1)",
-    )
+    )  # fmt: skip
     plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
     plan.set_defaults(run=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import torch
-
-    from bigbatch.memory.oom import MemoryBudgetExceeded
-    from bigbatch.memory.planner import plan, print_plan
-    from bigbatch.train.task import load_task
+    from bigbatch.console import print_plan
+    from bigbatch.memory.planner import plan
+    from bigbatch.train.task import first_batch, load_task
 
     task = load_task(args.task)
-    loader = torch.utils.data.DataLoader(
-        task.train_data, batch_size=args.batch_size, shuffle=False, collate_fn=task.collate_fn
-    )
-    batch = next(iter(loader))
     factory = task.optimizer
-    optimizer = (lambda params: factory(params, 1e-3)) if factory is not None else None
-    try:
-        result = plan(
-            task.model,
-            batch,
-            task.loss_fn,
-            memory_budget=args.memory_budget,
-            micro_batch_sizes=args.micro_batch_sizes,
-            checkpointing=args.checkpointing,
-            optimizer=optimizer,
-            steps=args.steps,
-        )
-    except MemoryBudgetExceeded as exc:
-        print(f"bigbatch plan: error: {exc}", file=sys.stderr)
-        return 2
+    result = plan(
+        task.model,
+        first_batch(task, args.batch_size),
+        task.loss_fn,
+        memory_budget=args.memory_budget,
+        micro_batch_sizes=args.micro_batch_sizes,
+        checkpointing=args.checkpointing,
+        optimizer=(lambda params: factory(params, 1e-3)) if factory is not None else None,
+        steps=args.steps,
+    )
     print_plan(result)
     return 0
 
@@ -223,12 +286,17 @@ loss_fn=...). Batch sizes: any two of --batch-size, --micro-batch-size and
 step is the exact big-batch step however the batch is cut. --lr is the rate at
 --reference-batch-size; --lr-scaling linear uses lr x batch/reference, sqrt uses
 lr x sqrt(batch/reference). A TOML --config holds the same names with _ for - (batch_size = 256).
-The run folder (--out) gets metrics.csv (one row per optimizer step), snapshot.pt (resume state,
-written atomically), model.pt (final state dict) and summary.json; `bigbatch report DIR` plots it.
+The run folder (--out) gets metrics.csv (one row per optimizer step), snapshot-*.pt (resume
+state, written atomically; the newest --keep-snapshots kept), model.pt (final state dict) and
+summary.json; `bigbatch report DIR` plots it. One run at a time per folder (a lock file). Ctrl-C
+or SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit 130/143);
+a second Ctrl-C stops at once.
 """
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from bigbatch.train.config import settings
+
     train = sub.add_parser(
         "train",
         help="train a task with exact gradient accumulation (progress bar, CSV, resume, report)",
@@ -237,174 +305,81 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         epilog=_TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    opt = argparse.SUPPRESS  # only the flags given override the --config file
     train.add_argument(
-        "task",
-        metavar="TASK",
-        nargs="?",
-        default=opt,
-        help="module:function returning a bigbatch.Task (or `task` in --config)",
-    )
-    train.add_argument(
-        "--config",
-        metavar="FILE.toml",
-        default=None,
+        "--config", metavar="FILE.toml", default=None,
         help="TOML file of settings (keys = these flags' names with _ for -)",
-    )
-    train.add_argument(
-        "--batch-size",
-        type=int,
-        default=opt,
-        help="effective batch: samples per optimizer step (default 32)",
-    )
-    train.add_argument(
-        "--micro-batch-size",
-        type=_int_or_auto,
-        default=opt,
-        help="samples per forward/backward, or auto: the largest that fits",
-    )
-    train.add_argument(
-        "--gradient-accumulation-steps",
-        type=int,
-        default=opt,
-        help="micro-batches per optimizer step",
-    )
-    _add_step_flags(train, opt)
-    train.add_argument(
-        "--lr",
-        type=float,
-        default=opt,
-        help="learning rate at --reference-batch-size (default 1e-3)",
-    )
-    train.add_argument(
-        "--lr-scaling",
-        choices=("none", "linear", "sqrt"),
-        default=opt,
-        help="scale --lr with batch/reference (default none)",
-    )
-    train.add_argument(
-        "--reference-batch-size", type=int, default=opt, help="the batch size --lr was tuned for"
-    )
-    train.add_argument(
-        "--lr-schedule",
-        choices=("constant", "cosine"),
-        default=opt,
-        help="after warm-up: constant (default) or cosine to 0",
-    )
-    train.add_argument(
-        "--warmup-steps", type=int, default=opt, help="steps of linear warm-up (default 0)"
-    )
-    train.add_argument("--steps", type=int, default=opt, help="optimizer steps to run")
-    train.add_argument(
-        "--epochs",
-        type=int,
-        default=opt,
-        help="passes over the data (default 1 when --steps is not given)",
-    )
-    train.add_argument(
-        "--memory-budget",
-        default=opt,
-        help="cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)",
-    )
-    train.add_argument(
-        "--seed",
-        type=int,
-        default=opt,
-        help="seeds the model, dropout and the data order (default 0)",
-    )
-    train.add_argument(
-        "--out", metavar="DIR", default=opt, help="run folder (default runs/bigbatch)"
-    )
-    train.add_argument(
-        "--save-every",
-        type=int,
-        default=opt,
-        help="resume snapshot every N steps (default: each epoch's end)",
-    )
-    train.add_argument(
-        "--resume",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="continue the run in --out from its snapshot",
-    )
-    train.add_argument(
-        "--eval-every", type=int, default=opt, help="evaluate every N steps (default: at the end)"
-    )
-    train.add_argument(
-        "--device", choices=("cpu", "cuda"), default=opt, help="default: cuda when available"
-    )
-    train.add_argument(
-        "--shuffle",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="reshuffle every epoch (default on)",
-    )
-    train.add_argument(
-        "--quiet",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="no progress bar and no table",
-    )
+    )  # fmt: skip
+    for f in settings():
+        _add_setting(train, f)
     train.set_defaults(run=_run_train)
 
 
-def _add_step_flags(train: argparse.ArgumentParser, opt: str) -> None:
-    """How one optimizer step computes: checkpointing, precision, BatchNorm, clipping."""
-    train.add_argument(
-        "--gradient-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="recompute the model's repeated blocks in backward (less memory, ~1 more forward)",
-    )
-    train.add_argument(
-        "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        default=opt,
-        help="fp32 (default), bf16 or fp16 autocast",
-    )
-    train.add_argument(
-        "--batchnorm",
-        choices=("keep", "micro", "freeze", "groupnorm"),
-        default=opt,
-        help="BatchNorm under accumulation: a micro-batch's statistics are not the full "
-        "batch's. keep (default): leave the model, warn; micro: per-micro-batch statistics, "
-        "running stats moved once per step; freeze: use the running stats (exact, for "
-        "fine-tuning); groupnorm: swap in GroupNorm (exact)",
-    )
-    train.add_argument(
-        "--max-grad-norm",
-        type=float,
-        default=opt,
-        help="clip the gradient's 2-norm (default: no clipping)",
-    )
+def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
+    """One flag for one ``TrainConfig`` field; only the flags given override ``--config``."""
+    from bigbatch.train.config import setting_types
+
+    kind, meta = setting_types()[f.name], f.metadata
+    default = "" if f.default in (None, False, 0, "") else f" (default {f.default})"
+    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": meta["help"] + default}
+    if f.name == "task":
+        parser.add_argument("task", metavar="TASK", nargs="?", **{**common, "help": meta["help"]})
+    elif f.name == "resume":
+        parser.add_argument(
+            "--resume", nargs="?", const=True, type=_flag_type(meta["parse"]), **common
+        )
+        parser.add_argument(
+            "--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS
+        )
+    elif kind is bool:
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, **common
+        )
+    else:
+        choices = [c for c in (meta["choices"] or ()) if c is not None] or None
+        parse = meta["parse"] or next(t for t in (int, float, str) if t in (kind, *_args(kind)))
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=_flag_type(parse), choices=choices, **common)
+
+
+def _args(kind: Any) -> tuple[Any, ...]:
+    import typing
+
+    return typing.get_args(kind)
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with argparse's error for text it cannot read."""
+
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                str(exc)
+                if parse not in (int, float)
+                else f"{text!r} is not {'an integer' if parse is int else 'a number'}"
+            ) from None
+
+    read.__name__ = getattr(parse, "__name__", "value")
+    return read
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    import torch
-
+    from bigbatch import _rng
     from bigbatch.train.config import field_names, load_toml, make_config
     from bigbatch.train.loop import fit
     from bigbatch.train.task import load_task
 
-    settings = load_toml(args.config) if args.config else {}
+    file_settings = load_toml(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if k in field_names()}
-    config = make_config(settings, **flags)
+    config = make_config(file_settings, **flags)
     if not config.task:
         raise ValueError(
             'no task: give TASK (module:function) or `task = "module:function"` in --config.'
         )
-    torch.manual_seed(config.seed)  # the task function builds the model: same seed, same weights
+    _rng.seed_all(config.seed)  # the task function builds the model: same seed, same weights
     fit(load_task(config.task), config)
     return 0
-
-
-def _int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or auto") from None
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -444,6 +419,7 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_plan,
 ]
 
+TracebackLike = TracebackType | None
 
 if __name__ == "__main__":
     sys.exit(main())

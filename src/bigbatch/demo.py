@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.engine import Accumulator
-from bigbatch.memory.peak import measure_peak
-from bigbatch.memory.planner import _fix_mmap_threshold
+from bigbatch.memory.peak import measure_peak, small_mmap_threshold
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 EXACT = 1e-10  # float64: a difference above this is not rounding
@@ -185,7 +184,6 @@ def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def warm_up(init: torch.nn.Module, data: Digits, batch_size: int) -> None:
     """One untimed full-batch step on a throwaway copy, so no run pays one-time allocations."""
-    _fix_mmap_threshold()  # clear CPU readings: see Note [honest CPU peaks] in memory.planner
     model = copy.deepcopy(init)
     idx = torch.arange(min(batch_size, len(data.y_train)))
     full_batch_step(model, optimizer_for(model))((data.x_train[idx], data.y_train[idx]))
@@ -246,14 +244,15 @@ def run_demo(
     _check_sizes(steps, batch_size, micro_batch_size, len(data.y_train))
     order = batch_order(len(data.y_train), batch_size, steps)
     init = make_model(hidden)
-    warm_up(init, data, batch_size)
-    with _progress() as bar:
-        full = _run("full batch", init, batch_size, data, order, bar, None, None)
-        budget = full.peak_bytes() // 2
-        accumulated = _run(
-            "accumulated", init, batch_size, data, order, bar, micro_batch_size, None
-        )
-        auto = _run("auto", init, batch_size, data, order, bar, "auto", budget)
+    with small_mmap_threshold():  # clear CPU readings: Note [honest CPU peaks] in memory.peak
+        warm_up(init, data, batch_size)
+        with _progress() as bar:
+            full = _run("full batch", init, batch_size, data, order, bar, None, None)
+            budget = full.peak_bytes() // 2
+            accumulated = _run(
+                "accumulated", init, batch_size, data, order, bar, micro_batch_size, None
+            )
+            auto = _run("auto", init, batch_size, data, order, bar, "auto", budget)
     runs = [full, accumulated, auto]
     result = DemoResult(
         runs,

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+DEVICES = ("cpu", "cuda")
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -76,8 +78,14 @@ def setup(device: str | None = None) -> Ranks:
         >>> ranks.world_size, ranks.is_main
         (1, True)
     """
-    if device not in (None, "cpu", "cuda"):
+    if device not in (None, *DEVICES):
         raise ValueError(f'device={device!r} is not allowed: use "cpu", "cuda" or None.')
+    if device == "cuda" and not torch.cuda.is_available():
+        built = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"device='cuda' but no CUDA device is available (torch {torch.__version__} is built "
+            f"{built}): use device='cpu' (--device cpu), or install a CUDA build of torch."
+        )
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     rank, world_size, local_rank = (
         _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
@@ -96,18 +104,13 @@ def teardown() -> None:
     The barrier first: a rank that destroys the group while another still talks to it (rank 0
     writing the last files) can abort the other's gloo threads.
     """
-    global _left_a_group
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        _left_a_group = True
-
-
-_left_a_group = False  # set by teardown (Note [gloo exit])
 
 
 def exit_process(code: int) -> NoReturn:
-    """Exit with ``code``; after ``teardown``, skipping the interpreter's finalization.
+    """Exit with ``code``; under torchrun, skipping the interpreter's finalization.
 
     Note [gloo exit]
         Even after ``destroy_process_group`` a gloo worker thread can still hold finished
@@ -115,11 +118,13 @@ def exit_process(code: int) -> NoReturn:
         finalized, taking the GIL aborts the process (SIGABRT, "terminate called without an
         active exception"), so a run that wrote everything can still end with exit code -6 and
         torchrun reports a failure (seen here about once in 15 two-rank runs; upstream:
-        pytorch/pytorch#179291). After a teardown the work is done and the files are closed,
-        so flushing stdout/stderr and leaving with ``os._exit`` loses nothing and skips the race.
-        Without a process group this is ``sys.exit(code)``.
+        pytorch/pytorch#179291). When the command returns, its work is done and its files are
+        closed, so flushing stdout/stderr and leaving with ``os._exit`` loses nothing and skips
+        the race. Whether this process is one of several ranks is read from torchrun's
+        environment (``WORLD_SIZE``), not from a flag kept by ``teardown``; a plain run exits
+        with ``sys.exit(code)``.
     """
-    if not _left_a_group:
+    if _env_int("WORLD_SIZE", 1) <= 1:
         sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()

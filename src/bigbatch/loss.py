@@ -18,6 +18,8 @@ Note [window normalisation]
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -74,16 +76,31 @@ def check_scalar_loss(loss: torch.Tensor, name: str) -> None:
 
 
 def check_count(count: Any, name: str) -> torch.Tensor | float:
-    """Return ``count`` as a float or 0-dim tensor, rejecting negative and non-numeric values."""
+    """Return ``count`` as a float or 0-dim tensor, rejecting bad values.
+
+    A Python or numpy number must be finite and non-negative. A tensor count is only checked for
+    its shape here: its value lives on the device, and reading it would stall the device once per
+    micro-batch, so the engine checks the window's counts at step time, before anything changes
+    (Note [window checks] in ``bigbatch.engine``).
+
+    Raises:
+        TypeError: not a number (``bool`` included).
+        ValueError: negative, NaN or infinite; a tensor of more than one element.
+    """
     if isinstance(count, torch.Tensor):
         if count.numel() != 1:
             raise ValueError(f"{name} has shape {tuple(count.shape)}; it must be a scalar.")
         return count.detach().reshape(())
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
         raise TypeError(f"{name}={count!r} is not a number; pass the number of items summed over.")
-    if count < 0:
-        raise ValueError(f"{name}={count} is negative; it must count the items summed over.")
-    return float(count)
+    value = float(count)
+    if not math.isfinite(value) or value < 0:
+        what = "negative" if value < 0 else "not finite"
+        raise ValueError(
+            f"{name}={count!r} is {what}; it must count the items summed over (a finite number "
+            ">= 0)."
+        )
+    return value
 
 
 def token_cross_entropy(

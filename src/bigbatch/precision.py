@@ -56,6 +56,34 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """The loss scaler's state (``None`` without a scaler)."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore ``state_dict``'s result.
+
+        Raises:
+            ValueError: a scaler state for a precision without one, or the other way round.
+        """
+        if (state is None) != (self.scaler is None):
+            saved = "fp16 (a loss scaler)" if state is not None else "no loss scaler"
+            raise ValueError(
+                f"the state was saved with {saved}; this Accumulator uses precision="
+                f"{self.name!r}: build it with the precision the state was saved with."
+            )
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state)
+
+    def discard(self) -> None:
+        """Forget a window that will not step: the scaler may have unscaled its gradients.
+
+        GradScaler refuses a second ``unscale_`` before ``update()``; a discarded window never
+        reaches ``update()``, so its per-optimizer record is dropped (the scale is unchanged).
+        """
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.clear()  # no public reset; the scale is kept
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer``; return ``True`` if the scaler skipped it for inf/NaN gradients."""
         if self.scaler is None:

@@ -3,14 +3,18 @@
 Pure functions, no model: ``batch_size(batch)`` checks that every tensor agrees on the first
 dimension and returns it; ``split(batch, micro_batch_size)`` cuts along that dimension into
 consecutive views, the last one possibly smaller (10 samples at 4 give 4 + 4 + 2).
+
+What is cut: every tensor (along its first dimension) and every per-sample column that is not a
+tensor, i.e. a list or tuple of exactly ``n`` non-container values (the ids or strings
+``default_collate`` gathers into a list). Anything else (a number, a string, a list of another
+length) is a per-batch value and every micro-batch gets it whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from bigbatch._tree import map_tensors, tensor_leaves
+from bigbatch._tree import rows, tensor_leaves
 
 Batch = Any
 """A tensor, or a nested tuple / list / dict / mapping of tensors sharing the first dimension."""
@@ -63,7 +67,8 @@ def micro_batch_sizes(n: int, micro_batch_size: int) -> list[int]:
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Cut ``batch`` into consecutive micro-batches of ``micro_batch_size`` samples (views, no copy).
 
-    Non-tensor leaves are passed to every micro-batch as they are.
+    Per-sample columns that are not tensors are cut with the rows; other non-tensor values are
+    passed to every micro-batch whole (see the module docstring).
 
     >>> import torch
     >>> [t.shape[0] for t in split(torch.zeros(10, 3), 4)]
@@ -73,13 +78,9 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     pieces = []
     start = 0
     for size in micro_batch_sizes(n, micro_batch_size):
-        pieces.append(map_tensors(_rows(start, start + size), batch))
+        pieces.append(rows(batch, start, start + size, n))
         start += size
     return pieces
-
-
-def _rows(start: int, stop: int) -> Callable[[Any], Any]:
-    return lambda tensor: tensor[start:stop]
 
 
 def check_micro_batch_size(micro_batch_size: object) -> int:

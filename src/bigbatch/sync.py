@@ -33,21 +33,34 @@ Note [auto micro-batch across ranks]
     1. every micro-batch of ``train_step``, the last included, runs under ``no_sync()``
        (``defers_sync``): no rank communicates while any rank may still run out of memory;
     2. after the window, each rank, finished or failed, joins ONE small all-reduce (MAX) of
-       ``-failed_size`` and its number of gradients: if any rank failed, every rank learns the
-       smallest failed size, discards its window, adopts the same smaller micro-batch
-       (``memory.auto.after_oom``) and redoes the window; nobody is left behind;
-    3. otherwise the accumulated gradients are all-reduced once, in place (no extra memory),
-       and averaged like DDP does (Note [global normalisation]).
+       ``-failed_size`` (``agree_on_oom``): if any rank failed, every rank learns the smallest
+       failed size, discards its window, adopts the same smaller micro-batch and redoes the
+       window; nobody is left behind;
+    3. otherwise ``step`` all-reduces the accumulated gradients once, in place (``reduce_grads``:
+       no extra memory; a parameter without a gradient on some rank takes part with zeros, so
+       every rank makes the same calls), and averages them like DDP does.
 
     The low-level path (``micro_batch(last=True)`` + ``step``) is not retried and syncs on
-    ``last=True`` as usual. The price: DDP's bucketing overlap and any registered communication hook are bypassed in
-    auto mode (one all-reduce per parameter tensor, all in flight at once). An out-of-memory
-    error inside that all-reduce or in the optimizer step is not retried (the engine never
-    retries the step). FSDP cannot be made safe this way (each forward all-gathers, so a rank
-    failing mid-forward strands the others), and DDP broadcasting module buffers each forward
-    has the same problem: both are refused in distributed auto mode with the fix in the message.
-    Only out-of-memory errors are agreed on: any other error on one rank is raised there and
-    the other ranks wait in the agreement all-reduce until the launcher (torchrun) stops them.
+    ``last=True`` as usual. The price: DDP's bucketing overlap and any registered communication
+    hook are bypassed in auto mode (one all-reduce per parameter tensor, all in flight at once).
+    An out-of-memory error inside that all-reduce or in the optimizer step is not retried (the
+    engine never retries the step). FSDP cannot be made safe this way (each forward all-gathers,
+    so a rank failing mid-forward strands the others), and DDP broadcasting module buffers each
+    forward has the same problem: both are refused in distributed auto mode with the fix in the
+    message. Only out-of-memory errors are agreed on: any other error on one rank is raised there
+    and the other ranks wait in the agreement all-reduce until the launcher (torchrun) stops them.
+
+Note [several forwards]
+    A loop may run the forwards of several micro-batches before their backwards (accelerate
+    tests this pattern). DDP decides in the *forward* whether the next backward all-reduces, so
+    the forward under ``micro_batch(last=True)`` would make the FIRST backward that follows sync,
+    with only its own micro-batch's gradient (23% off, measured). The engine notices the pattern
+    (a ``micro_batch()`` context left without a backward inside it): from then on the window's
+    forwards all run under ``no_sync()`` and ``step`` all-reduces the gradients once
+    (``reduce_grads``, ``deferred``), so the sync belongs to no particular backward. FSDP decides
+    in the backward itself (``set_requires_gradient_sync`` / ``no_sync`` are read when the
+    gradients are reduced), so a backward outside the context syncs: exact, with one
+    reduce-scatter per micro-batch.
 
 Note [FSDP and no_sync memory]
     Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
@@ -68,10 +81,11 @@ import torch.distributed as dist
 
 
 class GradSync(Protocol):
-    """How gradients are synchronised across ranks for one micro-batch."""
+    """How gradients are synchronised across ranks, chosen once per model by ``make_sync``."""
 
     world_size: int
-    defers_sync: bool  # train_step syncs in end_window, not on the last micro-batch
+    defers_sync: bool  # train_step never syncs in a backward: step() calls reduce_grads
+    can_defer: bool  # reduce_grads is possible (Note [several forwards])
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -81,17 +95,16 @@ class GradSync(Protocol):
         """Sum ``values`` over ranks (identity on one process)."""
         ...
 
-    def backward_scale(self, first_count: torch.Tensor | float) -> torch.Tensor | float:
-        """The window's constant loss multiplier ``c`` (Note [backward scale])."""
+    def agree_on_oom(self, failed_size: int | None) -> int | None:
+        """The smallest micro-batch size that ran out of memory on any rank, or ``None``.
+
+        ``failed_size`` is this rank's (``None`` when its window completed). A collective in
+        distributed auto mode (Note [auto micro-batch across ranks]); else ``failed_size``.
+        """
         ...
 
-    def end_window(self, failed_size: int | None) -> int | None:
-        """After a window: the smallest micro-batch size that ran out of memory on any rank.
-
-        ``failed_size`` is this rank's (``None`` when its window completed). In distributed
-        auto mode this is a collective and, when no rank failed, it also syncs the gradients
-        (Note [auto micro-batch across ranks]).
-        """
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        """All-reduce and average the gradients of ``params`` now (a deferred window's sync)."""
         ...
 
 
@@ -100,6 +113,7 @@ class LocalSync:
 
     world_size = 1
     defers_sync = False
+    can_defer = False
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -108,21 +122,21 @@ class LocalSync:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
-    def backward_scale(self, first_count: torch.Tensor | float) -> torch.Tensor | float:
-        if isinstance(first_count, torch.Tensor):
-            return 1.0 / first_count.clamp_min(1)
-        return 1.0 / max(first_count, 1.0)
-
-    def end_window(self, failed_size: int | None) -> int | None:
+    def agree_on_oom(self, failed_size: int | None) -> int | None:
         return failed_size
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        pass
 
 
 class _RankSync:
     """Shared by the distributed variants: the rank group and the sum all-reduce."""
 
+    can_defer = False
+
     def __init__(self, group: object | None = None, auto: bool = False) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]
+        self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]  # None: the world
         self.auto = auto and self.world_size > 1  # Note [auto micro-batch across ranks]
         self.defers_sync = self.auto
 
@@ -131,17 +145,32 @@ class _RankSync:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
         return values
 
-    def backward_scale(self, first_count: torch.Tensor | float) -> float:
-        return 1.0
+    def agree_on_oom(self, failed_size: int | None) -> int | None:
+        if not self.auto:
+            return failed_size
+        inf = float("inf")
+        agreed = torch.tensor([-(failed_size or inf)], dtype=torch.float64, device=self._device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        neg_failed = float(agreed)
+        return None if neg_failed == -inf else int(-neg_failed)
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        raise NotImplementedError  # pragma: no cover - only DDP defers
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
 
 
 class DDPSync(_RankSync):
     """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch.
 
-    In distributed auto mode ``train_step`` runs every micro-batch without it and
-    ``end_window`` agrees on out-of-memory errors, then all-reduces once (Note [auto
-    micro-batch across ranks]); the low-level path keeps syncing on ``last=True``.
+    In distributed auto mode ``train_step`` runs every micro-batch without it, the ranks agree on
+    out-of-memory errors and ``step`` all-reduces once (Note [auto micro-batch across ranks]); the
+    low-level path keeps syncing on ``last=True`` unless the forwards run before the backwards
+    (Note [several forwards]).
     """
+
+    can_defer = True
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
         super().__init__(getattr(model, "process_group", None), auto)
@@ -158,29 +187,18 @@ class DDPSync(_RankSync):
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if last else self.model.no_sync()  # type: ignore[operator]
 
-    def end_window(self, failed_size: int | None) -> int | None:
-        if not self.auto:
-            return failed_size
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        device = next(self.model.parameters()).device
-        inf = float("inf")
-        local = [-(failed_size or inf), len(grads), -len(grads)]
-        agreed = torch.tensor(local, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
-        neg_failed, most, neg_fewest = agreed.tolist()
-        if neg_failed != -inf:
-            return int(-neg_failed)
-        if most != -neg_fewest:
-            raise RuntimeError(
-                f"ranks hold gradients for different numbers of parameters ({-neg_fewest:g} to "
-                f'{most:g}): with micro_batch_size="auto" on several ranks every rank must use '
-                "the same parameters in each window. Use a fixed micro_batch_size."
-            )
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        for p in params:  # every rank all-reduces every parameter, in the same order
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]  # type: ignore[arg-type]
         for work in works:
-            work.wait()
-        torch._foreach_div_(grads, self.world_size)  # averaged, as DDP does
-        return None
+            work.wait()  # type: ignore[union-attr]  # async_op=True returns a Work
+        torch._foreach_div_(grads, self.world_size)  # type: ignore[arg-type]  # averaged, as DDP does
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
 
 class FSDPSync(_RankSync):
@@ -196,9 +214,6 @@ class FSDPSync(_RankSync):
                 "would leave the others waiting. Use a fixed micro_batch_size "
                 "(Note [auto micro-batch across ranks] in bigbatch.sync)."
             )
-
-    def end_window(self, failed_size: int | None) -> int | None:
-        return failed_size
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:

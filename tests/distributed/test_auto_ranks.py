@@ -58,7 +58,7 @@ def _case(rank: int, where: str, opt_name: str, seed: int) -> dict:
         "losses": [r.loss for r in results],
         "sizes": [r.micro_batch_size for r in results],
         "retries": [r.oom_retries for r in results],
-        "state": acc.auto_state,
+        "state": acc.state_dict()["sizing"],
         "params": [p.detach().clone() for p in ddp.module.parameters()],
     }
 
@@ -133,7 +133,7 @@ def _real_oom(rank: int, seed: int) -> dict:
         "losses": [r.loss for r in results],
         "sizes": [r.micro_batch_size for r in results],
         "retries": [r.oom_retries for r in results],
-        "state": acc.auto_state,
+        "state": acc.state_dict()["sizing"],
         "params": [p.detach().clone() for p in model.parameters()],
     }
 

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bigbatch.memory.auto import (
-    AutoState,
-    after_oom,
-    after_success,
-    format_bytes,
-    parse_bytes,
-    size_for,
-)
+from bigbatch._units import format_bytes, parse_bytes
+from bigbatch.memory.auto import AutoState, after_oom, after_success, size_for
 
 
 def test_first_window_whole_then_halves_until_it_fits():
@@ -21,7 +15,7 @@ def test_first_window_whole_then_halves_until_it_fits():
     assert (state.size, state.ceiling, size_for(state, 10)) == (5, 10, 5)
     state = after_oom(state, 5)
     assert (state.size, state.ceiling, size_for(state, 10)) == (2, 5, 2)
-    state = after_success(state, 2, 10)
+    state = after_success(state, 2)
     assert (state.size, state.fits, state.clean_windows) == (2, 2, 1)
 
 
@@ -40,7 +34,7 @@ def test_growth_probes_half_way_toward_the_ceiling_and_falls_back_to_what_fits()
         if size > 11:  # the true limit: 11 fits, 12 does not
             state = after_oom(state, size)
         else:
-            state = after_success(state, size, 16, grow_after=2)
+            state = after_success(state, size, grow_after=2)
     assert sizes[:3] == [8, 8, 12]  # half-way from 8 to 16 after 2 clean windows
     assert sizes[3] == 8  # the failed probe goes back to the size known to fit, not 12 // 2
     assert sizes[-1] == 11 and state.ceiling == 12 and state.fits == 11
@@ -49,8 +43,8 @@ def test_growth_probes_half_way_toward_the_ceiling_and_falls_back_to_what_fits()
 
 def test_short_window_does_not_trigger_growth():
     state = AutoState(size=4, ceiling=8, clean_windows=5)
-    assert after_success(state, 3, 3, grow_after=6).size == 4  # cut at 3, says nothing about 4
-    assert after_success(state, 4, 9, grow_after=6).size == 6
+    assert after_success(state, 3, grow_after=6).size == 4  # cut at 3, says nothing about 4
+    assert after_success(state, 4, grow_after=6).size == 6
 
 
 def test_fits_forgotten_when_it_fails_later():

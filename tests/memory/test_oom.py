@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import bigbatch
-from bigbatch.memory.auto import AutoState
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -241,7 +240,7 @@ def test_other_errors_are_not_retried(gen):
     batch = (torch.randn(4, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (4,)))
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         acc.train_step(batch, broken)
-    assert acc.auto_state == AutoState()  # no shrinking
+    assert acc.current_micro_batch_size is None  # no shrinking: still the whole batch next
     assert all(p.grad is None for p in net.parameters())
     assert acc.train_step(batch, _ce_failing_above(4)).oom_retries == 0  # usable afterwards
 
@@ -258,7 +257,7 @@ def test_oom_in_the_optimizer_step_is_not_retried(gen):
     batch = (torch.randn(4, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (4,)))
     with pytest.raises(torch.OutOfMemoryError):
         acc.train_step(batch, _ce_failing_above(4))
-    assert acc.auto_state == AutoState()  # a smaller micro-batch would not help
+    assert acc.current_micro_batch_size is None  # a smaller micro-batch would not help
     assert all(p.grad is None for p in net.parameters())
 
 

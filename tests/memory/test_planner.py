@@ -19,6 +19,7 @@ import torch.nn as nn
 from bigbatch import Accumulator, MemoryBudgetExceeded, measure_peak
 from bigbatch.cli import main
 from bigbatch.memory import planner
+from bigbatch.memory.peak import small_mmap_threshold
 from bigbatch.memory.planner import fit_memory, plan
 
 BATCH = 32
@@ -59,7 +60,11 @@ def _measure_in_this_process() -> tuple:
     threshold and leave free heap behind) reads peaks too low to separate the configurations.
     """
     torch.set_num_threads(2)
-    planner._fix_mmap_threshold()  # Note [honest CPU peaks], also for the reference readings
+    with small_mmap_threshold():  # Note [honest CPU peaks], also for the reference readings
+        return _measure()
+
+
+def _measure() -> tuple:
     batch = torch.randn(BATCH, 128, 128, generator=torch.Generator().manual_seed(1))
     plain_peak(make_model(), batch, 16)  # warm-up
     # A budget that micro-batch 16 fits and the full batch does not (without checkpointing).
@@ -113,17 +118,17 @@ def test_choice_fits_and_is_the_fastest_fitting(setting):
     )
 
 
-def test_beats_the_naive_choice_and_says_why(setting):
+def test_says_why_and_compares_with_the_naive_choice(setting):
+    # No assertion on which configuration is faster: that is a timing, for benchmarks/memory.py.
     result, budget, _ = setting
     assert (result.naive.micro_batch_size, result.naive.checkpointing) == (4, 1.0)
-    assert result.choice is not result.naive
-    assert result.choice.seconds_per_step < result.naive.seconds_per_step
-    assert result.speedup_over_naive > 1
     assert result.reason.startswith(f"{result.choice.describe()} is the fastest that fits")
-    assert (
-        "the speed of the naive micro-batch 4 x 8 steps with every block checkpointed"
-        in result.reason
-    )
+    if result.choice is not result.naive:
+        naive = "the speed of the naive micro-batch 4 x 8 steps with every block checkpointed"
+        assert naive in result.reason
+        assert result.speedup_over_naive == pytest.approx(
+            result.naive.seconds_per_step / result.choice.seconds_per_step
+        )
 
 
 def test_users_model_is_untouched(setting):
@@ -146,11 +151,14 @@ def test_fit_predicts_the_peak(setting):
 
 def test_sizes_above_one_that_does_not_fit_are_predicted_not_run():
     def fake(m: int, peak: int, fits: bool) -> planner.Candidate:
-        return planner.Candidate(m, 32 // m, 0.0, peak, 1.0, 32.0, fits)
+        return planner.Candidate(
+            micro_batch_size=m, gradient_accumulation_steps=32 // m, checkpointing=0.0,
+            peak_bytes=peak, seconds_per_step=1.0, samples_per_s=32.0, fits=fits,
+        )  # fmt: skip
 
     fit = fit_memory([fake(2, 300, True), fake(4, 500, False)], 0.0)
     assert (fit.base_bytes, fit.bytes_per_sample) == pytest.approx((100, 100))
-    [predicted] = planner._predicted([8], 32, 0.0, fit, fake(4, 500, False), budget=400)
+    [predicted] = planner._predicted([8], 32, 0.0, fit, fake(4, 500, False))
     assert (predicted.peak_bytes, predicted.measured, predicted.fits) == (900, False, False)
     assert fit.largest_fitting(400) == 3
 

@@ -142,6 +142,6 @@ def test_resume_keeps_the_adopted_auto_micro_batch(tmp_path, uninterrupted):
     env = _env(KILL_LOG=str(calls), STOP_AT="30", OOM_ABOVE="4")
     _kill_when_stopped(_argv(out, "auto"), env, tmp_path / "err")
     saved = torch.load(out / "snapshot.pt", weights_only=True)
-    assert (saved["step"], saved["auto_state"]["size"]) == (5, 2)
+    assert (saved["step"], saved["engine"]["sizing"]["size"]) == (5, 2)
     _train(out, "auto", "--resume", OOM_ABOVE="4")
     _assert_same_run(out, uninterrupted / "auto")

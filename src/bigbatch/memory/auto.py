@@ -13,25 +13,7 @@ Note [auto micro-batch]
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-}
 
 
 @dataclass(frozen=True)
@@ -80,10 +62,8 @@ def after_oom(state: AutoState, failed_size: int) -> AutoState:
     return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits)
 
 
-def after_success(
-    state: AutoState, used_size: int, n_samples: int, grow_after: int = 10
-) -> AutoState:
-    """A window of ``n_samples`` completed at ``used_size``; maybe probe a larger size."""
+def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> AutoState:
+    """A window completed at ``used_size``; maybe probe a larger size."""
     fits = used_size if state.fits is None else max(state.fits, used_size)
     if state.size is None:
         return AutoState(size=used_size, ceiling=state.ceiling, fits=fits)
@@ -94,36 +74,3 @@ def after_success(
         if bigger > state.size:
             return AutoState(size=bigger, ceiling=state.ceiling, fits=fits)
     return replace(state, clean_windows=clean, fits=fits)
-
-
-def parse_bytes(value: int | float | str | None, name: str = "memory_budget") -> int | None:
-    """Parse ``"6GiB"``, ``"512MB"``, ``"1.5G"`` or a number of bytes into bytes.
-
-    Raises:
-        ValueError: the text is not a positive size.
-    """
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"{name}={value!r} is not a size: write a number with a unit, e.g. "
-                f'{name}="6GiB", "512MiB", "8GB", or a number of bytes.'
-            )
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f'{name}={value!r} must be positive, e.g. {name}="6GiB".')
-    return size
-
-
-def format_bytes(n: float) -> str:
-    """``1536 * 2**20`` -> ``"1.50 GiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"

@@ -20,6 +20,23 @@ Measurements may be nested or overlap (a ``measure_peak`` around a ``train_step`
 ``memory_budget`` probes every window): both counters are process-wide and a new measurement
 resets them, so the peak seen so far is first handed to every measurement still open on the same
 device (see ``_open_probes``).
+
+Note [honest CPU peaks]
+    On the CPU the peak is the resident-set high-water mark. glibc raises its mmap threshold
+    each time a large block is freed (up to 32 MiB), after which freed tensors stay in the heap
+    and the high-water mark follows fragmentation rather than live tensors: measured here,
+    checkpointing then seemed to save nothing. Code that compares CPU peaks (the planner, the
+    demo, benchmarks) runs inside ``small_mmap_threshold()``, which fixes the threshold at 64 KiB
+    as ``MALLOC_MMAP_THRESHOLD_=65536`` would: tensors of more than 64 KiB are mapped and
+    unmapped on their own. On exit the threshold goes back to glibc's initial 128 KiB; glibc has
+    no call to turn its dynamic adjustment back on, so it stays off for the process (freed large
+    blocks then go back to the system at once, which keeps later readings honest too).
+
+Note [one counter per process]
+    ``_open_probes`` is module state on purpose: the counters a probe reads (``VmHWM``, the CUDA
+    allocator's peak) belong to the whole process, so a measurement that resets them must tell
+    every other measurement still open, whoever owns it. A weak set: a probe nobody holds any
+    more is finished.
 """
 
 from __future__ import annotations
@@ -33,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bigbatch.memory.auto import format_bytes
+from bigbatch._units import format_bytes
 
 
 @dataclass
@@ -109,8 +126,7 @@ class PeakProbe:
                 record._carried_bytes = max(record._carried_bytes, self._raw_peak())
 
 
-# Measurements still open. Module state on purpose: the counters they read are process-wide, so a
-# measurement that resets them must tell the others (weak: a probe nobody holds is finished).
+# Measurements still open: Note [one counter per process].
 _open_probes: weakref.WeakSet[PeakProbe] = weakref.WeakSet()
 
 
@@ -179,11 +195,39 @@ def _reset_rss_high_water_mark() -> bool:
         return False
 
 
-def _malloc_trim() -> None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
+@contextlib.contextmanager
+def small_mmap_threshold() -> Iterator[None]:
+    """Inside the block, glibc maps every allocation over 64 KiB on its own (Note [honest CPU
+    peaks]); a no-op where the C library is not glibc."""
+    _mallopt_mmap_threshold(64 * 1024)
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        yield
+    finally:
+        _mallopt_mmap_threshold(128 * 1024)  # glibc's initial value
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def _mallopt_mmap_threshold(value: int) -> None:
+    libc = _libc()
+    try:
+        libc.mallopt(_M_MMAP_THRESHOLD, value)  # type: ignore[union-attr]  # AttributeError below
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    try:
+        libc.malloc_trim(0)  # type: ignore[union-attr]  # AttributeError below
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name is not None else None
+    except OSError:
+        return None

@@ -12,22 +12,16 @@ Note [what the planner measures]
     once one does not fit the budget the larger ones of that fraction are not run, only
     predicted by the fit. The choice is the fastest measured configuration that fits.
 
-Note [honest CPU peaks]
-    On the CPU the peak is the resident-set high-water mark. glibc raises its mmap threshold
-    each time a large block is freed (up to 32 MiB), after which freed tensors stay in the heap
-    and the high-water mark follows fragmentation rather than live tensors: measured here,
-    checkpointing then seemed to save nothing. So on the CPU the planner fixes the threshold at
-    64 KiB (``mallopt``) for the process, as ``MALLOC_MMAP_THRESHOLD_=65536`` would: tensors
-    of more than 64 KiB are mapped and unmapped on their own. One untimed step is run first so
-    that one-time allocations (thread pools, kernel caches) are not charged to the first
-    configuration measured.
+Note [honest CPU peaks] (in ``bigbatch.memory.peak``)
+    On the CPU the planner measures inside ``small_mmap_threshold()``, and first runs one untimed
+    step so that one-time allocations (thread pools, kernel caches) are not charged to the first
+    configuration measured. The process's malloc settings are put back when ``plan`` returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import ctypes
-import ctypes.util
 import math
 import statistics
 import time
@@ -37,12 +31,12 @@ from typing import Any
 
 import torch
 
+from bigbatch._units import format_bytes, parse_bytes
 from bigbatch.engine import Accumulator
 from bigbatch.loss import LossFn
-from bigbatch.memory.auto import format_bytes, parse_bytes
 from bigbatch.memory.checkpointing import enable_checkpointing, find_blocks
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.memory.peak import measure_peak, resolve_device
+from bigbatch.memory.peak import measure_peak, resolve_device, small_mmap_threshold
 from bigbatch.split import Batch, split
 from bigbatch.split import batch_size as count_samples
 
@@ -50,7 +44,7 @@ OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | No
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One way to run a step of the effective batch, and what it cost.
 
@@ -105,7 +99,7 @@ class MemoryFit:
         return max(0, math.floor((memory_budget - self.base_bytes) / self.bytes_per_sample))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """The planner's result: every configuration, the memory fits, the choice and why.
 
@@ -198,21 +192,40 @@ def plan(
         raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=3.")
     device = resolve_device(next(model.parameters()).device)
     budget = parse_bytes(memory_budget) or default_budget(device)
-    _warm_up(model, optimizer, full, loss_fn, sizes[0], device)
-    candidates: list[Candidate] = []
-    fits: list[MemoryFit] = []
-    for fraction in fractions:
-        measured: list[Candidate] = []
-        for m in sizes:
-            if measured and not measured[-1].fits:
-                break
-            measured.append(_measure(model, optimizer, full, loss_fn, m, fraction, steps, budget))
-        fit = fit_memory([c for c in measured if not c.out_of_memory], fraction)
-        fits += [fit] if fit else []
-        candidates += measured + _predicted(
-            sizes[len(measured) :], n, fraction, fit, measured[-1], budget
-        )
+    cpu = device.type == "cpu"
+    with small_mmap_threshold() if cpu else contextlib.nullcontext():  # Note [honest CPU peaks]
+        _warm_up(model, optimizer, full, loss_fn, sizes[0])
+        candidates: list[Candidate] = []
+        fits: list[MemoryFit] = []
+        for fraction in fractions:
+            measured = _measure_fraction(
+                model, optimizer, full, loss_fn, sizes, fraction, steps, budget
+            )
+            fit = fit_memory([c for c in measured if not c.out_of_memory], fraction)
+            fits += [fit] if fit else []
+            candidates += measured + _predicted(
+                sizes[len(measured) :], n, fraction, fit, measured[-1]
+            )
     return _choose(candidates, tuple(fits), budget, n, str(device))
+
+
+def _measure_fraction(
+    model: torch.nn.Module,
+    optimizer: OptimizerArg,
+    batch: Batch,
+    loss_fn: LossFn,
+    sizes: Sequence[int],
+    fraction: float,
+    steps: int,
+    budget: int,
+) -> list[Candidate]:
+    """Measure ``sizes`` smallest first, stopping after the first that does not fit."""
+    measured: list[Candidate] = []
+    for m in sizes:
+        if measured and not measured[-1].fits:
+            break
+        measured.append(_measure(model, optimizer, batch, loss_fn, m, fraction, steps, budget))
+    return measured
 
 
 def fit_memory(measured: Sequence[Candidate], checkpointing: float) -> MemoryFit | None:
@@ -273,11 +286,17 @@ def _measure(
             raise
         del exc
         release_memory(device)
-        return Candidate(micro_batch_size, k, fraction, budget + 1, None, None, False, True, True)
+        return Candidate(
+            micro_batch_size=micro_batch_size, gradient_accumulation_steps=k,
+            checkpointing=fraction, peak_bytes=budget + 1, seconds_per_step=None,
+            samples_per_s=None, fits=False, out_of_memory=True,
+        )  # fmt: skip
     t = statistics.median(seconds)
     return Candidate(
-        micro_batch_size, k, fraction, peak.peak_bytes, t, n / t, peak.peak_bytes <= budget
-    )
+        micro_batch_size=micro_batch_size, gradient_accumulation_steps=k, checkpointing=fraction,
+        peak_bytes=peak.peak_bytes, seconds_per_step=t, samples_per_s=n / t,
+        fits=peak.peak_bytes <= budget,
+    )  # fmt: skip
 
 
 def _warm_up(
@@ -286,23 +305,11 @@ def _warm_up(
     batch: Batch,
     loss_fn: LossFn,
     micro_batch_size: int,
-    device: torch.device,
 ) -> None:
-    # See Note [honest CPU peaks].
-    if device.type == "cpu":
-        _fix_mmap_threshold()
     net, opt = _copy(model, optimizer)
     Accumulator(net, opt, micro_batch_size=micro_batch_size).train_step(
         split(batch, micro_batch_size)[0], loss_fn
     )
-
-
-def _fix_mmap_threshold() -> None:
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).mallopt(-3, 65536)  # M_MMAP_THRESHOLD; glibc only
-    except (OSError, AttributeError, TypeError):
-        pass
 
 
 def _copy(model: torch.nn.Module, optimizer: OptimizerArg) -> tuple[torch.nn.Module, Any]:
@@ -319,22 +326,16 @@ def _predicted(
     fraction: float,
     fit: MemoryFit | None,
     last: Candidate,
-    budget: int,
 ) -> list[Candidate]:
     # Larger than a size that did not fit: the peak only grows with the micro-batch.
     return [
         Candidate(
-            m,
-            math.ceil(n / m),
-            fraction,
-            max(fit.predict(m) if fit else 0, last.peak_bytes),
-            None,
-            None,
-            False,
-            measured=False,
+            micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
+            checkpointing=fraction, peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes),
+            seconds_per_step=None, samples_per_s=None, fits=False, measured=False,
         )
         for m in sizes
-    ]
+    ]  # fmt: skip
 
 
 def _choose(
@@ -357,15 +358,10 @@ def _choose(
     choice = min(fitting, key=lambda c: c.seconds_per_step or math.inf)
     naive = min(measured, key=lambda c: (c.micro_batch_size, -c.checkpointing))
     return Plan(
-        choice,
-        naive,
-        tuple(candidates),
-        fits,
-        budget,
-        n,
-        device,
-        _reason(choice, naive, candidates, budget),
-    )
+        choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
+        memory_budget=budget, batch_size=n, device=device,
+        reason=_reason(choice, naive, candidates, budget),
+    )  # fmt: skip
 
 
 def _reason(choice: Candidate, naive: Candidate, candidates: list[Candidate], budget: int) -> str:
@@ -433,42 +429,3 @@ def _check_fractions(fractions: Sequence[float] | None, model: torch.nn.Module) 
             "[0, 1], e.g. checkpointing=(0, 0.5, 1)."
         )
     return sorted({float(f) for f in fractions})
-
-
-def print_plan(result: Plan) -> None:
-    """Print every configuration as a table (``rich``), then the memory fits, the choice and why."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"bigbatch plan: batch {result.batch_size} on {result.device}, "
-        f"budget {format_bytes(result.memory_budget)}"
-    )
-    for name in ("micro-batch", "steps", "ckpt", "peak MiB", "ms/step", "samples/s", "fits"):
-        table.add_column(name, justify="right")
-    for c in result.candidates:
-        peak = f"{c.peak_bytes / 2**20:,.0f}" + ("" if c.measured else " (fit)")
-        fits = "OOM" if c.out_of_memory else ("yes" if c.fits else "no")
-        table.add_row(
-            str(c.micro_batch_size),
-            str(c.gradient_accumulation_steps),
-            f"{c.checkpointing:.0%}",
-            "-" if c.out_of_memory else peak,
-            f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
-            f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
-            fits + (" <- chosen" if c is result.choice else ""),
-        )
-    console = Console(width=max(100, Console().width))
-    console.print(table)
-    for fit in result.fits:
-        console.print(
-            f"memory fit, {fit.checkpointing:.0%} checkpointed: peak ≈ "
-            f"{format_bytes(fit.base_bytes)} + {format_bytes(fit.bytes_per_sample)} x micro-batch; "
-            f"largest that fits: {fit.largest_fitting(result.memory_budget)}",
-            markup=False,
-        )
-    console.print(
-        f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
-        markup=False,
-    )
-    console.print(f"why: {result.reason}", markup=False)

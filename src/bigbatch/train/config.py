@@ -2,6 +2,10 @@
 
 Every field is a ``bigbatch train`` flag (``micro_batch_size`` -> ``--micro-batch-size``) and a
 key of a ``--config`` TOML file; the CLI overrides the file, the file overrides the defaults.
+Each field carries its help text, its allowed values (imported from the module that owns them)
+and, where the type alone does not say it, how a flag's text is read (``setting(...)``): the
+command line, the TOML reader and the checks are all made from this one list, so adding a
+setting is one field here.
 
 Note [batch arithmetic]
     ``batch_size`` is the effective batch, the samples one optimizer step averages over.
@@ -25,117 +29,179 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass, fields
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from bigbatch._units import parse_bytes
 from bigbatch.batchnorm import POLICIES as BATCHNORM_POLICIES
+from bigbatch.distributed import DEVICES
+from bigbatch.precision import PRECISIONS
+from bigbatch.stepping import NONFINITE
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("constant", "cosine")
-BATCHNORMS = ("keep", *BATCHNORM_POLICIES)
+BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
+RESUMES = (False, True, "auto")
 DEFAULT_BATCH_SIZE = 32
+MAX_SEED = 2**63 - 1
 
-# Fields that may change between a run and its resume (they do not change the result).
-RESUMABLE_CHANGES = frozenset({"resume", "out", "save_every", "eval_every", "quiet"})
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer or auto") from None
+
+
+def _resume_flag(text: str) -> bool | str:
+    if text == "auto":
+        return "auto"
+    raise ValueError(f"{text!r}: write --resume, --resume auto or --no-resume")
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    resumable: bool = False,
+) -> Any:
+    """A ``TrainConfig`` field with what the command line and the checks need to know about it.
+
+    Args:
+        default: the default value.
+        help: one line for ``bigbatch train --help`` (the default is appended).
+        choices: the allowed values, when there is a list.
+        parse: reads a flag's text when the field's type alone does not say how.
+        resumable: may differ between a run and its resume (it does not change the result).
+    """
+    meta = {"help": help, "choices": choices, "parse": parse, "resumable": resumable}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything ``bigbatch train`` / ``bigbatch.fit`` can be told (see the module notes).
 
-    Args:
-        task: ``module:function`` (or ``file.py:function``) returning a ``bigbatch.Task``; used
-            by the CLI and a TOML file, recorded in the run folder.
-        batch_size: effective batch: samples per optimizer step (Note [batch arithmetic]).
-        micro_batch_size: samples per forward/backward, or ``"auto"`` for the largest that fits.
-        gradient_accumulation_steps: micro-batches per optimizer step.
-        gradient_checkpointing: recompute the model's repeated blocks in backward.
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
-        batchnorm: what the model's BatchNorm layers do, since a micro-batch's statistics are
-            not the full batch's: ``"keep"`` (or ``None``; the default) leaves the model as it
-            is and the engine warns; ``"micro"`` keeps per-micro-batch statistics (ghost
-            batches) with the running statistics moved once per optimizer step; ``"freeze"``
-            normalises with the running statistics (exact; for fine-tuning); ``"groupnorm"``
-            replaces each BatchNorm with a GroupNorm (exact; per-sample). Applied before
-            training by ``bigbatch.batchnorm(model, policy)``.
-        max_grad_norm: clip the gradient's 2-norm to this; ``None`` to not clip.
-        lr: learning rate at ``reference_batch_size`` (Note [learning-rate scaling]).
-        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``.
-        reference_batch_size: the batch size ``lr`` was tuned for (needed by a scaling).
-        lr_schedule: ``"constant"`` or ``"cosine"`` (to 0 at the last step), after
-            ``warmup_steps`` steps of linear warm-up. Ignored when the task brings a scheduler.
-        warmup_steps: optimizer steps of linear warm-up from 0 to the rate.
-        steps: optimizer steps to run (or give ``epochs``).
-        epochs: passes over the training data (default 1 when ``steps`` is not given).
-        memory_budget: cap on what a step may use, e.g. ``"6GiB"`` (with ``"auto"`` the
-            micro-batch shrinks to stay under it).
-        seed: seeds the model's randomness (dropout) and the data order.
-        out: the run folder: ``metrics.csv``, ``snapshot.pt``, ``model.pt``, ``summary.json``.
-        save_every: write a resume snapshot every N optimizer steps (0: only at the end of each
-            epoch and of the run).
-        resume: continue the run in ``out`` from its last snapshot.
-        eval_every: evaluate on the task's eval data every N steps (0: only at the end).
-        device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
-        shuffle: reshuffle the training data every epoch (seeded by ``seed`` and the epoch).
-        quiet: no progress bar and no end-of-run table.
+    Each field's help is in its ``setting(...)`` below and in ``bigbatch train --help``.
     """
 
-    task: str | None = None
-    batch_size: int | None = None
-    micro_batch_size: int | str | None = None
-    gradient_accumulation_steps: int | None = None
-    gradient_checkpointing: bool = False
-    precision: str = "fp32"
-    batchnorm: str | None = "keep"
-    max_grad_norm: float | None = None
-    lr: float = 1e-3
-    lr_scaling: str = "none"
-    reference_batch_size: int | None = None
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    steps: int | None = None
-    epochs: int | None = None
-    memory_budget: str | int | None = None
-    seed: int = 0
-    out: str = "runs/bigbatch"
-    save_every: int = 0
-    resume: bool = False
-    eval_every: int = 0
-    device: str | None = None
-    shuffle: bool = True
-    quiet: bool = False
+    task: str | None = setting(
+        None, "module:function (or file.py:function) returning a bigbatch.Task"
+    )
+    batch_size: int | None = setting(
+        None, "effective batch: samples per optimizer step, over all ranks (default 32)"
+    )
+    micro_batch_size: int | str | None = setting(
+        None, "samples per forward/backward, or auto: the largest that fits", parse=_int_or_auto
+    )
+    gradient_accumulation_steps: int | None = setting(None, "micro-batches per optimizer step")
+    gradient_checkpointing: bool = setting(
+        False, "recompute the model's repeated blocks in backward (less memory, ~1 more forward)"
+    )
+    precision: str = setting("fp32", "autocast precision", choices=PRECISIONS)
+    batchnorm: str | None = setting(
+        "keep",
+        "BatchNorm under accumulation (a micro-batch's statistics are not the full batch's): "
+        "keep: leave the model, warn; micro: per-micro-batch statistics, running stats moved "
+        "once per step; freeze: use the running stats (exact, for fine-tuning); groupnorm: "
+        "swap in GroupNorm (exact)",
+        choices=BATCHNORMS,
+    )
+    max_grad_norm: float | None = setting(None, "clip the gradient's 2-norm (default: no clipping)")
+    nonfinite: str = setting(
+        "raise",
+        "a step whose loss or gradient is NaN/inf: raise (stop, keeping the last good "
+        "snapshot), skip it, or apply it",
+        choices=NONFINITE,
+    )
+    lr: float = setting(1e-3, "learning rate at --reference-batch-size")
+    lr_scaling: str = setting("none", "scale --lr with batch/reference", choices=LR_SCALINGS)
+    reference_batch_size: int | None = setting(None, "the batch size --lr was tuned for")
+    lr_schedule: str = setting(
+        "constant", "after warm-up: constant or cosine to 0", choices=LR_SCHEDULES
+    )
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
+    steps: int | None = setting(None, "optimizer steps to run (or give --epochs)")
+    epochs: int | None = setting(None, "passes over the data (default 1 when --steps is not given)")
+    memory_budget: str | int | None = setting(
+        None, "cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)", parse=str
+    )
+    seed: int = setting(0, "seeds the model, dropout and the data order")
+    out: str = setting("runs/bigbatch", "run folder", resumable=True)
+    save_every: int = setting(
+        0, "resume snapshot every N steps (0: each epoch's end and the run's)", resumable=True
+    )
+    keep_snapshots: int = setting(
+        2, "snapshots kept in the run folder (the newest N; at least 1)", resumable=True
+    )
+    resume: bool | str = setting(
+        False,
+        "continue the run in --out from its last snapshot; auto: resume if there is one, "
+        "else start",
+        choices=RESUMES,
+        parse=_resume_flag,
+        resumable=True,
+    )
+    eval_every: int = setting(0, "evaluate every N steps (0: only at the end)", resumable=True)
+    device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
+    shuffle: bool = setting(True, "reshuffle the training data every epoch")
+    quiet: bool = setting(False, "no progress bar and no end-of-run table", resumable=True)
 
     def __post_init__(self) -> None:
-        _check_choice("precision", self.precision, PRECISIONS)
         if self.batchnorm is None:  # the same run as "keep" (the resume identity compares these)
             object.__setattr__(self, "batchnorm", "keep")
-        _check_choice("batchnorm", self.batchnorm, BATCHNORMS)
-        _check_choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
-        _check_choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for name in ("batch_size", "gradient_accumulation_steps", "steps", "epochs"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("save_every", "eval_every", "warmup_steps"):
-            _check_positive_int(name, getattr(self, name), zero=True)
-        if self.micro_batch_size != "auto":
-            _check_positive_int("micro_batch_size", self.micro_batch_size, auto=True)
-        if self.steps is not None and self.epochs is not None:
-            raise ValueError(
-                f"steps={self.steps} and epochs={self.epochs} are both given: choose one "
-                "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
-            )
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"lr={self.lr!r} is not allowed: use a positive number, e.g. lr=3e-4.")
-        if self.lr_scaling != "none" and self.reference_batch_size is None:
-            raise ValueError(
-                f"lr_scaling={self.lr_scaling!r} needs reference_batch_size, the batch size lr "
-                "was tuned for: e.g. --reference-batch-size 256."
-            )
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None:
+                _check_choice(f.name, value, choices)
+            elif int not in typing.get_args(_types()[f.name]) + (_types()[f.name],):
+                _check_type(f.name, value, _types()[f.name])  # integers: _check_numbers
+        _check_numbers(self)
         resolve_batch(self)  # contradictions are reported when the config is made
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what a TOML file holds)."""
         return dataclasses.asdict(self)
+
+
+def _check_numbers(config: TrainConfig) -> None:
+    for name in ("batch_size", "gradient_accumulation_steps", "steps", "epochs"):
+        _check_positive_int(name, getattr(config, name))
+    _check_positive_int("reference_batch_size", config.reference_batch_size)
+    for name in ("save_every", "eval_every", "warmup_steps"):
+        _check_positive_int(name, getattr(config, name), zero=True)
+    _check_positive_int("keep_snapshots", config.keep_snapshots)
+    _check_positive_int("seed", config.seed, zero=True)
+    if config.micro_batch_size != "auto":
+        _check_positive_int("micro_batch_size", config.micro_batch_size, auto=True)
+    if config.steps is not None and config.epochs is not None:
+        raise ValueError(
+            f"steps={config.steps} and epochs={config.epochs} are both given: choose one "
+            "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
+        )
+    if not (0 < config.lr < math.inf):
+        raise ValueError(
+            f"lr={config.lr!r} is not allowed: use a positive number (finite), e.g. lr=3e-4."
+        )
+    if config.max_grad_norm is not None and not (0 < config.max_grad_norm < math.inf):
+        raise ValueError(
+            f"max_grad_norm={config.max_grad_norm!r} is not allowed: use a positive number "
+            "(finite, e.g. 1.0), or leave it out for no clipping."
+        )
+    if not 0 <= config.seed <= MAX_SEED:
+        raise ValueError(f"seed={config.seed} is not allowed: use an integer from 0 to 2**63 - 1.")
+    parse_bytes(config.memory_budget)  # refuses what is not a finite, positive size
+    if config.lr_scaling != "none" and config.reference_batch_size is None:
+        raise ValueError(
+            f"lr_scaling={config.lr_scaling!r} needs reference_batch_size, the batch size lr "
+            "was tuned for: e.g. --reference-batch-size 256."
+        )
 
 
 def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
@@ -162,12 +228,31 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     if k is not None and math.ceil(b / m) != k:
+        if given_m is not None and config.batch_size is not None:
+            raise ValueError(
+                f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_steps={k} "
+                f"contradict each other: {b} samples at {m} per micro-batch take "
+                f"{math.ceil(b / m)} micro-batches. Give only two of the three."
+            )
         raise ValueError(
-            f"batch_size={b}, micro_batch_size={config.micro_batch_size} and "
-            f"gradient_accumulation_steps={k} contradict each other: {b} samples at {m} per "
-            f"micro-batch take {math.ceil(b / m)} micro-batches. Give only two of the three."
+            f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-batches: "
+            f"at {m} samples per micro-batch it takes {math.ceil(b / m)} (only the last may be "
+            f"smaller). Use gradient_accumulation_steps={math.ceil(b / m)}, or give "
+            "micro_batch_size instead."
         )
     return b, m, math.ceil(b / m)
+
+
+def run_length(config: TrainConfig, dataset_size: int) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)`` of a run over ``dataset_size`` samples.
+
+    Example:
+        >>> run_length(TrainConfig(batch_size=10, epochs=2), 25)
+        (3, 6)
+    """
+    batch_size = resolve_batch(config)[0]
+    steps_per_epoch = math.ceil(dataset_size / batch_size)
+    return steps_per_epoch, config.steps or (config.epochs or 1) * steps_per_epoch
 
 
 def scaled_lr(config: TrainConfig, batch_size: int) -> float:
@@ -188,6 +273,21 @@ def field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
 
 
+def settings() -> list[dataclasses.Field]:
+    """The settings with their metadata (help, choices, parse, resumable), in order."""
+    return list(fields(TrainConfig))
+
+
+def setting_types() -> dict[str, Any]:
+    """Each setting's type annotation, resolved (``int | None``...)."""
+    return dict(_types())
+
+
+def resumable_changes() -> frozenset[str]:
+    """Settings that may change between a run and its resume (they do not change the result)."""
+    return frozenset(f.name for f in fields(TrainConfig) if f.metadata.get("resumable"))
+
+
 def make_config(
     config: TrainConfig | dict[str, Any] | None = None, **overrides: Any
 ) -> TrainConfig:
@@ -195,19 +295,20 @@ def make_config(
 
     Raises:
         ValueError: a key is not a setting (the message lists the allowed ones), or a value is bad.
+        TypeError: a value of the wrong type (``shuffle = "false"`` in a TOML file).
     """
     base = config.to_dict() if isinstance(config, TrainConfig) else dict(config or {})
-    settings = {**base, **overrides}
-    unknown = sorted(set(settings) - set(field_names()))
+    given = {**base, **overrides}
+    unknown = sorted(set(given) - set(field_names()))
     if unknown:
         raise ValueError(
             f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(field_names())}."
         )
-    return TrainConfig(**settings)
+    return TrainConfig(**given)
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file into a dict of settings (keys checked by ``make_config``).
+    """Read a TOML config file into a dict of settings (keys and types checked by ``make_config``).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -229,11 +330,38 @@ def load_toml(path: str) -> dict[str, Any]:
     return data
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}."
-        )
+def _types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+_EXAMPLES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Refuse a value whose type the annotation does not admit (a bool is not an int here)."""
+    allowed = typing.get_args(annotation) or (annotation,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is str and isinstance(value, str):
+            return
+    wanted = " or ".join(_EXAMPLES.get(k, "none") for k in allowed if k is not type(None))
+    raise TypeError(
+        f"{name}={value!r} is a {type(value).__name__}: {name} takes {wanted}"
+        + (" (or is left out)." if type(None) in allowed else ".")
+    )
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if not any(value == a and type(value) is type(a) for a in allowed):  # "1" is not 1, 1 not True
+        shown = ", ".join(repr(a) for a in allowed if a is not None)
+        raise ValueError(f"{name}={value!r} is not allowed: use one of {shown}.")
 
 
 def _check_positive_int(name: str, value: Any, zero: bool = False, auto: bool = False) -> None:

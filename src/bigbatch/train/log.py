@@ -12,12 +12,12 @@ import csv
 import os
 from typing import Any
 
-from bigbatch.memory.auto import format_bytes
+from bigbatch._units import format_bytes
 
 COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
-    "micro_batches", "oom_retries", "skipped", "time_s", "samples_per_s", "tokens_per_s",
-    "peak_bytes", "step_peak_bytes", "eval_loss", "metric",
+    "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
+    "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
 ]  # fmt: skip
 METRICS_CSV = "metrics.csv"
 
@@ -85,25 +85,55 @@ class NullLog:
 
 
 def read_csv(path: str) -> list[dict[str, str]]:
-    """The rows of a ``metrics.csv`` (empty when there is no file)."""
+    """The whole rows of a ``metrics.csv``, in order (empty when there is no file).
+
+    A row cut short by a kill (a torn last line) or damaged is left out; so are rows whose step
+    is not a number.
+
+    Raises:
+        ValueError: the file lacks a column bigbatch writes (the message names the file and
+            the columns), e.g. it is not a ``metrics.csv`` of ``bigbatch train``.
+    """
     if not os.path.exists(path):
         return []
     with open(path, newline="") as file:
-        return list(csv.DictReader(file))
+        reader = csv.DictReader(file)
+        missing = [
+            c for c in ("step", "loss", "samples", "count") if c not in (reader.fieldnames or [])
+        ]
+        if missing:
+            raise ValueError(
+                f"{path} lacks the column(s) {', '.join(missing)}: it is not the metrics.csv of a "
+                "`bigbatch train` run (or it was written by another version)."
+            )
+        return [row for row in reader if _whole(row)]
+
+
+def _whole(row: dict[str, Any]) -> bool:
+    if None in row or any(v is None for v in row.values()):  # too many or too few fields
+        return False
+    try:
+        int(row["step"])
+        float(row["loss"])
+    except ValueError:
+        return False
+    return True
 
 
 def truncate_csv(path: str, last_step: int) -> None:
-    """Drop rows after ``last_step``: a resumed run redoes the steps its snapshot did not hold."""
-    rows = read_csv(path)
-    if not rows or int(rows[-1]["step"]) <= last_step:
-        if last_step == 0 and os.path.exists(path):
+    """Keep exactly the rows of steps 1..``last_step``: a resumed run redoes the steps its
+    snapshot did not hold (a torn last row, left by a kill mid-write, goes too)."""
+    if last_step == 0:
+        if os.path.exists(path):
             os.remove(path)
         return
-    kept = [r for r in rows if int(r["step"]) <= last_step]
-    with open(path, "w", newline="") as file:
+    kept = [r for r in read_csv(path) if int(r["step"]) <= last_step]
+    temp = path + ".tmp"
+    with open(temp, "w", newline="") as file:
         writer = csv.DictWriter(file, COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(kept)
+    os.replace(temp, path)  # a kill now leaves the old file or the new one
 
 
 def speed_text(row: dict[str, Any]) -> str:

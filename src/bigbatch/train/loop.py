@@ -5,47 +5,97 @@ micro-batches and steps once (``Accumulator.train_step``). Around it, in one pla
 the data (``_batches``: the order is a pure function of ``seed`` and the epoch, so a resumed
 run finds its place by the step number alone), the log (``RunLog.step``, once per optimizer
 step) and the snapshot (``_save``, at step boundaries only: a run killed mid-window redoes that
-window from the same data and random state).
+window from the same data and random state). The run folder is locked for the run's life
+(Note [one writer] in ``train.folder``); SIGINT / SIGTERM stop it cleanly (Note [clean stop] in
+``train.signals``); a step with NaN or inf stops it before anything is written
+(Note [non-finite runs]).
+
+Note [non-finite runs]
+    With ``nonfinite="raise"`` (the default) the engine refuses a window whose loss or gradient
+    is NaN / inf before the optimizer steps, so the weights stay those of the last good step:
+    the trainer stops with one line naming the step and the last good snapshot, writes no
+    ``model.pt``, and ``--resume`` continues from that snapshot. With ``"skip"`` such windows
+    are skipped (``skipped`` in ``metrics.csv``) and with ``"apply"`` they are applied, but a run
+    whose last ``MAX_SKIPPED_IN_A_ROW`` steps were all skipped for non-finite values stops too
+    (fp16 skips steps itself, as its loss scaler does, and is held to the same limit), and a
+    snapshot or ``model.pt`` is never written from weights that are not finite.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
+import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bigbatch import distributed
+from bigbatch import _rng, distributed
 from bigbatch._tree import map_tensors
+from bigbatch._warnings import BigBatchWarning
 from bigbatch.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import as_sum_and_count
-from bigbatch.memory.auto import AutoState
 from bigbatch.memory.peak import PeakProbe
 from bigbatch.split import batch_size as samples_in
+from bigbatch.stepping import NonFiniteError
 from bigbatch.train import resume
 from bigbatch.train.config import (
-    RESUMABLE_CHANGES,
     TrainConfig,
     make_config,
     resolve_batch,
+    resumable_changes,
+    run_length,
     scaled_lr,
 )
-from bigbatch.train.log import NullLog, RunLog
+from bigbatch.train.folder import RunFolder
+from bigbatch.train.log import METRICS_CSV, NullLog, RunLog
 from bigbatch.train.report import Summary, print_summary, summarize
-from bigbatch.train.task import Task, TaskError
+from bigbatch.train.signals import Stopped, StopSignals
+from bigbatch.train.task import Task, canonical_path, check_task
+
+MAX_SKIPPED_IN_A_ROW = 20
+
+
+class NonFiniteRun(FloatingPointError):
+    """The run stopped on NaN / inf values (Note [non-finite runs]); the message says where."""
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What stays fixed during a run (a record, built once by ``fit``)."""
+
+    task: Task
+    config: TrainConfig
+    ranks: distributed.Ranks
+    folder: RunFolder
+    acc: Accumulator
+    identity: dict[str, Any]
+    batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+@dataclass
+class _Progress:
+    """What changes: steps done, training time, the last snapshot, non-finite steps in a row."""
+
+    step: int = 0
+    elapsed_s: float = 0.0
+    snapshot_step: int | None = None
+    skipped_in_a_row: int = 0
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
     """Train ``task`` with exact gradient accumulation; return the run's ``Summary``.
 
     Writes the run folder ``config.out``: ``metrics.csv`` (one row per optimizer step),
-    ``snapshot.pt`` (resume state), ``model.pt`` (the final state dict), ``summary.json``.
+    ``snapshot.pt`` and the snapshots before it (resume state), ``model.pt`` (the final state
+    dict), ``summary.json``.
 
     Args:
         task: the model, data and loss (``bigbatch.Task``).
@@ -56,77 +106,97 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         The ``Summary`` of the run (time, samples/s, peak memory, final loss, metric).
 
     Raises:
-        ValueError: a bad or contradictory setting, or a run folder that belongs to another run.
-        TaskError: the task's data cannot be used.
+        ValueError, TypeError: a bad or contradictory setting, or a run folder that belongs to
+            another run. TaskError: the task cannot be used. RunFolderBusy: another run is
+            writing the folder. NonFiniteRun: a step's loss or gradient was NaN / inf (Note
+            [non-finite runs]). Stopped: SIGINT / SIGTERM, after a snapshot.
 
     Example:
         >>> summary = bigbatch.fit(task, batch_size=256, micro_batch_size=32, epochs=3)  # doctest: +SKIP
     """
     config = make_config(config, **settings)
-    _check_task(task)
+    check_task(task)
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
-    batch_size, micro_batch_size, _ = resolve_batch(config)
-    steps_per_epoch = math.ceil(len(task.train_data) / batch_size)
-    total_steps = config.steps or (config.epochs or 1) * steps_per_epoch
+    with RunFolder(config.out, ranks) as folder, StopSignals(ranks.device) as stop:
+        run = _prepare(task, config, ranks, folder)
+        progress = _start(run)
+        log = (
+            RunLog(folder.out, run.total_steps, progress.step, config.quiet)
+            if ranks.is_main
+            else NullLog()
+        )
+        try:
+            _train(run, progress, log, stop)
+        finally:
+            log.close()
+        final = evaluate(task, run.acc.model, _eval_batch_size(run))
+        if ranks.is_main:
+            _check_finite(run, progress, "model.pt")
+            resume.atomic_save(
+                distributed.unwrap(run.acc.model).state_dict(), folder.path("model.pt")
+            )
+    # every rank waits here for rank 0's files (the summary reads metrics.csv)
+    distributed.teardown() if joined else distributed.barrier()
+    summary = summarize(config.out, progress.elapsed_s, run.batch_size, final, write=ranks.is_main)
+    if ranks.is_main and not config.quiet:
+        print_summary(summary)
+    return summary
+
+
+def _train(run: _Run, progress: _Progress, log: RunLog | NullLog, stop: StopSignals) -> None:
+    """The steps from ``progress.step + 1`` to the last; a snapshot when one is due or asked."""
+    batches = _batches(run, progress.step)
+    for step in range(progress.step + 1, run.total_steps + 1):
+        samples, batch = next(batches)
+        row = _step(run, progress, step, samples, batch)
+        log.step({**row, **_evaluate_every(run, step)})
+        signum = stop.requested()
+        if signum or _snapshot_due(run, step):
+            _save(run, progress)
+        if signum:
+            raise Stopped(_stopped_line(run, progress, signum), signum)
+
+
+def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -> dict[str, Any]:
+    """One optimizer step and its row of ``metrics.csv``."""
+    batch = map_tensors(lambda t: t.to(run.ranks.device), batch)
+    probe = PeakProbe(run.ranks.device)
+    record = probe.reset()
+    started = time.perf_counter()
+    try:
+        result = run.acc.train_step(batch, run.task.loss_fn, count_fn=run.task.count_fn)
+    except NonFiniteError as exc:
+        raise NonFiniteRun(f"step {step}: {exc} " + _last_good(run, progress)) from None
+    seconds = time.perf_counter() - started
+    progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
+    progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
+    if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise NonFiniteRun(
+            f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN / inf values "
+            f"(skipped or applied); stopping. {_last_good(run, progress)}"
+        )
+    epoch = (step - 1) // run.steps_per_epoch
+    return _row(step, epoch, result, run.acc.optimizer, seconds, probe.finish(record), samples)
+
+
+# ---------------------------------------------------------------------------- setting up
+def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: RunFolder) -> _Run:
+    batch_size = resolve_batch(config)[0]
+    steps_per_epoch, total_steps = run_length(config, len(task.train_data))
     if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
         distributed.check_batch_sizes(len(task.train_data), batch_size, ranks.world_size)
-
     model = _prepare_model(task.model, config, ranks)
     optimizer = (task.optimizer or torch.optim.AdamW)(
         model.parameters(), lr=scaled_lr(config, batch_size)
     )
     scheduler = (task.scheduler or _default_schedule(config))(optimizer, total_steps)
     acc = Accumulator(
-        model, optimizer, micro_batch_size, scheduler, config.max_grad_norm, config.precision,
-        config.memory_budget,
+        model, optimizer, resolve_batch(config)[1], scheduler, config.max_grad_norm,
+        config.precision, config.memory_budget, nonfinite=config.nonfinite,
     )  # fmt: skip
-    identity = _identity(task, config)
-    start_step, elapsed_s = _start(acc, config, identity, ranks)
-
-    log = RunLog(config.out, total_steps, start_step, config.quiet) if ranks.is_main else NullLog()
-    probe = PeakProbe(ranks.device)
-    batches = _batches(task, config, batch_size, steps_per_epoch, start_step, ranks)
-    try:
-        for step in range(start_step + 1, total_steps + 1):
-            samples, batch = next(batches)
-            batch = map_tensors(lambda t: t.to(ranks.device), batch)
-            record = probe.reset()
-            started = time.perf_counter()
-            result = acc.train_step(batch, task.loss_fn)
-            seconds = time.perf_counter() - started
-            elapsed_s += seconds
-            epoch = (step - 1) // steps_per_epoch
-            row = _row(step, epoch, result, optimizer, seconds, probe.finish(record), samples)
-            log.step({**row, **_evaluate_every(task, acc, config, step, batch_size)})
-            if _snapshot_due(config, step, steps_per_epoch, total_steps):
-                rng = distributed.all_gather_object(resume.capture_rng())  # each rank's own
-                if ranks.is_main:
-                    _save(acc, config, identity, step, steps_per_epoch, elapsed_s, rng)
-    finally:
-        log.close()
-    final = evaluate(task, model, _eval_batch_size(acc, batch_size))
-    if ranks.is_main:
-        resume.atomic_save(distributed.unwrap(model).state_dict(), f"{config.out}/model.pt")
-    # every rank waits here for rank 0's files (the summary reads metrics.csv)
-    distributed.teardown() if joined else distributed.barrier()
-    summary = summarize(config.out, elapsed_s, batch_size, final, write=ranks.is_main)
-    if ranks.is_main and not config.quiet:
-        print_summary(summary)
-    return summary
-
-
-# ---------------------------------------------------------------------------- setting up
-def _check_task(task: Task) -> None:
-    if not isinstance(task, Task):
-        raise TaskError(f"fit() needs a bigbatch.Task, got {type(task).__name__}.")
-    if not hasattr(task.train_data, "__len__") or not hasattr(task.train_data, "__getitem__"):
-        raise TaskError(
-            f"Task.train_data is a {type(task.train_data).__name__}; the trainer needs a map-style "
-            "dataset (len() and [i]), e.g. torch.utils.data.TensorDataset(x, y) or a list."
-        )
-    if len(task.train_data) == 0:
-        raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
+    return _Run(task, config, ranks, folder, acc, _identity(task, config, optimizer), batch_size,
+                steps_per_epoch, total_steps)  # fmt: skip
 
 
 def _prepare_model(
@@ -136,9 +206,8 @@ def _prepare_model(
         from bigbatch.memory.checkpointing import enable_checkpointing
 
         enable_checkpointing(model)
-    policy = config.batchnorm or "keep"  # TrainConfig stores None as "keep"
-    if policy != "keep":
-        apply_batchnorm(model, policy)  # before DDP wraps the modules
+    if config.batchnorm != "keep":
+        apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
     return distributed.wrap(model, ranks)
 
@@ -164,130 +233,194 @@ def _default_schedule(config: TrainConfig) -> Any:
     return make
 
 
-def _identity(task: Task, config: TrainConfig) -> dict[str, Any]:
-    """What makes a run the same run: the task, the settings that change the result, the model."""
-    settings = {k: v for k, v in config.to_dict().items() if k not in RESUMABLE_CHANGES}
+def _identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What makes a run the same run: the task, the settings that change the result, the model,
+    the optimizer's class (its state only loads into the same kind)."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
+    settings["task"] = canonical_path(config.task) if config.task else None
     model = distributed.unwrap(task.model)
     shapes = {name: list(p.shape) for name, p in model.state_dict().items()}
-    return {**settings, "model": shapes, "train_samples": len(task.train_data)}
+    optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return {
+        **settings,
+        "model": shapes,
+        "train_samples": len(task.train_data),
+        "optimizer": optimizer_class,
+    }
 
 
-def _start(
-    acc: Accumulator, config: TrainConfig, identity: dict[str, Any], ranks: distributed.Ranks
-) -> tuple[int, float]:
-    """Restore the snapshot when resuming; seed everything when starting. Returns (step, time)."""
-    resume.clean_stale_temps(config.out)
-    state = resume.read_snapshot(config.out)
-    if state is not None and not config.resume:
+def _start(run: _Run) -> _Progress:
+    """Restore the newest snapshot when resuming; seed everything when starting."""
+    config, folder = run.config, run.folder
+    if run.ranks.is_main:
+        resume.clean_stale_temps(folder.out)  # the lock holder alone (Note [one writer])
+    snapshot = resume.read_latest(folder.out)
+    if snapshot is not None and not config.resume:
         raise resume.RunMismatchError(
-            f"run folder {config.out!r} already holds a run (step {state['step']} of "
-            f"{state['total_steps']}): add --resume to continue it, or choose another --out."
+            f"run folder {config.out!r} already holds a run (step {snapshot.step} of "
+            f"{snapshot.total_steps}): add --resume to continue it, or choose another --out."
         )
-    if state is None:
-        _seed_everything(config.seed)
-        return 0, 0.0
-    resume.check_same_run(state["identity"], identity, config.out)
-    distributed.unwrap(acc.model).load_state_dict(state["model"])
-    acc.optimizer.load_state_dict(state["optimizer"])
-    if acc.scheduler is not None and state["scheduler"] is not None:
-        acc.scheduler.load_state_dict(state["scheduler"])
-    if acc.precision.scaler is not None and state["scaler"] is not None:
-        acc.precision.scaler.load_state_dict(state["scaler"])
-    if state["auto_state"] is not None:
-        acc.auto_state = AutoState(**state["auto_state"])
-    _restore_rng(state["rng"], ranks)
-    return int(state["step"]), float(state["elapsed_s"])
+    if snapshot is None:
+        _nothing_to_resume(config, folder)
+        _rng.seed_all(config.seed)
+        return _Progress()
+    _restore(run, snapshot)
+    return _Progress(step=snapshot.step, elapsed_s=snapshot.elapsed_s, snapshot_step=snapshot.step)
+
+
+def _nothing_to_resume(config: TrainConfig, folder: RunFolder) -> None:
+    """``--resume`` and no snapshot: a run killed before its first snapshot starts again from
+    step 0 (said in a warning); a folder that never held a run is an error, unless ``auto``."""
+    if config.resume is not True:
+        return
+    if not os.path.exists(folder.path(METRICS_CSV)):
+        raise resume.RunMismatchError(
+            f"--resume: run folder {config.out!r} holds no run to resume: drop --resume to start "
+            "a new run there, or give --resume auto to start when there is nothing to resume."
+        )
+    warnings.warn(
+        f"--resume: the run in {config.out!r} was stopped before its first snapshot: it starts "
+        "again from step 0.",
+        BigBatchWarning,
+        stacklevel=4,
+    )
+
+
+def _restore(run: _Run, snapshot: resume.Snapshot) -> None:
+    resume.check_same_run(snapshot.identity, run.identity, run.config.out)
+    acc = run.acc
+    distributed.unwrap(acc.model).load_state_dict(snapshot.model)
+    acc.optimizer.load_state_dict(snapshot.optimizer)
+    if acc.scheduler is not None and snapshot.scheduler is not None:
+        acc.scheduler.load_state_dict(snapshot.scheduler)
+    acc.load_state_dict(snapshot.engine)
+    changes = snapshot.environment_changes()
+    if changes and run.ranks.is_main:
+        warnings.warn(
+            f"resuming with {', '.join(changes)}: the last bits of the results may differ from "
+            "an uninterrupted run (other kernels, another summation order).",
+            BigBatchWarning,
+            stacklevel=3,
+        )
+    _restore_rng(snapshot.rng, run.ranks)
 
 
 def _restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
     """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
     if len(saved) == ranks.world_size:
-        resume.restore_rng(saved[ranks.rank])
+        _rng.restore_all(saved[ranks.rank])
         return
     if ranks.is_main:
         warnings.warn(
             f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every rank "
             "takes rank 0's random state, so random draws (dropout) differ from the "
             "uninterrupted run; resume on the same number of ranks for a bitwise-equal result.",
+            BigBatchWarning,
             stacklevel=3,
         )
-    resume.restore_rng(saved[0])
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
+    _rng.restore_all(saved[0])
 
 
 # ---------------------------------------------------------------------------- data, log, snapshot
-def _batches(
-    task: Task, config: TrainConfig, batch_size: int, steps_per_epoch: int, start_step: int,
-    ranks: distributed.Ranks,
-) -> Iterator[tuple[int, Any]]:  # fmt: skip
+def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
     """The training batches from ``start_step`` on, as ``(samples in the global batch, this
     rank's share)``. Epoch e visits ``randperm(n)`` seeded by ``seed + e`` (its own generator,
     never the global one), so skipping to a position loads nothing and draws no random number;
     each global batch is dealt out to the ranks (Note [global batch] in bigbatch.distributed)."""
+    task, config, batch_size = run.task, run.config, run.batch_size
     collate = task.collate_fn or torch.utils.data.default_collate
     n = len(task.train_data)
-    epoch, position = divmod(start_step, steps_per_epoch)
+    epoch, position = divmod(start_step, run.steps_per_epoch)
     while True:
         seeded = torch.Generator().manual_seed(config.seed + epoch)
         order = torch.randperm(n, generator=seeded).tolist() if config.shuffle else range(n)
-        for i in range(position, steps_per_epoch):
+        for i in range(position, run.steps_per_epoch):
             indices = list(order[i * batch_size : (i + 1) * batch_size])
-            share = distributed.deal(indices, ranks)
+            share = distributed.deal(indices, run.ranks)
             yield len(indices), collate([task.train_data[j] for j in share])
         epoch, position = epoch + 1, 0
 
 
 def _row(
-    step: int,
-    epoch: int,
-    result: StepResult,
-    optimizer: torch.optim.Optimizer,
-    seconds: float,
-    peak: Any,
-    samples: int,
-) -> dict[str, Any]:
+    step: int, epoch: int, result: StepResult, optimizer: torch.optim.Optimizer, seconds: float,
+    peak: Any, samples: int,
+) -> dict[str, Any]:  # fmt: skip
     tokens = result.count != samples  # the loss counts tokens (or pixels), not samples
+    # A step redone after running out of memory: the adopted attempt's peak, the retries' apart.
+    step_peak = (
+        result.peak_bytes
+        if result.oom_retries and result.peak_bytes is not None
+        else peak.peak_bytes
+    )
     return {
         "step": step, "epoch": epoch, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": result.grad_norm, "samples": samples, "count": result.count,
         "micro_batch_size": result.micro_batch_size, "micro_batches": result.micro_batches,
-        "oom_retries": result.oom_retries, "skipped": int(result.skipped), "time_s": seconds,
-        "samples_per_s": samples / seconds, "tokens_per_s": result.count / seconds if tokens else "",
-        "peak_bytes": peak.baseline_bytes + peak.peak_bytes, "step_peak_bytes": peak.peak_bytes,
+        "oom_retries": result.oom_retries, "skipped": int(result.skipped),
+        "nonfinite": int(result.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
+        "tokens_per_s": result.count / seconds if tokens else "",
+        "peak_bytes": peak.baseline_bytes + step_peak, "step_peak_bytes": step_peak,
+        "retry_peak_bytes": peak.peak_bytes if result.oom_retries else "",
     }  # fmt: skip
 
 
-def _snapshot_due(config: TrainConfig, step: int, steps_per_epoch: int, total_steps: int) -> bool:
-    every = config.save_every and step % config.save_every == 0
-    return bool(every or step % steps_per_epoch == 0 or step == total_steps)
+def _snapshot_due(run: _Run, step: int) -> bool:
+    every = run.config.save_every and step % run.config.save_every == 0
+    return bool(every or step % run.steps_per_epoch == 0 or step == run.total_steps)
 
 
-def _save(
-    acc: Accumulator, config: TrainConfig, identity: dict[str, Any], step: int, steps_per_epoch: int,
-    elapsed_s: float, rng: list[dict[str, Any]],
-) -> None:  # fmt: skip
-    scaler = acc.precision.scaler
-    resume.write_snapshot(config.out, {
-        "format": resume.FORMAT, "identity": identity, "step": step,
-        "total_steps": config.steps or (config.epochs or 1) * steps_per_epoch,
-        "epoch": step // steps_per_epoch, "position": step % steps_per_epoch,
-        "model": distributed.unwrap(acc.model).state_dict(), "optimizer": acc.optimizer.state_dict(),
-        "scheduler": acc.scheduler.state_dict() if acc.scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "auto_state": dataclasses.asdict(acc.auto_state) if acc.auto_state is not None else None,
-        "rng": rng, "elapsed_s": elapsed_s,
-        "torch_version": str(torch.__version__), "num_threads": torch.get_num_threads(),
-    })  # fmt: skip
+def _save(run: _Run, progress: _Progress) -> None:
+    rng = distributed.all_gather_object(_rng.capture_all())  # each rank's own
+    if not run.ranks.is_main:
+        return
+    _check_finite(run, progress, "a snapshot")
+    acc = run.acc
+    snapshot = resume.Snapshot(
+        identity=run.identity, step=progress.step, total_steps=run.total_steps,
+        model=distributed.unwrap(acc.model).state_dict(), optimizer=acc.optimizer.state_dict(),
+        scheduler=acc.scheduler.state_dict() if acc.scheduler is not None else None,
+        engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s,
+    )  # fmt: skip
+    resume.write_snapshot(
+        run.folder.out, snapshot, run.config.keep_snapshots, progress.snapshot_step
+    )
+    progress.snapshot_step = progress.step
+
+
+def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
+    model = distributed.unwrap(run.acc.model)
+    if all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point()):
+        return
+    raise NonFiniteRun(
+        f"step {progress.step}: the weights hold NaN / inf (nonfinite={run.config.nonfinite!r}); "
+        f"{what} was not written. {_last_good(run, progress)}"
+    )
+
+
+def _last_good(run: _Run, progress: _Progress) -> str:
+    path = resume.latest_path(run.folder.out)
+    if path is None:
+        return "No snapshot was written yet: fix the cause and start again."
+    last = f" (step {progress.snapshot_step})" if progress.snapshot_step is not None else ""
+    return (
+        f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, clipping) "
+        "and run again with --resume, or pass --nonfinite skip."
+    )
+
+
+def _stopped_line(run: _Run, progress: _Progress, signum: int) -> str:
+    import signal
+
+    args = sys.argv[1:]
+    if args[:1] == ["train"]:  # the command line: say the command to type
+        command = " ".join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
+    else:
+        command = "the same call with resume=True"
+    return (
+        f"stopped by {signal.Signals(signum).name} after step {progress.step} of "
+        f"{run.total_steps}; snapshot written to {resume.latest_path(run.folder.out)}. "
+        f"Resume with: {command}"
+    )
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -321,19 +454,15 @@ def evaluate(
     return totals[0] / max(totals[1], 1e-30), metric
 
 
-def _evaluate_every(
-    task: Task, acc: Accumulator, config: TrainConfig, step: int, batch_size: int
-) -> dict[str, Any]:
-    if not config.eval_every or step % config.eval_every or task.eval_data is None:
+def _evaluate_every(run: _Run, step: int) -> dict[str, Any]:
+    config = run.config
+    if not config.eval_every or step % config.eval_every or run.task.eval_data is None:
         return {}
-    eval_loss, metric = evaluate(task, acc.model, _eval_batch_size(acc, batch_size))
+    eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
     return {"eval_loss": eval_loss, "metric": metric if metric is not None else ""}
 
 
-def _eval_batch_size(acc: Accumulator, batch_size: int) -> int:
+def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""
-    if isinstance(acc.micro_batch_size, int):
-        return acc.micro_batch_size
-    adopted = acc.auto_state.size if acc.auto_state is not None else None
-    return adopted or batch_size
+    return run.acc.current_micro_batch_size or run.batch_size

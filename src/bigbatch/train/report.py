@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
-from bigbatch.memory.auto import format_bytes
+from bigbatch._units import format_bytes
 from bigbatch.train.log import METRICS_CSV, read_csv
 
 SUMMARY_JSON = "summary.json"
@@ -30,13 +31,17 @@ class Summary:
         samples_per_s: ``samples / time_s``.
         tokens_per_s: ``tokens / time_s`` or ``None``.
         peak_bytes: highest memory in use during a step (CUDA allocator, or CPU resident set).
-        step_peak_bytes: highest memory a step added above what was in use before it.
+        step_peak_bytes: highest memory a step added above what was in use before it; for a
+            step redone after running out of memory, the attempt that succeeded.
         final_loss: the last step's loss.
         eval_loss: loss on the task's eval data at the end (``None`` without eval data).
         metric: the task's metric on the eval data at the end (``None`` without one).
         batch_size: effective batch.
         micro_batch_size: the last micro-batch size used.
         out: the run folder.
+        retry_peak_bytes: highest memory a step added counting the attempts that ran out of
+            memory and were redone smaller (``None`` when no step was redone).
+        skipped_steps: optimizer steps skipped (fp16 overflow, or ``nonfinite="skip"``).
     """
 
     steps: int
@@ -53,6 +58,8 @@ class Summary:
     batch_size: int
     micro_batch_size: int | None
     out: str
+    retry_peak_bytes: int | None = None
+    skipped_steps: int = 0
 
 
 def summarize(
@@ -69,6 +76,7 @@ def summarize(
     count = sum(float(r["count"]) for r in rows)
     tokens = count if any(r["tokens_per_s"] for r in rows) else None
     time_s = max(time_s, 1e-9)
+    retried = [int(r["retry_peak_bytes"]) for r in rows if r.get("retry_peak_bytes")]
     summary = Summary(
         steps=len(rows),
         samples=samples,
@@ -84,11 +92,18 @@ def summarize(
         batch_size=batch_size,
         micro_batch_size=int(rows[-1]["micro_batch_size"]) if rows else None,
         out=out,
+        retry_peak_bytes=max(retried) if retried else None,
+        skipped_steps=sum(int(r.get("skipped") or 0) for r in rows),
     )
     if write:
+        plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}
         with open(os.path.join(out, SUMMARY_JSON), "w") as file:
-            json.dump(dataclasses.asdict(summary), file, indent=2)
+            json.dump(plain, file, indent=2, allow_nan=False)  # valid JSON: NaN becomes null
     return summary
+
+
+def _json_number(value: object) -> object:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def load_summary(out: str) -> Summary:
@@ -96,14 +111,20 @@ def load_summary(out: str) -> Summary:
 
     Raises:
         FileNotFoundError: ``out`` is not a finished run folder.
+        ValueError: the file is not a summary of this version of bigbatch (named).
     """
     path = os.path.join(out, SUMMARY_JSON)
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"{path} does not exist: give the --out folder of a finished `bigbatch train` run."
         )
-    with open(path) as file:
-        return Summary(**json.load(file))
+    try:
+        with open(path) as file:
+            return Summary(**json.load(file))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` again to write it."
+        ) from None
 
 
 def summary_rows(summary: Summary) -> list[tuple[str, str]]:
@@ -119,8 +140,13 @@ def summary_rows(summary: Summary) -> list[tuple[str, str]]:
     rows += [
         ("peak memory", format_bytes(summary.peak_bytes)),
         ("peak added by a step", format_bytes(summary.step_peak_bytes)),
-        ("final loss", f"{summary.final_loss:.4f}"),
     ]
+    if summary.retry_peak_bytes is not None:
+        rows.append(("... with redone attempts", format_bytes(summary.retry_peak_bytes)))
+    if summary.skipped_steps:
+        rows.append(("skipped steps", f"{summary.skipped_steps:,}"))
+    final = summary.final_loss
+    rows.append(("final loss", f"{final:.4f}" if final is not None else "nan"))
     if summary.eval_loss is not None:
         rows.append(("eval loss", f"{summary.eval_loss:.4f}"))
     if summary.metric is not None:

@@ -1,80 +1,169 @@
-"""Resume snapshots: the whole training state in one file, written atomically.
+"""Resume snapshots: the whole training state in one file, written atomically, the newest kept.
 
-A snapshot is taken at an optimizer-step boundary and holds the model, the optimizer, the LR
-scheduler, the gradient scaler, every random generator of every rank (torch CPU and CUDA, numpy,
-Python), the data position (epoch and batches done; the order is a pure function of ``seed`` and
-the epoch), the adopted auto micro-batch size and the run's settings. Under torchrun rank 0
-writes it and every rank reads it: the run folder must be one that every node sees. A run
-killed mid-window redoes that window from the same data and the same random state, so the
-resumed run ends bitwise equal to an uninterrupted one on the CPU.
+A ``Snapshot`` is taken at an optimizer-step boundary and holds the model, the optimizer, the LR
+scheduler, what the engine owns (``Accumulator.state_dict``: the adopted micro-batch, the loss
+scaler), every random generator of every rank (torch CPU and CUDA, numpy, Python), the step
+(the data order is a pure function of ``seed`` and the epoch, so the step says where the data
+are) and the run's identity. Under torchrun rank 0 writes it and every rank reads it: the run
+folder must be one that every node sees. A run killed mid-window redoes that window from the
+same data and the same random state, so the resumed run ends bitwise equal to an uninterrupted
+one on the CPU.
+
+``DIR/snapshot.pt`` is always the newest; the ones before it are ``DIR/snapshot-<step>.pt``, and
+the newest ``keep`` snapshots are kept in all, so a bad late state (NaN weights are never
+written, but a wrong setting may be) never replaces the only good one.
 
 Note [atomic snapshot]
     ``write_snapshot`` writes to a temporary file in the run folder, flushes and ``fsync``\\ s it,
-    ``os.replace``\\ s it over ``snapshot.pt`` and ``fsync``\\ s the folder. A kill at any moment
-    leaves either the previous snapshot or the new one, never a torn file: the previous one stays
-    in place until the rename commits the new one. A killed writer leaves a stale temporary
-    file, removed by ``clean_stale_temps`` when the next run starts. Durability against power
-    loss follows from the fsyncs (by construction, not by test).
+    renames the current ``snapshot.pt`` to ``snapshot-<its step>.pt``, ``os.replace``\\ s the new
+    one over ``snapshot.pt`` and ``fsync``\\ s the folder, and only then deletes snapshots beyond
+    ``keep``. A kill at any moment leaves every committed snapshot whole: between the two
+    renames the newest is ``snapshot-<step>.pt``, which ``read_latest`` finds. A killed writer
+    leaves a stale temporary file, removed by ``clean_stale_temps`` when the folder's next run
+    starts (by the process that holds the folder's lock: Note [one writer]). A full disk fails
+    the write with ``OSError(ENOSPC)``, the temporary file is removed, and the previous
+    snapshots stay. Durability against power loss follows from the fsyncs (by construction, not
+    by test).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import glob
 import os
-import random
+import re
+import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 SNAPSHOT = "snapshot.pt"
+FORMAT = "bigbatch-snapshot-3"  # 3: one typed record; older snapshots kept beside the newest
 _TEMP_PREFIX = ".snapshot.pt.tmp."
+_OLDER = re.compile(r"snapshot-(\d+)\.pt$")
 
 
 class RunMismatchError(ValueError):
     """The run folder holds a run with other settings or another task; the message says what."""
 
 
-def snapshot_path(out: str) -> str:
-    """Where the run folder ``out`` keeps its snapshot."""
-    return os.path.join(out, SNAPSHOT)
+@dataclass
+class Snapshot:
+    """Everything a run needs to continue exactly where it was (see the module docstring).
+
+    Attributes:
+        identity: what makes the run the same run (task, settings, model shapes, optimizer).
+        step: optimizer steps done.
+        total_steps: optimizer steps the run takes in all.
+        model, optimizer, scheduler: their ``state_dict``\\ s (``scheduler`` may be ``None``).
+        engine: ``Accumulator.state_dict()``.
+        rng: every rank's random generators (``bigbatch._rng.capture_all``), indexed by rank.
+        elapsed_s: training time so far, summed over earlier resumes.
+        torch_version, num_threads: where it was written (a difference is warned about on resume:
+            other kernels or another thread count can change the last bits of a float).
+    """
+
+    identity: dict[str, Any]
+    step: int
+    total_steps: int
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    engine: dict[str, Any]
+    rng: list[dict[str, Any]]
+    elapsed_s: float
+    torch_version: str = field(default_factory=lambda: str(torch.__version__))
+    num_threads: int = field(default_factory=torch.get_num_threads)
+    format: str = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (no copies of the tensors), what ``torch.save`` writes."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def environment_changes(self) -> list[str]:
+        """How this process differs from the one that wrote the snapshot (for a warning)."""
+        changes = []
+        if self.torch_version != str(torch.__version__):
+            changes.append(f"torch {self.torch_version} -> {torch.__version__}")
+        if self.num_threads != torch.get_num_threads():
+            changes.append(f"{self.num_threads} -> {torch.get_num_threads()} threads")
+        return changes
 
 
 def clean_stale_temps(out: str) -> list[str]:
-    """Remove temporary files left by a writer killed mid-write; return their paths."""
+    """Remove temporary files left by a writer killed mid-write; return their paths.
+
+    Call it only while holding the folder's lock (Note [one writer]).
+    """
     stale = glob.glob(os.path.join(glob.escape(out), _TEMP_PREFIX + "*"))
     for path in stale:
         os.remove(path)
     return stale
 
 
-def write_snapshot(out: str, state: dict[str, Any]) -> str:
-    """Write ``state`` to ``out/snapshot.pt`` atomically (Note [atomic snapshot])."""
-    return atomic_save(state, snapshot_path(out))
+def write_snapshot(
+    out: str, snapshot: Snapshot, keep: int = 2, previous_step: int | None = None
+) -> str:
+    """Write ``snapshot`` as ``out/snapshot.pt``, keeping the newest ``keep`` (Note [atomic snapshot]).
 
-
-def atomic_save(obj: Any, path: str) -> str:
-    """``torch.save(obj, path)`` so that a kill leaves the old file or the new one, never half."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    temp = os.path.join(folder, f"{_TEMP_PREFIX}{os.getpid()}")
-    with open(temp, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
+    Args:
+        out: the run folder.
+        snapshot: what to write.
+        keep: snapshots to keep in all (at least 1).
+        previous_step: the step of the ``snapshot.pt`` being replaced (``None``: none, or unknown,
+            in which case it is read from the file).
+    """
+    path = os.path.join(out, SNAPSHOT)
+    temp = _write_temp(snapshot.to_dict(), path)
+    if os.path.exists(path):
+        if previous_step is None:
+            previous_step = read_snapshot(path).step
+        os.replace(path, os.path.join(out, f"snapshot-{previous_step:08d}.pt"))
     os.replace(temp, path)
-    _fsync_dir(folder)
+    _fsync_dir(out)
+    older = older_snapshots(out)
+    for _, old in older[: max(0, len(older) - (keep - 1))]:
+        os.remove(old)
     return path
 
 
-def read_snapshot(out: str) -> dict[str, Any] | None:
-    """The snapshot in ``out``, or ``None`` when there is none.
+def older_snapshots(out: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of the snapshots before the newest, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(out), "snapshot-*.pt")):
+        match = _OLDER.search(os.path.basename(path))
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_path(out: str) -> str | None:
+    """The newest snapshot's path in ``out``, or ``None`` when there is none."""
+    path = os.path.join(out, SNAPSHOT)
+    if os.path.exists(path):
+        return path
+    older = older_snapshots(out)  # a writer killed between its two renames (Note [atomic snapshot])
+    return older[-1][1] if older else None
+
+
+def read_latest(out: str) -> Snapshot | None:
+    """The newest snapshot in ``out``, or ``None`` when there is none.
 
     Raises:
-        RunMismatchError: the file is not a bigbatch snapshot.
+        RunMismatchError: the file is not a bigbatch snapshot of this version.
     """
-    path = snapshot_path(out)
-    if not os.path.exists(path):
-        return None
+    path = latest_path(out)
+    return None if path is None else read_snapshot(path)
+
+
+def read_snapshot(path: str) -> Snapshot:
+    """Load one snapshot file (``weights_only``: a snapshot never runs code when loaded).
+
+    Raises:
+        RunMismatchError: not a readable bigbatch snapshot, or one of another bigbatch version.
+    """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
@@ -88,16 +177,14 @@ def read_snapshot(out: str) -> dict[str, Any] | None:
             f"{path} was written by another version of bigbatch ({found}; this one reads "
             f"{FORMAT}): resume it with that version, or start again in another --out."
         )
-    if found != FORMAT:
+    names = {f.name for f in dataclasses.fields(Snapshot)}
+    if found != FORMAT or set(state) != names:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
-    return state
-
-
-FORMAT = "bigbatch-snapshot-2"  # 2: one random state per rank
+    return Snapshot(**state)
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> None:
-    """Refuse to resume a run folder whose identity (task, settings, model) differs.
+    """Refuse to resume a run folder whose identity (task, settings, model, optimizer) differs.
 
     Raises:
         RunMismatchError: naming each difference as ``key: saved -> now``.
@@ -115,44 +202,38 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
         )
 
 
-def capture_rng() -> dict[str, Any]:
-    """Every random generator's state: torch CPU and CUDA, numpy (if installed), Python."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    numpy_state = _numpy_state()
-    if numpy_state is not None:
-        state["numpy"] = numpy_state
-    return state
+def atomic_save(obj: Any, path: str) -> str:
+    """``torch.save(obj, path)`` so that a kill leaves the old file or the new one, never half."""
+    temp = _write_temp(obj, path)
+    os.replace(temp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+    return path
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back what ``capture_rng`` saved."""
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _python_state() -> tuple[int, list[int], float | None]:
-    version, internal, gauss = random.getstate()
-    return version, list(internal), gauss
-
-
-def _numpy_state() -> tuple[str, list[int], int, int, float] | None:
+def _write_temp(obj: Any, path: str) -> str:
+    folder = os.path.dirname(path) or "."
+    temp = os.path.join(folder, f"{_TEMP_PREFIX}{os.getpid()}")
     try:
-        import numpy as np
-    except ImportError:
-        return None
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    # Plain lists, not arrays: the snapshot then loads with torch.load(weights_only=True).
-    return str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)
+        with open(temp, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException as exc:
+        if os.path.exists(temp):
+            os.remove(temp)
+        if _disk_full(exc, folder):
+            raise OSError(
+                errno.ENOSPC, "no space left on the device; the previous snapshot is kept", path
+            ) from None
+        raise
+    return temp
+
+
+def _disk_full(exc: BaseException, folder: str) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # torch's writer reports a short write as "enforce fail ... unexpected pos": ask the disk.
+    return isinstance(exc, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
 
 
 def _fsync_dir(path: str) -> None:

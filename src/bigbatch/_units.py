@@ -1,0 +1,72 @@
+"""Byte sizes for people: ``format_bytes(1.5 * 2**30) == "1.50 GiB"`` and ``parse_bytes("6GiB")``.
+
+One place for the units every report, log and error message of bigbatch uses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+
+
+def parse_bytes(value: object, name: str = "memory_budget") -> int | None:
+    """Parse ``"6GiB"``, ``"512MB"``, ``"1.5G"`` or a number of bytes into bytes (``None`` stays).
+
+    Args:
+        value: the size; ``None`` means "no size given".
+        name: the setting's name, for the error message.
+
+    Raises:
+        ValueError: not a finite, positive size.
+
+    Example:
+        >>> parse_bytes("1.5KiB")
+        1536
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a size: write a number with a unit, e.g. "
+                f'{name}="6GiB", "512MiB", "8GB", or a number of bytes.'
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number):
+        raise ValueError(f'{name}={value!r} is not a finite size: write e.g. {name}="6GiB".')
+    if number * _UNITS[unit] < 1:
+        raise ValueError(f'{name}={value!r} must be positive, e.g. {name}="6GiB".')
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """``1536 * 2**20`` -> ``"1.50 GiB"``.
+
+    >>> format_bytes(1536 * 2**20)
+    '1.50 GiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

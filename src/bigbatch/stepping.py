@@ -1,0 +1,222 @@
+"""The optimizer-step half of a window: what is checked when the ``Accumulator`` is built, and the
+gradient arithmetic of ``step`` (normalise, norm and clip, scheduler).
+
+Everything a step needs to refuse is refused at construction, before any weight can change: an
+optimizer that does not hold the model's trainable parameters (it would train nothing, and their
+``.grad`` would grow step after step), a scheduler that cannot be stepped once per optimizer step,
+a clipping norm that is not a positive number.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+NONFINITE = ("raise", "skip", "apply")
+
+
+class NonFiniteError(FloatingPointError):
+    """The window's loss or gradient norm is NaN or infinite; nothing was changed.
+
+    Raised by ``Accumulator.step`` / ``train_step`` with ``nonfinite="raise"`` (the default)
+    before ``optimizer.step()``: the parameters, the optimizer state, the scheduler and the
+    gradients are as they were before the window.
+    """
+
+
+NONFINITE_FIX = (
+    "nothing was changed. Look for NaN / inf in the data or a diverging loss (lower the learning "
+    'rate, clip with max_grad_norm), or pass nonfinite="skip" to skip such windows.'
+)
+
+
+def check_window_totals(count_total: float, bad_counts: float) -> None:
+    """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine).
+
+    Raises:
+        ValueError: a count was negative or not finite, or the total is not positive.
+    """
+    if bad_counts:
+        raise ValueError(
+            f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
+            "number of items summed over. The window was discarded; nothing was changed."
+        )
+    if not count_total > 0:
+        raise ValueError(
+            f"the window's total count is {count_total:g}: no item to average over (e.g. every "
+            "label equals ignore_index). The window was discarded; the parameters and the "
+            "optimizer are unchanged. Check the batch or the loss_fn's count."
+        )
+
+
+def pair_grads(
+    optimizer: Any, grads: Mapping[torch.Tensor, Any] | Sequence[torch.Tensor | None]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, gradient)`` pairs from a dict, or a list in the optimizer's order.
+
+    Raises:
+        ValueError: a list of the wrong length, or a gradient whose shape is not its parameter's.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not isinstance(grads, Mapping) and len(grads) != len(params):
+        raise ValueError(
+            f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "
+            "parameters: pass one per parameter (None for none), in the optimizer's order, or "
+            "a {parameter: gradient} dict."
+        )
+    given = grads.items() if isinstance(grads, Mapping) else zip(params, grads, strict=True)
+    pairs = [(p, g) for p, g in given if g is not None]
+    for p, g in pairs:
+        if g.shape != p.shape:
+            raise ValueError(
+                f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a parameter of "
+                f"shape {tuple(p.shape)}."
+            )
+    return pairs
+
+
+def add_grads_(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float | torch.Tensor) -> None:
+    """``p.grad += scale * g`` for every pair (``p.grad`` created where there is none)."""
+    for p, g in pairs:
+        scaled = g.detach().to(p.dtype) * scale
+        p.grad = scaled if p.grad is None else p.grad + scaled
+
+
+def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
+    """Refuse an optimizer that is not one, or that misses some of the model's trainable parameters.
+
+    Raises:
+        TypeError: ``optimizer`` has no ``param_groups`` / ``step`` / ``zero_grad``.
+        ValueError: the model has trainable parameters the optimizer does not hold (named).
+    """
+    if not all(hasattr(optimizer, a) for a in ("param_groups", "step", "zero_grad")):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is not an optimizer: pass a torch.optim."
+            "Optimizer over the model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if trainable and len(missing) == len(trainable):
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters, so training would "
+            "change nothing: build it over this model, e.g. torch.optim.AdamW(model.parameters())."
+        )
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ValueError(
+            f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
+            "would grow step after step and never be used. Give them to the optimizer, or call "
+            "requires_grad_(False) on the parameters you do not train."
+        )
+
+
+def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
+    """Return ``scheduler`` if it can be stepped once per optimizer step, else raise.
+
+    Accepted: ``None``; any ``torch.optim.lr_scheduler`` scheduler; ``ReduceLROnPlateau`` (stepped
+    with the window's loss); any object whose ``step()`` needs no argument.
+
+    Raises:
+        TypeError: anything else, or a scheduler of another optimizer.
+    """
+    if scheduler is None:
+        return None
+    plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not plateau and not _steppable_without_arguments(scheduler):
+        raise TypeError(
+            f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
+            "a torch.optim.lr_scheduler scheduler (e.g. LambdaLR, CosineAnnealingLR, "
+            "ReduceLROnPlateau), an object whose step() takes no argument, or None."
+        )
+    bound = getattr(scheduler, "optimizer", optimizer)
+    if bound is not optimizer:
+        raise TypeError(
+            "the scheduler steps another optimizer than the Accumulator's: build it over the "
+            "same optimizer, e.g. LambdaLR(optimizer, ...)."
+        )
+    return scheduler
+
+
+def step_scheduler(scheduler: Any, loss: float) -> None:
+    """Step ``scheduler`` once (``ReduceLROnPlateau`` with the window's mean loss)."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
+
+
+def check_max_grad_norm(max_grad_norm: object) -> float | None:
+    """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
+    if max_grad_norm is None:
+        return None
+    ok = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+    if not ok or not (0 < float(max_grad_norm) < math.inf):  # type: ignore[arg-type]
+        raise ValueError(
+            f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
+            "(finite, e.g. max_grad_norm=1.0)."
+        )
+    return float(max_grad_norm)  # type: ignore[arg-type]  # a Real, checked above
+
+
+def check_nonfinite(nonfinite: object) -> str:
+    """Return ``nonfinite`` if it is one of ``NONFINITE``."""
+    if nonfinite not in NONFINITE:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
+        )
+    return str(nonfinite)
+
+
+def scale_grads_(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every ``p.grad`` by ``factor`` in place (sparse gradients included)."""
+    dense = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, factor)
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad.mul_(factor)
+
+
+def clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """The gradients' total 2-norm, clipping them to ``max_norm`` first when it is given."""
+    if not params:
+        return torch.zeros(())
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        return _sparse_clip_or_norm_(params, max_norm)
+    if max_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    norms = torch._foreach_norm([p.grad for p in params])  # type: ignore[misc]  # grads are set
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+def _sparse_clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    # clip_grad_norm_'s foreach path does not take sparse tensors; same arithmetic, one by one.
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [g.coalesce().values().norm() if g.is_sparse else g.norm() for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if max_norm is not None:
+        scale_grads_(params, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
+def _steppable_without_arguments(scheduler: Any) -> bool:
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        return False
+    try:
+        inspect.signature(step).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): trust it
+        return True
+    return True
