@@ -53,8 +53,8 @@ import torch
 from bigbatch._units import parse_bytes
 from bigbatch.batchnorm_window import warn_batch_coupled, window
 from bigbatch.loss import LossFn, as_sum_and_count, check_count, check_scalar_loss
-from bigbatch.memory.oom import is_out_of_memory, release_memory
-from bigbatch.memory.sizing import WindowMeter, make_sizing
+from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
+from bigbatch.memory.sizing import WindowMeter, gradient_bytes, make_sizing
 from bigbatch.precision import make_precision
 from bigbatch.split import Batch, batch_size, micro_batch_sizes, split
 from bigbatch.stepping import (
@@ -72,7 +72,7 @@ from bigbatch.stepping import (
     step_scheduler,
 )
 from bigbatch.sync import make_sync
-from bigbatch.window import Backup, MutableBuffers, Window
+from bigbatch.window import Backup, MutableBuffers, Window, first_scale, planned_scale
 
 CountFn = Callable[[Any], "torch.Tensor | int | float"]
 """``count_fn(micro_batch)``: how many items the loss of that micro-batch will count."""
@@ -167,7 +167,9 @@ class Accumulator:
         self.micro_batch_size = micro_batch_size
         self.device = _device_of(model)
         self._precision = make_precision(precision, self.device)
-        self._meter = WindowMeter(self.device, parse_bytes(memory_budget), self._sizing.retries)
+        self._meter = WindowMeter(
+            self.device, parse_bytes(memory_budget), self._sizing.retries, gradient_bytes(optimizer)
+        )
         self._sync = make_sync(model, auto=self._sizing.retries)
         self._buffers = MutableBuffers(model)
         self._window = Window()
@@ -242,14 +244,14 @@ class Accumulator:
         backup, retries = Backup(self._buffers, self.device), 0
         while True:
             size = self._sizing.size_for(n)
-            failed = self._attempt(batch, size, loss_fn, count_fn, backup)
-            failed = self._sync.agree_on_oom(failed)  # Note [auto micro-batch across ranks]
+            failure = self._attempt(batch, size, loss_fn, count_fn, backup)
+            failed, measured = self._sync.agree_on_oom(*failure)  # Note [auto micro-batch ...]
             if failed is None:
                 break
             # Retry outside the except block: the live exception would keep its tensors alive.
             self._discard_window(backup)
             release_memory(self.device)
-            self._sizing.after_oom(failed)
+            self._sizing.after_oom(failed, measured)
             retries += 1
         peak = self._meter.peak_bytes()
         result = self._step(backup)
@@ -261,8 +263,9 @@ class Accumulator:
 
     def _attempt(
         self, batch: Batch, size: int, loss_fn: LossFn, count_fn: CountFn | None, backup: Backup
-    ) -> int | None:
-        """Accumulate the window at ``size``; return ``size`` if it ran out of memory (auto)."""
+    ) -> tuple[int | None, bool]:
+        """Accumulate the window at ``size``. Returns ``(size, measured)`` if it ran out of memory
+        in auto mode (``measured``: over the budget, not an allocator failure), else ``(None, _)``."""
         try:
             self._accumulate_window(batch, size, loss_fn, count_fn)
         except BaseException as exc:
@@ -270,8 +273,8 @@ class Accumulator:
             if not (self._sizing.retries and is_out_of_memory(exc)):
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
-            return size
-        return None
+            return size, isinstance(exc, MemoryBudgetExceeded)
+        return None, False
 
     def _accumulate_window(
         self, batch: Batch, size: int, loss_fn: LossFn, count_fn: CountFn | None
@@ -295,21 +298,11 @@ class Accumulator:
         self, pieces: Sequence[Batch], sizes: Sequence[int], count_fn: CountFn | None
     ) -> torch.Tensor | float | None:
         """The window's backward scale, from what is known before it runs (Note [backward scale])."""
-        count: torch.Tensor | float = 0.0
-        if count_fn is not None:
-            for piece in pieces:
-                count = count + check_count(count_fn(piece), "count_fn's result")
+        counts = None if count_fn is None else [count_fn(p) for p in pieces]
         if self._sync.world_size > 1 and self._precision.scaler is None:
             return 1.0  # fp32 / bf16 do not overflow: no collective for it (slow links)
-        if self._sync.world_size == 1:
-            if count_fn is None:
-                self._window.samples_hint = (sum(sizes), sizes[0])
-                return None  # chosen at the first backward
-            return 1.0 / _clamp_min_one(count)
-        local = torch.tensor([float(sum(sizes)), 0.0], dtype=torch.float64, device=self.device)
-        local[1] = count if count_fn is not None else 0.0
-        total = self._sync.all_reduce_sum(local)
-        return 1.0 / total[1 if count_fn is not None else 0].clamp_min(1.0)
+        self._window.samples_hint = (sum(sizes), sizes[0])
+        return planned_scale(counts, sum(sizes), self._sync, self.device)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -474,10 +467,7 @@ class Accumulator:
     # ------------------------------------------------------------------ helpers
     def _first_scale(self, count: torch.Tensor | float) -> torch.Tensor | float:
         """``s`` when nothing was known before the window (Note [backward scale])."""
-        if self._sync.world_size > 1:
-            return 1.0
-        samples, first = self._window.samples_hint
-        return 1.0 / _clamp_min_one(count * (samples / first))
+        return first_scale(count, self._window.samples_hint, self._sync.world_size)
 
     def _discard_window(self, backup: Backup | None = None) -> None:
         """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)
@@ -500,12 +490,6 @@ class Accumulator:
                 "train_step() found gradients already in the parameters' .grad; they would be "
                 "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
             )
-
-
-def _clamp_min_one(count: torch.Tensor | float) -> torch.Tensor | float:
-    if isinstance(count, torch.Tensor):
-        return count.to(torch.float64).clamp_min(1.0)
-    return max(float(count), 1.0)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

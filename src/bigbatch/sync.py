@@ -95,11 +95,12 @@ class GradSync(Protocol):
         """Sum ``values`` over ranks (identity on one process)."""
         ...
 
-    def agree_on_oom(self, failed_size: int | None) -> int | None:
-        """The smallest micro-batch size that ran out of memory on any rank, or ``None``.
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
+        """The smallest micro-batch size that ran out of memory on any rank, or ``None``, and
+        whether every such failure was a budget reading (no allocator failed anywhere).
 
         ``failed_size`` is this rank's (``None`` when its window completed). A collective in
-        distributed auto mode (Note [auto micro-batch across ranks]); else ``failed_size``.
+        distributed auto mode (Note [auto micro-batch across ranks]); else the arguments.
         """
         ...
 
@@ -122,8 +123,8 @@ class LocalSync:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
-    def agree_on_oom(self, failed_size: int | None) -> int | None:
-        return failed_size
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
+        return failed_size, measured
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         pass
@@ -145,14 +146,16 @@ class _RankSync:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
         return values
 
-    def agree_on_oom(self, failed_size: int | None) -> int | None:
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         if not self.auto:
-            return failed_size
+            return failed_size, measured
         inf = float("inf")
-        agreed = torch.tensor([-(failed_size or inf)], dtype=torch.float64, device=self._device())
+        allocator_failed = float(failed_size is not None and not measured)
+        local = [-(failed_size or inf), allocator_failed]
+        agreed = torch.tensor(local, dtype=torch.float64, device=self._device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
-        neg_failed = float(agreed)
-        return None if neg_failed == -inf else int(-neg_failed)
+        neg_failed, any_allocator = agreed.tolist()
+        return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         raise NotImplementedError  # pragma: no cover - only DDP defers

@@ -19,12 +19,16 @@ Note [window buffers]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from bigbatch import _rng
 from bigbatch.batchnorm_window import batchnorm_layers
+from bigbatch.loss import check_count
+from bigbatch.sync import GradSync
 
 
 @dataclass
@@ -62,6 +66,42 @@ class Window:
                 torch.float64
             )
         self.micro_batches += 1
+
+
+def planned_scale(
+    counts: Sequence[Any] | None, samples: int, sync: GradSync, device: torch.device
+) -> torch.Tensor | float | None:
+    """The window's backward scale from what is known before it runs (Note [backward scale] in
+    ``bigbatch.engine``): ``1 / C`` with the counts of ``count_fn``, else ``1 / N`` on several
+    ranks, else ``None`` (one process: chosen at the first backward by ``first_scale``)."""
+    count: torch.Tensor | float = 0.0
+    for c in counts or ():
+        count = count + check_count(c, "count_fn's result")
+    if sync.world_size == 1:
+        return None if counts is None else 1.0 / clamp_count(count)
+    local = torch.tensor([float(samples), 0.0], dtype=torch.float64, device=device)
+    local[1] = count if counts is not None else 0.0
+    total = sync.all_reduce_sum(local)  # one small all-reduce, before the window
+    return 1.0 / total[1 if counts is not None else 0].clamp_min(1.0)
+
+
+def first_scale(
+    count: torch.Tensor | float, samples_hint: tuple[int, int], world_size: int
+) -> torch.Tensor | float:
+    """The scale chosen at a window's first backward when nothing was known before it: the
+    first count times the window's samples per first micro-batch sample on one process, 1 on
+    several ranks (Note [backward scale])."""
+    if world_size > 1:
+        return 1.0
+    samples, first = samples_hint
+    return 1.0 / clamp_count(count * (samples / first))
+
+
+def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
+    """``max(count, 1)`` in float64, on the device for a tensor (no host sync)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(torch.float64).clamp_min(1.0)
+    return max(float(count), 1.0)
 
 
 class MutableBuffers:

@@ -9,6 +9,14 @@ Note [auto micro-batch]
     spread over steps between the largest size known to fit and the smallest known to fail)
     instead of staying at the first power-of-two fraction that happened to fit. The effective
     batch never changes: only how it is cut.
+
+Note [re-measure before shrinking]
+    A ``memory_budget`` overrun is a reading, not an allocator failure, and readings right after
+    a failed attempt, or in the first step of a fresh process (a resumed run), carry pages that
+    a warm process does not need. So an overrun at a size that has already completed a window
+    is re-measured once in a fresh attempt of the same window before the size is given up;
+    only a second overrun shrinks it. Real allocator failures shrink at once. This keeps a
+    size that works, and lets a resumed run take the same decisions as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -25,12 +33,15 @@ class AutoState:
         ceiling: smallest size known to run out of memory; ``None`` if none has.
         clean_windows: windows completed since the size last changed.
         fits: largest size known to have completed a window; ``None`` if none has.
+        rechecked: the current window already re-measured a budget overrun (Note [re-measure
+            before shrinking]).
     """
 
     size: int | None = None
     ceiling: int | None = None
     clean_windows: int = 0
     fits: int | None = None
+    rechecked: bool = False
 
 
 def size_for(state: AutoState, n_samples: int) -> int:
@@ -41,15 +52,20 @@ def size_for(state: AutoState, n_samples: int) -> int:
     return max(1, min(size, n_samples))
 
 
-def after_oom(state: AutoState, failed_size: int) -> AutoState:
+def after_oom(state: AutoState, failed_size: int, measured: bool = False) -> AutoState:
     """The window ran out of memory at ``failed_size``: shrink and lower the ceiling.
 
     The next size is the largest one known to fit if it is below ``failed_size`` (a failed
-    growth probe goes back to it), else half of ``failed_size``.
+    growth probe goes back to it), else half of ``failed_size``. A ``measured`` failure (over
+    the memory budget, not an allocator failure) at a size that already fit is tried once more
+    first (Note [re-measure before shrinking]).
 
     Raises:
         MemoryError: ``failed_size`` was already 1; nothing smaller exists.
     """
+    known_good = state.fits is not None and failed_size <= state.fits
+    if measured and known_good and not state.rechecked:
+        return replace(state, rechecked=True)
     if failed_size <= 1:
         raise MemoryError(
             "out of memory (or over memory_budget) with micro_batch_size=1: a single sample does "
@@ -59,12 +75,13 @@ def after_oom(state: AutoState, failed_size: int) -> AutoState:
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
     fits = state.fits if state.fits is not None and state.fits < failed_size else None
     size = fits if fits is not None else max(1, failed_size // 2)
-    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits)
+    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits, rechecked=True)
 
 
 def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> AutoState:
     """A window completed at ``used_size``; maybe probe a larger size."""
     fits = used_size if state.fits is None else max(state.fits, used_size)
+    state = replace(state, rechecked=False)
     if state.size is None:
         return AutoState(size=used_size, ceiling=state.ceiling, fits=fits)
     clean = state.clean_windows + 1

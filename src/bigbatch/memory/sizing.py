@@ -39,8 +39,9 @@ class Sizing(Protocol):
         """Samples per micro-batch for a window of ``n_samples``."""
         ...
 
-    def after_oom(self, failed_size: int) -> None:
-        """The window ran out of memory at ``failed_size`` (only called when ``retries``)."""
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+        """The window ran out of memory at ``failed_size`` (only called when ``retries``);
+        ``measured``: over the memory budget, not an allocator failure."""
         ...
 
     def after_success(self, used_size: int) -> None:
@@ -72,7 +73,7 @@ class FixedSize:
     def size_for(self, n_samples: int) -> int:
         return min(self.size, n_samples)
 
-    def after_oom(self, failed_size: int) -> None:
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
         raise AssertionError("a fixed micro-batch size never retries")  # pragma: no cover
 
     def after_success(self, used_size: int) -> None:
@@ -105,8 +106,8 @@ class AutoSize:
     def size_for(self, n_samples: int) -> int:
         return auto.size_for(self.state, n_samples)
 
-    def after_oom(self, failed_size: int) -> None:
-        self.state = auto.after_oom(self.state, failed_size)
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+        self.state = auto.after_oom(self.state, failed_size, measured)
 
     def after_success(self, used_size: int) -> None:
         self.state = auto.after_success(self.state, used_size)
@@ -149,10 +150,24 @@ class WindowMeter:
 
     Measuring costs a reset of the peak counter per attempt (on the CPU: a ``malloc_trim`` and a
     write to ``/proc/self/clear_refs``), so it only runs with a budget or when ``always``.
+
+    Args:
+        device: where the window runs.
+        budget: bytes a window may add; ``None`` for no budget.
+        always: measure even without a budget (auto mode reports the adopted attempt's peak).
+        gradient_bytes: what the gradients of the trained parameters take: the part of every
+            window no micro-batch size can shrink.
     """
 
-    def __init__(self, device: torch.device, budget: int | None, always: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        budget: int | None,
+        always: bool = False,
+        gradient_bytes: int = 0,
+    ) -> None:
         self.budget = budget
+        self.gradient_bytes = gradient_bytes
         self.active = budget is not None or always
         self._probe = PeakProbe(device) if self.active else None
         self._record: PeakMemory | None = None
@@ -167,6 +182,14 @@ class WindowMeter:
         if self.budget is None or self._probe is None or self._record is None:
             return
         used = self._probe.peak_bytes(self._record)
+        if used > self.budget and self.gradient_bytes >= self.budget:
+            raise ValueError(
+                f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
+                f"the gradients alone take {format_bytes(self.gradient_bytes)} (this attempt used "
+                f"{format_bytes(used)}). Raise the budget (memory_budget= / --memory-budget) "
+                "above the gradients plus one sample's activations, train fewer parameters, or "
+                "use a lower precision."
+            )
         if used > self.budget:
             raise MemoryBudgetExceeded(
                 f"micro_batch_size={micro_batch_size} used {format_bytes(used)}, over "
@@ -179,3 +202,9 @@ class WindowMeter:
         if self._probe is None or self._record is None:
             return None
         return self._probe.finish(self._record).peak_bytes
+
+
+def gradient_bytes(optimizer: Any) -> int:
+    """Bytes the gradients of ``optimizer``'s trainable parameters take."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in params)
