@@ -124,6 +124,9 @@ class _CheckpointedForward:
         if not torch.is_grad_enabled():  # nothing is recorded, so nothing will be recomputed
             return forward(*args, **kwargs)
         args, kwargs = _without_kv_cache(self.module, args, kwargs)
+        return self._recomputed(forward, args, kwargs)
+
+    def _recomputed(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         stats = _running_stats(self.module)
         spares = [buffer.clone() for _, _, buffer in stats]
         saved: _Saved = []
