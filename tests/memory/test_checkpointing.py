@@ -107,9 +107,7 @@ def _backward_ops(model: nn.Module, run) -> collections.Counter[str]:
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_gradients_identical_dropout_included(policy, dropout, fraction, gen):
     plain = _net(dropout=dropout).train()
-    ckpt = bigbatch.enable_checkpointing(
-        copy.deepcopy(plain), fraction=fraction, policy=policy
-    )
+    ckpt = bigbatch.enable_checkpointing(copy.deepcopy(plain), fraction=fraction, policy=policy)
     x, y = _data(gen)
     for a, b in zip(_grads(plain, x, y), _grads(ckpt, x, y), strict=True):
         assert torch.equal(a, b)
@@ -375,10 +373,10 @@ def test_offload_gradients_and_statistics_identical_on_cuda(fraction, gen):
             torch.manual_seed(step)
             F.cross_entropy(model(x), y).backward()
             grads.append([p.grad for p in model.parameters()])
-        for a, b in zip(*grads, strict=True):
-            assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                 ckpt.state_dict().values(), strict=True))  # fmt: skip
+        for a, b in zip(*grads, strict=True):  # same kernels; CUDA reductions may reorder
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for a, b in zip(plain.state_dict().values(), ckpt.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)  # statistics updated once
     with pytest.raises(ValueError, match=r"policy='offload': the input of Block is on cpu"):
         ckpt.cpu()(_data(gen)[0])
     bigbatch.disable_checkpointing(ckpt)
