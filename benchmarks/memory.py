@@ -9,6 +9,16 @@ CNN, one process measures side by side:
 * the planner's choice (``bigbatch.plan``) under a budget the full batch exceeds;
 * one plain step of m samples (the memory reference for accumulation at micro-batch m).
 
+Then, on the GPT-2-like model, the checkpointing frontier: time per step against activation
+memory for no checkpointing, ``policy="selective"``, whole-block recompute of 25 / 50 / 75 / 100%
+of the blocks (``policy="full"``) and, on CUDA, ``policy="offload"``. All configurations are built
+first and timed in interleaved rounds (one step of each per round, median over the rounds), so a
+load that comes and goes on a shared machine touches them alike. "Activation memory" is the peak
+of forward + backward above what was in use before it (parameters, gradients kept allocated,
+optimizer state). The table gives ratios to no checkpointing and marks the configuration that
+meets the target (>= 50% of the activation memory saved at <= 1.15x the time) or, failing that,
+comes closest: the fastest of those saving >= 50%, else the one saving most.
+
 "Peak" is the training memory of a step: a fresh copy of the model, its optimizer (AdamW) state,
 gradients and activations: ``measure_peak`` around building them and two steps. Time is the
 median of ``--steps`` optimizer steps of the effective batch after those two. Ratios are to the
@@ -16,7 +26,9 @@ full batch, beside a published reference (8.86 samples/s at 14,949 MB with batch
 8,681 MB with 1 x 4 accumulated; 5.99 at 6,775 MB adding checkpointing).
 
 Run:
-    PYTHONPATH=src python benchmarks/memory.py                       # CPU, small models (~2 min)
+    PYTHONPATH=src python benchmarks/memory.py                       # CPU, small models (~3 min)
+    PYTHONPATH=src python benchmarks/memory.py --frontier-only --plot docs/frontier.png
+    PYTHONPATH=src python benchmarks/memory.py --quick               # smoke test (seconds)
     PYTHONPATH=src python benchmarks/memory.py --device cuda --layers 12 --dim 768 --seq 1024 \\
         --batch 16 --cnn-width 128 --cnn-blocks 8 --image 128 --cnn-batch 64
 """
@@ -25,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -255,6 +269,175 @@ def print_targets(rows: dict, result: Plan, budget: int) -> None:
     )
 
 
+# --------------------------------------------------------------------------- the frontier
+
+TARGET_SAVED, TARGET_TIME = 0.5, 1.15  # >= 50% activation memory saved at <= 1.15x the time
+
+
+def frontier_configs(device: str) -> list[tuple[str, float, str | None]]:
+    """``(label, fraction, policy)`` of every point on the frontier; offload on CUDA only."""
+    configs: list[tuple[str, float, str | None]] = [
+        ("none", 0.0, None),
+        ("selective", 1.0, "selective"),
+        *[(f"full {f:.0%} of blocks", f, "full") for f in (0.25, 0.5, 0.75)],
+        ("full", 1.0, "full"),
+    ]
+    if device == "cuda":
+        configs.append(("offload", 1.0, "offload"))
+    return configs
+
+
+class FrontierPoint:
+    """One configuration: its own model copy and optimizer, and what its steps measured."""
+
+    def __init__(
+        self, template: nn.Module, fraction: float, policy: str | None, loss_fn: Callable
+    ) -> None:
+        self.model = copy.deepcopy(template)
+        if policy is not None:
+            bigbatch.enable_checkpointing(self.model, fraction=fraction, policy=policy)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.loss_fn = loss_fn
+        self.seconds: list[float] = []
+        self.activation_bytes: list[int] = []
+
+    def step(self, batch: Any, device: str) -> None:
+        """One optimizer step; forward + backward inside ``measure_peak`` (gradients kept)."""
+        self.opt.zero_grad(set_to_none=False)  # gradients stay allocated: not activations
+        with bigbatch.measure_peak(device) as peak:
+            start = time.perf_counter()
+            self.loss_fn(self.model, batch).backward()
+            synchronize(device)
+            forward_backward = time.perf_counter() - start
+        start = time.perf_counter()
+        self.opt.step()
+        synchronize(device)
+        self.seconds.append(forward_backward + time.perf_counter() - start)
+        self.activation_bytes.append(peak.peak_bytes)
+
+
+def measure_frontier(
+    template: nn.Module, batch: Any, loss_fn: Callable, args: argparse.Namespace
+) -> dict[str, dict[str, float]]:
+    """Median seconds per step and activation bytes per configuration, interleaved rounds."""
+    points = {
+        label: FrontierPoint(template, fraction, policy, loss_fn)
+        for label, fraction, policy in frontier_configs(args.device)
+    }
+    for _ in range(2):  # warm-up: allocator, thread pools, optimizer state
+        for point in points.values():
+            point.step(batch, args.device)
+    for point in points.values():
+        point.seconds.clear()
+        point.activation_bytes.clear()
+    for _ in range(args.rounds):
+        for point in points.values():
+            point.step(batch, args.device)
+    return {
+        label: {
+            "seconds": statistics.median(p.seconds),
+            "activation": statistics.median(p.activation_bytes),
+        }
+        for label, p in points.items()
+    }
+
+
+def target_choice(rows: dict[str, dict[str, float]]) -> tuple[str, bool]:
+    """The configuration that meets the target, or the closest: ``(label, meets)``."""
+    base = rows["none"]
+    ratios = {
+        k: (r["seconds"] / base["seconds"], 1 - r["activation"] / base["activation"])
+        for k, r in rows.items()
+        if k != "none"
+    }
+    saving = [k for k, (_, saved) in ratios.items() if saved >= TARGET_SAVED]
+    if saving:
+        best = min(saving, key=lambda k: ratios[k][0])
+        return best, ratios[best][0] <= TARGET_TIME
+    return max(ratios, key=lambda k: ratios[k][1]), False
+
+
+def print_frontier(rows: dict[str, dict[str, float]], title: str) -> None:
+    base = rows["none"]
+    choice, meets = target_choice(rows)
+    table = []
+    for label, r in rows.items():
+        time_ratio = r["seconds"] / base["seconds"]
+        memory_ratio = r["activation"] / base["activation"]
+        mark = ("meets the target" if meets else "closest to the target") if label == choice else ""
+        table.append(
+            [
+                label,
+                f"{r['seconds'] * 1000:,.0f}",
+                f"{r['activation'] / 2**20:,.1f}",
+                f"{time_ratio:.2f}",
+                f"{memory_ratio:.2f}",
+                f"{1 - memory_ratio:.0%}",
+                mark,
+            ]
+        )
+    print_table(
+        title,
+        ["checkpointing", "ms/step", "activation MiB", "time", "memory", "saved", "target"],
+        table,
+    )
+    t, saved = (rows[choice]["seconds"] / base["seconds"],
+                1 - rows[choice]["activation"] / base["activation"])  # fmt: skip
+    print(
+        f"\n- target: >= {TARGET_SAVED:.0%} of the activation memory saved at <= "
+        f"{TARGET_TIME:.2f}x the time of no checkpointing: "
+        + (f"met by {choice}" if meets else f"NOT met; closest: {choice}")
+        + f" ({saved:.0%} saved at {t:.2f}x)"
+    )
+
+
+def plot_frontier(rows: dict[str, dict[str, float]], path: str, title: str) -> None:
+    """Time ratio against activation memory ratio, one labelled point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rows["none"]
+    choice, _ = target_choice(rows)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.axvspan(0, TARGET_TIME, ymax=0.5 / 1.1, color="tab:green", alpha=0.12, label="target")
+    for label, r in rows.items():
+        x, y = r["seconds"] / base["seconds"], r["activation"] / base["activation"]
+        ax.scatter([x], [y], color="tab:red" if label == choice else "tab:blue", zorder=3)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    times = [r["seconds"] / base["seconds"] for r in rows.values()]
+    ax.set_xlim(min(0.9, min(times) - 0.05), max(1.6, max(times) + 0.15))
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("time per step / no checkpointing")
+    ax.set_ylabel("activation memory / no checkpointing")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_frontier(model: nn.Module, batch: Any, loss_fn: Callable, args: argparse.Namespace) -> None:
+    n = count_samples(batch)
+    title = (
+        f"Checkpointing frontier, GPT-2-like transformer, batch {n}, on {device_name(args.device)}"
+        f" (median of {args.rounds} interleaved rounds)"
+    )
+    rows = measure_frontier(model, batch, loss_fn, args)
+    print_frontier(rows, title)
+    if args.plot:
+        plot_frontier(rows, args.plot, title.replace(", on", "\non"))
+        print(f"- plot: {args.plot}")
+
+
+QUICK = {  # --quick: the frontier of a small model, a smoke test in seconds
+    "layers": 2, "dim": 128, "seq": 32, "vocab": 512, "batch": 4, "rounds": 2,
+    "frontier_only": True,
+}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -280,7 +463,19 @@ def main() -> None:
     parser.add_argument("--cnn-blocks", type=int, default=4)
     parser.add_argument("--image", type=int, default=32)
     parser.add_argument("--cnn-batch", type=int, default=16)
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="interleaved timed rounds of the frontier (median)"
+    )
+    parser.add_argument(
+        "--frontier-only", action="store_true", help="only the GPT-2-like checkpointing frontier"
+    )
+    parser.add_argument("--plot", default=None, help="write the frontier plot to this PNG path")
+    parser.add_argument(
+        "--quick", action="store_true", help="the frontier of a small model: a smoke test"
+    )
     args = parser.parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -290,8 +485,10 @@ def main() -> None:
     print(f"# bigbatch memory benchmark on {device_name(args.device)} (torch {torch.__version__})")
     print("command: python benchmarks/memory.py " + " ".join(sys.argv[1:]))
     if args.model in ("both", "transformer"):
-        run_model("GPT-2-like transformer", *gpt2(args, args.device), args)
-    if args.model in ("both", "cnn"):
+        if not args.frontier_only:
+            run_model("GPT-2-like transformer", *gpt2(args, args.device), args)
+        run_frontier(*gpt2(args, args.device), args)
+    if args.model in ("both", "cnn") and not args.frontier_only:
         run_model("ResNet-like CNN", *cnn(args, args.device), args)
 
 
