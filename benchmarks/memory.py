@@ -52,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import device_name, median_seconds, print_table, synchronize  # noqa: E402
 
 import bigbatch  # noqa: E402
-from bigbatch.memory.planner import Plan, _fix_mmap_threshold, print_plan  # noqa: E402
+from bigbatch.console import print_plan  # noqa: E402
+from bigbatch.memory.peak import small_mmap_threshold  # noqa: E402
+from bigbatch.memory.planner import Plan  # noqa: E402
 from bigbatch.split import batch_size as count_samples  # noqa: E402
 
 # samples/s, MB: batch 4; 1 x 4 accumulated; the same plus checkpointing.
@@ -481,7 +483,7 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_num_threads(2)
-        _fix_mmap_threshold()  # Note [honest CPU peaks] in bigbatch.memory.planner, for every row
+        small_mmap_threshold().__enter__()  # Note [honest CPU peaks], for every row of this process
     print(f"# bigbatch memory benchmark on {device_name(args.device)} (torch {torch.__version__})")
     print("command: python benchmarks/memory.py " + " ".join(sys.argv[1:]))
     if args.model in ("both", "transformer"):
