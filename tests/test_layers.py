@@ -33,6 +33,9 @@ LAYERS = {
     # it imports nothing above layer 0, so it sits beside the engine rather than above it.
     "batchnorm": 1,
     "check": 2,
+    "_check_probes": 2,
+    "_check_runs": 2,
+    "_check_diagnoses": 2,
     "distributed": 2,
     "memory.checkpointing": 2,
     "memory.planner": 2,
