@@ -219,3 +219,13 @@ def test_sequence_classification(gen):
     assert right.exact and right.max_difference < 1e-10, right.summary()
     wrong = check(model, batch, lambda m, b: (m(**b).loss, b["labels"].shape[0]), 4)
     assert [d.kind for d in wrong.diagnoses] == ["mean-as-sum"]
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_token_mean_returned_alone_is_token_mean(name, gen):
+    """``lambda m, b: m(**b).loss``: a token mean read as a mean over samples."""
+    masked_lm = name == "bert"
+    report = check(prepared(name), padded_batch(gen, masked_lm), lambda m, b: m(**b).loss, 4)
+    assert not report.exact
+    assert [d.kind for d in report.diagnoses] == ["token-mean"], report.summary()
+    assert "return (loss_sum, token_count)" in report.diagnoses[0].message

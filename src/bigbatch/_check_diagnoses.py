@@ -32,9 +32,9 @@ class Diagnosis:
     """One reason accumulation is not exact.
 
     Attributes:
-        kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``,
-            ``"batch-coupled-loss"``, ``"dropout"``, ``"non-deterministic"``, ``"unprobed"``
-            (no cause found, and these modules could not be replayed) or ``"checkpointing"``.
+        kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
+            ``"batch-coupled-loss"``, ``"dropout"``, ``"non-deterministic"``, ``"unprobed"`` (no
+            cause found, and these modules could not be replayed) or ``"checkpointing"``.
         modules: the modules (names in the model) or parameters responsible, if any.
         message: what happens and what to do.
     """
@@ -140,52 +140,98 @@ def _labels(model: nn.Module, names: list[str]) -> str:
 def _loss_diagnoses(
     model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, rtol: float, coupled: bool
 ) -> list[Diagnosis]:
-    """Is the loss additive over samples (as (loss_sum, count) must be)?
+    """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
 
-    Halves of the batch must give loss sums and counts that add up to the whole batch's. A mean
-    returned as ``loss_sum`` adds up only once multiplied by what it averaged over: the pair's
-    own count (tokens), or the number of samples. When modules of the model couple the samples
-    (``coupled``, and not BatchNorm, which the eval() copy runs on running statistics), halves
-    do not add up whatever the loss does, so the loss is not blamed.
+    When modules of the model couple the samples (``coupled``; BatchNorm does not count, the
+    eval() copy runs it on running statistics), halves do not add up whatever the loss does, so
+    the loss is blamed only for a pattern it alone explains.
     """
     n = batch_size(batch)
     work = copy_float64(model).eval()  # probes the loss alone: no dropout, running statistics
-    half = n // 2
-    parts = [rows(batch, a, b) for a, b in ((0, half), (half, n))]
+    bounds = [(0, n // 2), (n // 2, n)]
     with torch.no_grad():
-        whole, count = sum_and_count(work, batch, loss_fn, seed)
-        sums = [sum_and_count(work, p, loss_fn, seed) for p in parts]
+        whole = sum_and_count(work, batch, loss_fn, seed)
+        parts = [sum_and_count(work, rows(batch, a, b), loss_fn, seed) for a, b in bounds]
+    per_sample = [torch.ones(n, dtype=torch.float64), *labelled_tokens(batch)]
+    weights = [[float(k[a:b].sum()) for a, b in bounds] for k in per_sample]
+    kind = loss_kind(whole, parts, weights, rtol)
+    if kind is None or (coupled and kind == "batch-coupled-loss"):
+        return []
+    return [Diagnosis(kind, (), LOSS_MESSAGES[kind])]
+
+
+def loss_kind(
+    whole: tuple[float, float],
+    parts: list[tuple[float, float]],
+    weights: list[list[float]],
+    rtol: float,
+) -> str | None:
+    """What is wrong with a loss, from its ``(loss_sum, count)`` on a batch and on its parts.
+
+    Args:
+        whole: ``(loss_sum, count)`` on the whole batch.
+        parts: ``(loss_sum, count)`` on each part (the parts cut the batch).
+        weights: candidate item counts of each part that a mean might be over: samples first,
+            then the labelled tokens of each labels tensor (``labelled_tokens``).
+        rtol: relative difference counted as rounding.
+
+    Returns:
+        ``None`` when sums and counts add up (exact), ``"mean-as-sum"`` when ``loss_sum / count``
+        is a mean over the parts' own counts or samples, ``"token-mean"`` when ``loss_sum /
+        count`` is a mean over labelled tokens the count does not count, else
+        ``"batch-coupled-loss"``.
+
+    Example:
+        >>> loss_kind((6.0, 3.0), [(2.0, 1.0), (4.0, 2.0)], [[1.0, 2.0]], 1e-9) is None
+        True
+    """
 
     def adds_up(total: float, pieces: list[float]) -> bool:
         return abs(total - sum(pieces)) <= rtol * max(1.0, abs(total), *(abs(p) for p in pieces))
 
-    if adds_up(whole, [s for s, _ in sums]) and adds_up(count, [c for _, c in sums]):
-        return []
-    sizes = [batch_size(p) for p in parts]
-    if adds_up(whole * count, [s * c for s, c in sums]) or adds_up(
-        whole * n, [s * k for (s, _), k in zip(sums, sizes, strict=True)]
-    ):
-        return [
-            Diagnosis(
-                "mean-as-sum",
-                (),
-                "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
-                "micro-batch means are added up: return the sum over the items it counts, "
-                "(losses.sum(), count) (for tokens: bigbatch.token_cross_entropy(logits, labels), "
-                "or a transformers model's out.loss * count), or a mean over samples alone.",
-            )
-        ]
-    if coupled:
-        return []
-    return [
-        Diagnosis(
-            "batch-coupled-loss",
-            (),
-            "each sample's loss depends on the other samples in the batch (e.g. in-batch negatives "
-            "of a contrastive loss): a micro-batch sees fewer of them. Compute such a loss over "
-            "cached embeddings of the whole batch, or accept the smaller pool per micro-batch.",
-        )
-    ]
+    (s, c), sums, counts = whole, [p[0] for p in parts], [p[1] for p in parts]
+    if adds_up(s, sums) and adds_up(c, counts):
+        return None
+    means = [ps / pc for ps, pc in parts]
+    as_sum = [counts, weights[0]]  # the mean returned as loss_sum, over its count or samples
+    if any(adds_up(s * sum(w), [ps * k for ps, k in zip(sums, w, strict=True)]) for w in as_sum):
+        return "mean-as-sum"
+    for w in weights[1:]:
+        if adds_up(s / c * sum(w), [m * k for m, k in zip(means, w, strict=True)]):
+            return "token-mean"
+    return "batch-coupled-loss"
+
+
+def labelled_tokens(batch: Batch, ignore_index: int = -100) -> list[torch.Tensor]:
+    """Per sample, the labelled positions of every integer tensor that marks some with -100.
+
+    Each such tensor gives two candidates: all its labelled positions, and those after the
+    first (a causal LM's shifted labels, as transformers and ``token_cross_entropy(shift=True)``
+    count them).
+    """
+    found = []
+    for _, t in tensor_leaves(batch):
+        if t.dim() >= 2 and not t.is_floating_point() and bool((t == ignore_index).any()):
+            real = (t != ignore_index).flatten(1)
+            found += [real.sum(1).double(), real[:, 1:].sum(1).double()]
+    return found
+
+
+LOSS_MESSAGES = {
+    "mean-as-sum": "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
+    "micro-batch means are added up: return the sum over the items it counts, (losses.sum(), "
+    "count) (for tokens: bigbatch.token_cross_entropy(logits, labels), or a transformers "
+    "model's out.loss * count), or a mean over samples alone.",
+    "token-mean": "loss_fn returns a mean over tokens (the labelled positions of the labels), "
+    "and a scalar is read as a mean over samples, so a micro-batch of short sequences weighs as "
+    "much as one of long ones: return (loss_sum, token_count), e.g. "
+    "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
+    "transformers model's labels= loss.",
+    "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
+    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. Compute such "
+    "a loss over cached embeddings of the whole batch, or accept the smaller pool per "
+    "micro-batch.",
+}
 
 
 def nonfinite(
