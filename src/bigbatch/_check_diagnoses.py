@@ -331,7 +331,8 @@ def _count_nonfinite(path: str, t: torch.Tensor) -> str:
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     kinds = " and ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "inf")) if k)
     shown = ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else "")
-    return f"{path} holds {kinds}" + (f" in samples {shown}" if samples else "")
+    noun = "sample" if len(samples) == 1 else "samples"
+    return f"{path} holds {kinds}" + (f" in {noun} {shown}" if samples else "")
 
 
 def _nonfinite_micro_batch(

@@ -16,6 +16,7 @@ gradient is the same without.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -81,15 +82,19 @@ class CheckReport:
         )
         lines = [head]
         if self.compute_dtype != torch.float64:
-            where = ", ".join(self.low_precision_in[:3])
-            more = len(self.low_precision_in) - 3
-            where += f" and {more} more" if more > 0 else ""
             dtype = str(self.compute_dtype).removeprefix("torch.")
             lines.append(
                 f"- tolerance {self.tolerance:.0e}: the float64 copy computes partly in {dtype} "
-                f"(in {where}), so differences up to {dtype} rounding are not counted"
+                f"(in {_by_class(self.low_precision_in)}: low_precision_in names them), so "
+                f"differences up to {dtype} rounding are not counted"
             )
         return "\n".join([*lines, *(f"- {d.kind}: {d.message}" for d in self.diagnoses)])
+
+
+def _by_class(labels: tuple[str, ...]) -> str:
+    """``'a.norm' (RMSNorm)``, ``'b.norm' (RMSNorm)``, ``loss_fn`` -> ``RMSNorm ×2, loss_fn``."""
+    counts = Counter(label.rpartition(" (")[2].rstrip(")") for label in labels)
+    return ", ".join(name if k == 1 else f"{name} ×{k}" for name, k in counts.items())
 
 
 class NotExactError(AssertionError):
