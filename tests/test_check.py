@@ -313,7 +313,7 @@ def test_cli_check_nonfinite_and_no_gradient(tmp_path, capsys):
     path.write_text(NONFINITE_TASKS)
     assert main(["check", f"{path}:nan_data", "--batch-size", "12"]) == 1
     out = capsys.readouterr().out
-    assert "non-finite: non-finite inputs: batch[0] holds 1 NaN in samples 5" in out
+    assert "non-finite: non-finite inputs: batch[0] holds 1 NaN in sample 5" in out
     for task, line in [
         ("no_parameters", "check needs a model with trainable parameters, and Tanh has none"),
         ("detached_loss", "loss_fn's loss does not depend on the model's parameters"),
