@@ -197,6 +197,8 @@ def test_checkpointing_same_gradient_or_diagnosed(gen):
     assert not report.exact
     kinds = {d.kind: d for d in report.diagnoses}
     assert kinds["checkpointing"].modules == ("0.0", "0.1")
+    assert list(kinds) == ["unprobed", "checkpointing"]  # the calls count: a replay differs
+    assert kinds["unprobed"].modules == ("0.0", "0.1")
 
 
 class Log(nn.Module):

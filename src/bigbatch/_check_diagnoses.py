@@ -78,7 +78,8 @@ def diagnose(
     )
     if probe.coupled:
         found.append(_batch_statistics(model, probe.coupled))
-    found.extend(_loss_diagnoses(model, batch, loss_fn, seed, rtol, bool(probe.coupled)))
+    suspect = bool(probe.coupled or probe.unprobed)
+    found.extend(_loss_diagnoses(model, batch, loss_fn, seed, rtol, suspect))
     if not found:
         found.extend(_dropout(model))
     if not found and probe.unprobed:
@@ -138,13 +139,13 @@ def _labels(model: nn.Module, names: list[str]) -> str:
 
 
 def _loss_diagnoses(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, rtol: float, coupled: bool
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, rtol: float, suspect: bool
 ) -> list[Diagnosis]:
     """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
 
-    When modules of the model couple the samples (``coupled``; BatchNorm does not count, the
-    eval() copy runs it on running statistics), halves do not add up whatever the loss does, so
-    the loss is blamed only for a pattern it alone explains.
+    When modules of the model couple the samples or change state with every call (``suspect``;
+    BatchNorm does not count, the eval() copy runs it on running statistics), halves do not add
+    up whatever the loss does, so the loss is blamed only for a pattern it alone explains.
     """
     n = batch_size(batch)
     work = copy_float64(model).eval()  # probes the loss alone: no dropout, running statistics
@@ -155,7 +156,7 @@ def _loss_diagnoses(
     per_sample = [torch.ones(n, dtype=torch.float64), *labelled_tokens(batch)]
     weights = [[float(k[a:b].sum()) for a, b in bounds] for k in per_sample]
     kind = loss_kind(whole, parts, weights, rtol)
-    if kind is None or (coupled and kind == "batch-coupled-loss"):
+    if kind is None or (suspect and kind == "batch-coupled-loss"):
         return []
     return [Diagnosis(kind, (), LOSS_MESSAGES[kind])]
 

@@ -141,7 +141,7 @@ class Coupling:
 
     Attributes:
         coupled: innermost modules whose output for sample 0 changes with the other samples.
-        unprobed: modules whose replay raised or did not repeat itself
+        unprobed: innermost modules whose replay raised or did not repeat itself
             (Note [replay without caches]).
     """
 
@@ -186,13 +186,14 @@ def probe_coupling(
         verdict = _replay(module, recorded, n, seeded, rtol)
         if verdict is not None:
             found[verdict].append(names[module])
-    coupled = found["coupled"]
-    inner = [
-        c
-        for c in coupled
-        if not any(o != c and (c == "" or o.startswith(c + ".")) for o in coupled)
+    return Coupling(_innermost(found["coupled"]), _innermost(found["unprobed"]))
+
+
+def _innermost(names: list[str]) -> list[str]:
+    """Leave out containers of other names (``""`` is the model, container of all)."""
+    return [
+        c for c in names if not any(o != c and (c == "" or o.startswith(c + ".")) for o in names)
     ]
-    return Coupling(inner, found["unprobed"])
 
 
 def _replay(
