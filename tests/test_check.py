@@ -61,6 +61,38 @@ def test_exact_models_are_exact(gen):
         report = check(model, batch, loss, micro_batch_size=4)
         assert report.exact, report.summary()
         assert report.diagnoses == [] and report.max_difference < 1e-10
+        assert report.compute_dtype == torch.float64 and report.tolerance == 1e-10
+
+
+class Float32Norm(nn.Module):
+    """RMSNorm computed in float32 whatever the input's dtype, as transformers' LlamaRMSNorm."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def test_float32_island_sets_the_tolerance_and_is_reported(gen):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), Float32Norm(16), nn.Tanh(), nn.Linear(16, 3))
+    batch = classification_batch(10, torch.float64, gen)
+    report = check(model, batch, mean_ce, tolerance=1e-10)
+    assert report.exact, report.summary()
+    assert report.compute_dtype == torch.float32 and report.tolerance == 1e-5
+    assert report.low_precision_in == ("'1' (Float32Norm)",)
+    assert "- tolerance 1e-05: the float64 copy computes partly in float32 (in Float32Norm" in (
+        report.summary()
+    )
+
+    def wrong(model, batch):
+        return mean_ce(model, batch), batch[1].shape[0]  # a mean passed as loss_sum
+
+    assert [d.kind for d in check(model, batch, wrong).diagnoses] == ["mean-as-sum"]
 
 
 def test_dropout_with_the_same_seed_is_exact(gen):
