@@ -128,6 +128,22 @@ def test_mean_returned_as_sum_is_diagnosed(gen):
     assert [d.kind for d in report.diagnoses] == ["mean-as-sum"]
 
 
+def test_token_mean_returned_alone_is_diagnosed(gen):
+    def token_mean(model, batch):  # read as a mean over samples
+        loss_sum, count = lm_token_loss(model, batch)
+        return loss_sum / count
+
+    report = check(causal_lm(), padded_lm_batch(10, gen), token_mean, micro_batch_size=4)
+    assert [d.kind for d in report.diagnoses] == ["token-mean"], report.summary()
+
+    def token_mean_as_sum(model, batch):
+        loss_sum, count = lm_token_loss(model, batch)
+        return loss_sum / count, count
+
+    report = check(causal_lm(), padded_lm_batch(10, gen), token_mean_as_sum, micro_batch_size=4)
+    assert [d.kind for d in report.diagnoses] == ["mean-as-sum"], report.summary()
+
+
 def test_in_batch_negatives_loss_is_diagnosed(gen):
     def contrastive(model, batch):
         x, _ = batch

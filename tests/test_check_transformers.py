@@ -179,6 +179,7 @@ class BatchCentre(nn.Module):
 COUPLING_SITE = {"llama": ("model.layers.1.mlp", "act_fn"), "gpt2": ("transformer.h.1.mlp", "act")}
 
 
+@pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin
 @pytest.mark.parametrize("name", sorted(COUPLING_SITE))
 def test_batch_coupling_inside_a_transformers_model_is_named(name, gen):
     model = prepared(name)
@@ -191,6 +192,7 @@ def test_batch_coupling_inside_a_transformers_model_is_named(name, gen):
     assert report.diagnoses[0].modules == (f"{parent}.{attr}.1",)
 
 
+@pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_default_dropout_is_the_only_diagnosis(name, gen):
     """In training mode with the config's dropout (0.1), masks are drawn per micro-batch."""
@@ -200,6 +202,7 @@ def test_default_dropout_is_the_only_diagnosis(name, gen):
     assert [d.kind for d in report.diagnoses] == ["dropout"], report.summary()
 
 
+@pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin
 def test_sequence_classification(gen):
     t = transformers
     config = t.BertConfig(
@@ -221,6 +224,7 @@ def test_sequence_classification(gen):
     assert [d.kind for d in wrong.diagnoses] == ["mean-as-sum"]
 
 
+@pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_token_mean_returned_alone_is_token_mean(name, gen):
     """``lambda m, b: m(**b).loss``: a token mean read as a mean over samples."""
