@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import (
+    PAD,
     causal_lm,
     classification_batch,
     cnn,
@@ -59,6 +61,38 @@ def test_exact_models_are_exact(gen):
         report = check(model, batch, loss, micro_batch_size=4)
         assert report.exact, report.summary()
         assert report.diagnoses == [] and report.max_difference < 1e-10
+        assert report.compute_dtype == torch.float64 and report.tolerance == 1e-10
+
+
+class Float32Norm(nn.Module):
+    """RMSNorm computed in float32 whatever the input's dtype, as transformers' LlamaRMSNorm."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def test_float32_island_sets_the_tolerance_and_is_reported(gen):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), Float32Norm(16), nn.Tanh(), nn.Linear(16, 3))
+    batch = classification_batch(10, torch.float64, gen)
+    report = check(model, batch, mean_ce, tolerance=1e-10)
+    assert report.exact, report.summary()
+    assert report.compute_dtype == torch.float32 and report.tolerance == 1e-5
+    assert report.low_precision_in == ("'1' (Float32Norm)",)
+    assert "- tolerance 1e-05: the float64 copy computes partly in float32 (in Float32Norm" in (
+        report.summary()
+    )
+
+    def wrong(model, batch):
+        return mean_ce(model, batch), batch[1].shape[0]  # a mean passed as loss_sum
+
+    assert [d.kind for d in check(model, batch, wrong).diagnoses] == ["mean-as-sum"]
 
 
 def test_dropout_with_the_same_seed_is_exact(gen):
@@ -94,6 +128,22 @@ def test_mean_returned_as_sum_is_diagnosed(gen):
     assert [d.kind for d in report.diagnoses] == ["mean-as-sum"]
 
 
+def test_token_mean_returned_alone_is_diagnosed(gen):
+    def token_mean(model, batch):  # read as a mean over samples
+        loss_sum, count = lm_token_loss(model, batch)
+        return loss_sum / count
+
+    report = check(causal_lm(), padded_lm_batch(10, gen), token_mean, micro_batch_size=4)
+    assert [d.kind for d in report.diagnoses] == ["token-mean"], report.summary()
+
+    def token_mean_as_sum(model, batch):
+        loss_sum, count = lm_token_loss(model, batch)
+        return loss_sum / count, count
+
+    report = check(causal_lm(), padded_lm_batch(10, gen), token_mean_as_sum, micro_batch_size=4)
+    assert [d.kind for d in report.diagnoses] == ["mean-as-sum"], report.summary()
+
+
 def test_in_batch_negatives_loss_is_diagnosed(gen):
     def contrastive(model, batch):
         x, _ = batch
@@ -120,7 +170,9 @@ def test_non_determinism_is_diagnosed(gen):
 
 def test_groupnorm_policy_is_exact(gen):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 25, 3))
+    model = nn.Sequential(
+        nn.Conv2d(2, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 25, 3)
+    )
     bigbatch.batchnorm(model, "groupnorm")
     assert check(model, classification_batch(10, torch.float64, gen, image=True), mean_ce).exact
 
@@ -138,14 +190,18 @@ def test_user_model_and_rng_are_unchanged(gen):
 
 def test_raise_on_failure_and_small_batch(gen):
     with pytest.raises(NotExactError, match="(?s)NOT exact.*batch-statistics"):
-        check(bn_model(), classification_batch(10, torch.float32, gen), mean_ce, raise_on_failure=True)
+        check(
+            bn_model(), classification_batch(10, torch.float32, gen), mean_ce, raise_on_failure=True
+        )
     with pytest.raises(ValueError, match="at least 2 samples"):
         check(mlp(), classification_batch(1, torch.float64, gen), mean_ce)
-    with pytest.raises(ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"):
+    with pytest.raises(
+        ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"
+    ):
         check(mlp(), classification_batch(10, torch.float64, gen), mean_ce, micro_batch_size=10)
 
 
-TASK = '''
+TASK = """
 import torch, torch.nn as nn, torch.nn.functional as F
 import bigbatch
 
@@ -160,7 +216,7 @@ def good():
 
 def bad():
     return _task(nn.BatchNorm1d(8))
-'''
+"""
 
 
 def test_cli_check(tmp_path, capsys):
@@ -189,3 +245,130 @@ def test_checkpointing_same_gradient_or_diagnosed(gen):
     assert not report.exact
     kinds = {d.kind: d for d in report.diagnoses}
     assert kinds["checkpointing"].modules == ("0.0", "0.1")
+    assert list(kinds) == ["unprobed", "checkpointing"]  # the calls count: a replay differs
+    assert kinds["unprobed"].modules == ("0.0", "0.1")
+
+
+class Log(nn.Module):
+    """log of its input: NaN for the negative values a Linear layer produces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_nonfinite_inputs_are_named_not_the_loss(gen):
+    x, y = classification_batch(10, torch.float64, gen)
+    x[3, 1], x[7, 0], x[7, 2] = float("nan"), float("inf"), float("nan")
+    report = check(mlp(), (x, y), mean_ce)
+    assert not report.exact and math.isnan(report.max_difference)
+    assert [d.kind for d in report.diagnoses] == ["non-finite"], report.summary()
+    assert report.diagnoses[0].message.startswith(
+        "non-finite inputs: batch[0] holds 2 NaN and 1 inf in samples 3, 7."
+    )
+    assert report.worst(1)[0][1] != report.worst(1)[0][1]  # NaN listed first
+
+
+def test_nonfinite_output_of_a_module_is_named(gen):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Tanh(), Log()), nn.Linear(8, 3))
+    report = check(model, classification_batch(10, torch.float64, gen), mean_ce)
+    assert [d.kind for d in report.diagnoses] == ["non-finite"]
+    assert report.diagnoses[0].modules == ("1.1",)
+    assert "non-finite outputs: '1.1' (Log) is the first module" in report.diagnoses[0].message
+
+
+def test_nonfinite_weights_loss_and_gradients_are_told_apart(gen):
+    batch = classification_batch(10, torch.float64, gen)
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    weights = check(model, batch, mean_ce).diagnoses
+    assert weights[0].modules == ("2.weight",) and "weights hold NaN or inf" in weights[0].message
+
+    def log_of_zero(model, batch):
+        return mean_ce(model, batch) + torch.log(torch.zeros((), dtype=torch.float64))
+
+    loss = check(mlp(), batch, log_of_zero).diagnoses
+    assert loss[0].message.startswith("non-finite loss: loss_fn returns a loss of -inf")
+
+    def sqrt_at_zero(model, batch):  # finite forward (0), backward d sqrt(u)/du at 0 = inf
+        out = model(batch[0])
+        return torch.sqrt((out - out.detach()).pow(2).sum()) + mean_ce(model, batch)
+
+    grads = check(mlp(), batch, sqrt_at_zero).diagnoses
+    assert grads[0].kind == "non-finite"
+    assert grads[0].message.startswith("non-finite gradients (0.weight")
+
+
+def test_mean_over_an_all_padding_micro_batch_is_named(gen):
+    batch = padded_lm_batch(10, gen)
+    batch["labels"][8:] = PAD  # the last micro-batch (samples 8-9) holds no token
+
+    def token_mean(model, batch):  # a mean over zero tokens is NaN, and NaN * 0 is NaN
+        loss_sum, count = lm_token_loss(model, batch)
+        return loss_sum / count * count, count
+
+    report = check(causal_lm(), batch, token_mean, micro_batch_size=4)
+    assert [d.kind for d in report.diagnoses] == ["non-finite"], report.summary()
+    assert "non-finite loss on micro-batch 3 (samples 8-9" in report.diagnoses[0].message
+    assert "token_cross_entropy" in report.diagnoses[0].message
+
+
+def test_no_trainable_parameter_or_no_gradient_is_one_clear_error(gen):
+    batch = classification_batch(10, torch.float64, gen)
+    with pytest.raises(
+        ValueError, match=r"Tanh has none \(it has no parameters\): pass the module"
+    ):
+        check(nn.Tanh(), batch, lambda m, b: m(b[0]).sum())
+    frozen = mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="all 6 of its parameters have requires_grad=False"):
+        check(frozen, batch, mean_ce)
+    with pytest.raises(ValueError, match="loss does not depend on the model's parameters"):
+        check(mlp(), batch, lambda m, b: F.cross_entropy(m(b[0]).detach(), b[1]))
+    other = mlp(seed=1)
+    with pytest.raises(ValueError, match="no gradient reaches any of the model's trainable"):
+        check(mlp(), batch, lambda m, b: mean_ce(other, b))
+    with pytest.raises(ValueError, match=r"micro_batch_size=0 is not allowed: use a positive"):
+        check(mlp(), batch, mean_ce, micro_batch_size=0)
+
+
+NONFINITE_TASKS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+import bigbatch
+
+def _loss(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+def _data(bad):
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    if bad:
+        x[5, 2] = float("nan")
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,)))
+
+def nan_data():
+    return bigbatch.Task(model=nn.Linear(6, 3), train_data=_data(True), loss_fn=_loss)
+
+def no_parameters():
+    return bigbatch.Task(model=nn.Tanh(), train_data=_data(False), loss_fn=_loss)
+
+def detached_loss():
+    loss = lambda m, b: F.cross_entropy(m(b[0]).detach(), b[1])
+    return bigbatch.Task(model=nn.Linear(6, 3), train_data=_data(False), loss_fn=loss)
+"""
+
+
+def test_cli_check_nonfinite_and_no_gradient(tmp_path, capsys):
+    path = tmp_path / "tasks_nonfinite.py"
+    path.write_text(NONFINITE_TASKS)
+    assert main(["check", f"{path}:nan_data", "--batch-size", "12"]) == 1
+    out = capsys.readouterr().out
+    assert "non-finite: non-finite inputs: batch[0] holds 1 NaN in sample 5" in out
+    for task, line in [
+        ("no_parameters", "check needs a model with trainable parameters, and Tanh has none"),
+        ("detached_loss", "loss_fn's loss does not depend on the model's parameters"),
+    ]:
+        assert main(["check", f"{path}:{task}"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"bigbatch check: error: {line}")
+        assert captured.err.count("\n") == 1 and "Traceback" not in captured.err + captured.out

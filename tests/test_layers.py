@@ -41,6 +41,9 @@ LAYERS = {
     # layer 2: tools built on the engine
     "batchnorm": 2,
     "check": 2,
+    "_check_probes": 2,
+    "_check_runs": 2,
+    "_check_diagnoses": 2,
     "distributed": 2,
     "memory.checkpointing": 2,
     "memory.planner": 2,
