@@ -27,7 +27,7 @@ def full_batch_step(model, optimizer, loss_fn, batch, scheduler=None, max_grad_n
 def max_relative_error(a: torch.nn.Module, b: torch.nn.Module) -> float:
     """Largest ``‖a - b‖ / ‖a‖`` over the parameter tensors (2-norms, per tensor)."""
     worst = 0.0
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         diff = torch.linalg.vector_norm(pa.detach() - pb.detach())
         worst = max(worst, float(diff / torch.linalg.vector_norm(pa.detach()).clamp_min(1e-30)))
     return worst

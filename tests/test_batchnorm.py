@@ -29,7 +29,8 @@ def test_invalid_policy_names_the_allowed_values():
 
 def test_micro_warns_once_naming_layers():
     with pytest.warns(
-        bigbatch.BigBatchWarning, match=r"BatchNorm layers '1' \(BatchNorm1d\) use statistics per micro-batch"
+        bigbatch.BigBatchWarning,
+        match=r"BatchNorm layers '1' \(BatchNorm1d\) use statistics per micro-batch",
     ):
         bigbatch.batchnorm(bn_model(), "micro")
 
@@ -129,7 +130,8 @@ def test_engine_warns_once_at_first_step(gen):
         torch.randint(0, 3, (10,), generator=gen),
     )
     with pytest.warns(
-        bigbatch.BigBatchWarning, match=r"'1' \(BatchNorm1d\) normalise with batch statistics in training mode"
+        bigbatch.BigBatchWarning,
+        match=r"'1' \(BatchNorm1d\) normalise with batch statistics in training mode",
     ):
         acc.train_step((x, y), mean_ce)
     with warnings.catch_warnings():
@@ -148,10 +150,45 @@ def test_engine_warns_once_at_first_step(gen):
 def test_every_batchnorm_class_is_found_and_handled_ones_are_not():
     from bigbatch.batchnorm_window import unhandled_batch_coupled
 
-    model = nn.Sequential(nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4))
+    model = nn.Sequential(
+        nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4)
+    )
     assert unhandled_batch_coupled(model) == [
-        "'0' (BatchNorm3d)", "'1' (SyncBatchNorm)", "'2' (LazyBatchNorm1d)"
+        "'0' (BatchNorm3d)",
+        "'1' (SyncBatchNorm)",
+        "'2' (LazyBatchNorm1d)",
     ]
     bigbatch.batchnorm(model, "freeze")
     assert unhandled_batch_coupled(model) == []
     assert unhandled_batch_coupled(nn.BatchNorm2d(3).eval()) == []
+
+
+@pytest.mark.filterwarnings("ignore::bigbatch.BigBatchWarning")
+@pytest.mark.parametrize("policy", ["micro", "freeze", "groupnorm"])
+def test_keep_undoes_a_policy_exactly(policy, gen):
+    """A policy is a record of what it changed: "keep" gives back the model's behaviour and
+    state_dict, and leaves nothing of bigbatch's on the layers (no attributes, no hooks)."""
+    model, plain = bn_model(), bn_model()
+    x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    bigbatch.batchnorm(model, policy)
+    model(x)  # the policy acts once (GroupNorm learns nothing here; "micro" moves statistics)
+    bigbatch.batchnorm(model, "keep")
+    plain.load_state_dict(model.state_dict())  # same values, now compare behaviour and keys
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        getattr(plain, mode)()
+        assert torch.equal(model(x), plain(x))
+    layer = model[1]
+    assert type(layer) is torch.nn.BatchNorm1d
+    assert not layer._forward_pre_hooks and not layer._forward_hooks
+    assert not [k for k in vars(layer) if k.startswith("_bigbatch")]
+    assert layer.momentum == 0.1
+
+
+def test_a_new_policy_replaces_the_previous_one(gen):
+    model = bn_model()
+    bigbatch.batchnorm(model, "freeze")
+    with pytest.warns(bigbatch.BigBatchWarning):
+        bigbatch.batchnorm(model, "micro")
+    assert len(model[1]._forward_pre_hooks) == 1  # one policy's hook, not two

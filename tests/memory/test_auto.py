@@ -96,3 +96,15 @@ def test_format_bytes():
         "1.50 GiB",
         "3072.00 GiB",
     ]
+
+
+def test_a_budget_overrun_at_a_size_that_fit_is_measured_again_first():
+    """Note [re-measure before shrinking]: one reading over the budget does not give up a size
+    that has completed windows; a second one does; an allocator failure shrinks at once."""
+    state = after_success(AutoState(size=8, ceiling=16, fits=8), 8)
+    again = after_oom(state, 8, measured=True)
+    assert (again.size, again.rechecked) == (8, True)  # the same size, once more
+    assert after_oom(again, 8, measured=True).size == 4  # the second overrun shrinks
+    assert after_oom(state, 8).size == 4  # a real allocator failure shrinks at once
+    assert after_oom(state, 12, measured=True).size == 8  # a growth probe: back to what fits
+    assert not after_success(again, 8).rechecked  # the next window may re-measure again

@@ -250,3 +250,22 @@ def test_cli_help_says_what_it_measures(capsys):
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert "peak memory" in out and "--memory-budget" in out and "--micro-batch-sizes" in out
+
+
+def test_plan_gives_the_malloc_threshold_back(monkeypatch):
+    """plan() fixes glibc's mmap threshold while it measures (Note [honest CPU peaks]) and puts
+    it back when it returns (wiring: the calls glibc receives are recorded)."""
+    from bigbatch.memory import peak
+
+    calls: list[int] = []
+    monkeypatch.setattr(peak, "_mallopt_mmap_threshold", calls.append)
+    plan(
+        make_model(),
+        torch.randn(4, 8, 128),
+        square_loss,
+        micro_batch_sizes=[2],
+        checkpointing=(0,),
+        steps=1,
+        memory_budget="8GiB",
+    )
+    assert calls == [64 * 1024, 128 * 1024]

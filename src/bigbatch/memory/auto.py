@@ -75,7 +75,7 @@ def after_oom(state: AutoState, failed_size: int, measured: bool = False) -> Aut
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
     fits = state.fits if state.fits is not None and state.fits < failed_size else None
     size = fits if fits is not None else max(1, failed_size // 2)
-    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits, rechecked=True)
+    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits)
 
 
 def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> AutoState:
