@@ -123,6 +123,8 @@ def divisor(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> f
         return counted
 
     weight = sample_weight if reduction == "mean_with_sample_weight" else None
+    if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
+        weight = weight.clone()
     loss.call, loss.reduction = ones, "sum"
     try:
         with torch.no_grad():

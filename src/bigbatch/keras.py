@@ -49,10 +49,12 @@ def _import_keras() -> Any:
     try:
         import keras
     except ModuleNotFoundError as exc:
-        if exc.name != "keras":
+        if exc.name != "keras":  # Keras is there; the backend it was asked for is not
+            backend = os.environ.get("KERAS_BACKEND", "default")
             raise ImportError(
-                f"bigbatch.keras: Keras failed to import ({exc}); it needs Keras 3 on the torch "
-                "backend: set KERAS_BACKEND=torch before keras is first imported."
+                f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its "
+                f"{backend!r} backend ({exc}): set KERAS_BACKEND=torch before keras is first "
+                "imported."
             ) from exc
         raise ImportError(
             'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
@@ -149,10 +151,14 @@ class Accumulation:
                 known, redone = window.divisors, True
                 continue
             release_memory(_device_of(model))
-            self.auto_state = auto.after_oom(self.auto_state, failed)
+            self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
             retries += 1
         self._changing = (self._changing or set()) | saved.changed()
-        logs = self._apply(window, n)
+        try:
+            logs = self._apply(window, n)
+        except BaseException:
+            saved.restore()
+            raise
         if self.auto_state is not None:
             self.auto_state = auto.after_success(self.auto_state, size, n)
         self.last = StepInfo(n, window.micro_batches, size, retries, redone)
@@ -176,7 +182,8 @@ class Accumulation:
             y_pred = model(x, training=True) if _has_training_arg(model) else model(x)
             ensure_built(model, y, y_pred, sample_weight)
             extra = extra or bool(model.losses)
-            with shares(model, divisors) as terms:
+            with shares(model, divisors) as count:
+                terms = count
                 share = _compute_loss(model, x, y, y_pred, sample_weight) * (n_i / n)
             if model.trainable_weights:
                 model.optimizer.scale_loss(share).backward()
