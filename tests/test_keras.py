@@ -9,6 +9,7 @@ that agreement to 1e-10 can be asserted; one test runs plain float32 Keras at 1e
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -178,6 +179,25 @@ def test_auto_survives_out_of_memory_and_stays_exact(gen) -> None:
     handle = acc["handle"]
     assert handle.auto_state.ceiling is not None and handle.last.micro_batch_size <= 3
     assert handle.last.oom_retries == 0  # found in the first step, kept afterwards
+
+
+@pytest.mark.slow
+def test_auto_survives_a_real_allocator_failure() -> None:
+    """A child under RLIMIT_DATA: the whole batch cannot be allocated (keras_oom_child.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "keras_oom_child.py"), "56"],  # MiB above what is in use
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["raised"] is None, result
+    assert result["ceiling"] is not None and result["micro_batch_size"] < 16  # it did run out
+    assert result["iterations"] == result["callback_steps"] == 2  # two fit steps, as without
+    assert result["error_to_full_batch"] < 1e-10
 
 
 @pytest.mark.usefixtures("float64")
