@@ -14,29 +14,21 @@ PAD = -100
 
 def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)
-    ).to(dtype)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)).to(dtype)
 
 
 def cnn(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 4, 3, stride=2),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 3 * 3, 3),
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 3 * 3, 3),
     ).to(dtype)
 
 
 class TinyCausalLM(nn.Module):
     """A two-block causal transformer on token ids."""
 
-    def __init__(
-        self, vocab: int = VOCAB, dim: int = 16, heads: int = 2, blocks: int = 2, ctx: int = 12
-    ):
+    def __init__(self, vocab: int = VOCAB, dim: int = 16, heads: int = 2, blocks: int = 2, ctx: int = 12):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(ctx, dim) * 0.1)
@@ -81,6 +73,4 @@ def mean_ce(model: nn.Module, batch) -> torch.Tensor:
 
 
 def lm_token_loss(model: nn.Module, batch):
-    return token_cross_entropy(
-        model(batch["input_ids"]), batch["labels"], ignore_index=PAD, shift=True
-    )
+    return token_cross_entropy(model(batch["input_ids"]), batch["labels"], ignore_index=PAD, shift=True)

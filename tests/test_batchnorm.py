@@ -29,8 +29,7 @@ def test_invalid_policy_names_the_allowed_values():
 
 def test_micro_warns_once_naming_layers():
     with pytest.warns(
-        bigbatch.BigBatchWarning,
-        match=r"BatchNorm layers '1' \(BatchNorm1d\) use statistics per micro-batch",
+        bigbatch.BigBatchWarning, match=r"BatchNorm layers '1' \(BatchNorm1d\) use statistics per micro-batch"
     ):
         bigbatch.batchnorm(bn_model(), "micro")
 
@@ -130,8 +129,7 @@ def test_engine_warns_once_at_first_step(gen):
         torch.randint(0, 3, (10,), generator=gen),
     )
     with pytest.warns(
-        bigbatch.BigBatchWarning,
-        match=r"'1' \(BatchNorm1d\) normalise with batch statistics in training mode",
+        bigbatch.BigBatchWarning, match=r"'1' \(BatchNorm1d\) normalise with batch statistics in training mode"
     ):
         acc.train_step((x, y), mean_ce)
     with warnings.catch_warnings():
@@ -150,13 +148,9 @@ def test_engine_warns_once_at_first_step(gen):
 def test_every_batchnorm_class_is_found_and_handled_ones_are_not():
     from bigbatch.batchnorm import unhandled_batch_coupled
 
-    model = nn.Sequential(
-        nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4)
-    )
+    model = nn.Sequential(nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4))
     assert unhandled_batch_coupled(model) == [
-        "'0' (BatchNorm3d)",
-        "'1' (SyncBatchNorm)",
-        "'2' (LazyBatchNorm1d)",
+        "'0' (BatchNorm3d)", "'1' (SyncBatchNorm)", "'2' (LazyBatchNorm1d)"
     ]
     bigbatch.batchnorm(model, "freeze")
     assert unhandled_batch_coupled(model) == []

@@ -120,9 +120,7 @@ def test_non_determinism_is_diagnosed(gen):
 
 def test_groupnorm_policy_is_exact(gen):
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(2, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 25, 3)
-    )
+    model = nn.Sequential(nn.Conv2d(2, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 25, 3))
     bigbatch.batchnorm(model, "groupnorm")
     assert check(model, classification_batch(10, torch.float64, gen, image=True), mean_ce).exact
 
@@ -140,18 +138,14 @@ def test_user_model_and_rng_are_unchanged(gen):
 
 def test_raise_on_failure_and_small_batch(gen):
     with pytest.raises(NotExactError, match="(?s)NOT exact.*batch-statistics"):
-        check(
-            bn_model(), classification_batch(10, torch.float32, gen), mean_ce, raise_on_failure=True
-        )
+        check(bn_model(), classification_batch(10, torch.float32, gen), mean_ce, raise_on_failure=True)
     with pytest.raises(ValueError, match="at least 2 samples"):
         check(mlp(), classification_batch(1, torch.float64, gen), mean_ce)
-    with pytest.raises(
-        ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"
-    ):
+    with pytest.raises(ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"):
         check(mlp(), classification_batch(10, torch.float64, gen), mean_ce, micro_batch_size=10)
 
 
-TASK = """
+TASK = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 import bigbatch
 
@@ -166,7 +160,7 @@ def good():
 
 def bad():
     return _task(nn.BatchNorm1d(8))
-"""
+'''
 
 
 def test_cli_check(tmp_path, capsys):

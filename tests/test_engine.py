@@ -10,15 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import bigbatch
-from models import (
-    causal_lm,
-    classification_batch,
-    cnn,
-    lm_token_loss,
-    mean_ce,
-    mlp,
-    padded_lm_batch,
-)
+from models import causal_lm, classification_batch, cnn, lm_token_loss, mean_ce, mlp, padded_lm_batch
 from reference import full_batch_step, max_relative_error
 
 OPTIMIZERS = {
@@ -36,9 +28,7 @@ def _twins(make_model, make_opt, dtype, scheduler=False):
     ref = make_model(dtype)
     eng = copy.deepcopy(ref)
     opt_ref, opt_eng = make_opt(ref.parameters()), make_opt(eng.parameters())
-    sched = lambda o: (
-        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) if scheduler else None
-    )
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) if scheduler else None
     return ref, eng, opt_ref, opt_eng, sched(opt_ref), sched(opt_eng)
 
 
@@ -62,12 +52,8 @@ def test_train_step_equals_full_batch_float64(model_name, opt_name, n, micro, ge
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("micro", [3, 4])
 def test_clipping_and_scheduler_once_per_step(opt_name, micro, gen):
-    ref, eng, opt_ref, opt_eng, s_ref, s_eng = _twins(
-        mlp, OPTIMIZERS[opt_name], torch.float64, True
-    )
-    acc = bigbatch.Accumulator(
-        eng, opt_eng, micro_batch_size=micro, scheduler=s_eng, max_grad_norm=0.05
-    )
+    ref, eng, opt_ref, opt_eng, s_ref, s_eng = _twins(mlp, OPTIMIZERS[opt_name], torch.float64, True)
+    acc = bigbatch.Accumulator(eng, opt_eng, micro_batch_size=micro, scheduler=s_eng, max_grad_norm=0.05)
     for _ in range(4):
         batch = classification_batch(10, torch.float64, gen)
         full_batch_step(ref, opt_ref, mean_ce, batch, scheduler=s_ref, max_grad_norm=0.05)
@@ -140,9 +126,7 @@ def test_dict_batch_with_non_tensor_leaves_and_namedtuple(gen):
         return F.cross_entropy(model(mb["pair"].x), mb["pair"].y)
 
     model = mlp()
-    acc = bigbatch.Accumulator(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4
-    )
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
     x, y = classification_batch(10, torch.float64, gen)
     assert acc.train_step({"pair": Pair(x, y), "tag": "keep"}, loss_fn).micro_batches == 3
     assert seen == [("Pair", "keep")] * 3
