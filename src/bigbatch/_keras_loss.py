@@ -17,9 +17,9 @@ Note [keras loss shares]
     nothing is divided afterwards. Keras itself computes the micro-batch's loss, with its own
     masking, sample weighting and reduction, as ``L_{k,i} = S_{k,i} / D_{k,i}``; bigbatch
     multiplies term k by ``g_{k,i} = N D_{k,i} / (n_i D_k)`` (``N / n_i`` for ``"sum"``) and
-    the whole loss by ``n_i / N``. ``D_{k,i}`` is measured by evaluating the term once more,
-    without gradients, with every per-item loss replaced by 1 and the reduction set to
-    ``"sum"``: Keras' own code counts what it would have divided by.
+    the whole loss by ``n_i / N``. ``D_{k,i}`` is measured by Keras' own code: the term is
+    reduced once more, without gradients, with every per-item loss replaced by 1 and the
+    reduction set to ``"sum"`` (see ``divisor``).
 
     The window's divisor ``D_k`` is only known after the last micro-batch. It is predicted from
     the first one (``D_{k,1} N / n_1``, right whenever the divisor grows with the samples: no
@@ -88,16 +88,40 @@ class _Term:
         self.loss, self.index, self.divisors = loss, index, divisors
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        value = self.loss(y_true, y_pred, sample_weight)
-        g = self.divisors.factor(self.index, divisor(self.loss, y_true, y_pred, sample_weight))
+        seen: list[Any] = []
+
+        def recording(y_t: Any, y_p: Any) -> Any:
+            values = real_call(y_t, y_p)
+            seen.append(values)
+            return values
+
+        real_call = self.loss.call
+        with _calling(self.loss, recording, self.loss.reduction):
+            value = self.loss(y_true, y_pred, sample_weight)
+        if len(seen) != 1:
+            raise TypeError(
+                f"loss {getattr(self.loss, 'name', self.loss)!r} ({type(self.loss).__name__}) did "
+                "not compute its per-item losses through Loss.call, so bigbatch.keras cannot tell "
+                "what Keras divides them by: implement call(y_true, y_pred) instead of __call__."
+            )
+        d = divisor(self.loss, seen[0], y_true, y_pred, sample_weight)
+        g = self.divisors.factor(self.index, d)
         return value if g == 1.0 else value * g
 
     def __getattr__(self, name: str) -> Any:  # name, reduction, ... as the loss it stands for
         return getattr(self.loss, name)
 
 
-def divisor(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> float | None:
-    """What Keras divides ``loss``'s weighted sum by on this batch; ``None`` for ``"sum"``.
+def divisor(
+    loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any = None
+) -> float | None:
+    """What Keras divided ``loss``'s weighted sum by; ``None`` for ``"sum"``.
+
+    ``values`` are the per-item losses that ``loss.call`` returned for this batch. Keras' own
+    ``loss.__call__`` runs again with them replaced by ones and ``reduction="sum"``, without
+    gradients: it applies the same masks (``y_pred``'s and the values' own) and, for
+    ``"mean_with_sample_weight"``, the same sample weights, and so counts its divisor. ``y_pred``
+    is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
 
     Raises:
         ValueError: the loss is not reduced to a scalar (``reduction=None`` or ``"none"``).
@@ -111,30 +135,36 @@ def divisor(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any = None) -> f
             'scalar loss: compile with reduction="sum_over_batch_size" (the default), "mean", '
             '"mean_with_sample_weight" or "sum".'
         )
-    real_call = loss.call
-    had_own_call = "call" in vars(loss)
-
-    def ones(y_t: Any, y_p: Any) -> Any:
-        values = real_call(y_t, y_p)
-        counted = torch.ones_like(values)
-        mask = getattr(values, "_keras_mask", None)  # a loss may mask its own values
-        if mask is not None:
-            counted._keras_mask = mask  # type: ignore[attr-defined]
-        return counted
-
+    ones = torch.ones(values.shape, dtype=values.dtype, device=values.device)
+    _carry_mask(values, ones)  # a loss may mask its own values
+    stand_in = torch.zeros(1, dtype=values.dtype, device=values.device)
+    _carry_mask(y_pred, stand_in)
     weight = sample_weight if reduction == "mean_with_sample_weight" else None
     if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
         weight = weight.clone()
-    loss.call, loss.reduction = ones, "sum"
+    with _calling(loss, lambda y_t, y_p: ones, "sum"), torch.no_grad():
+        return float(loss(y_true, stand_in, weight))
+
+
+def _carry_mask(source: Any, target: torch.Tensor) -> None:
+    mask = getattr(source, "_keras_mask", None)  # where Keras keeps a tensor's mask on torch
+    if mask is not None:
+        target._keras_mask = mask  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _calling(loss: Any, call: Any, reduction: Any) -> Iterator[None]:
+    """``loss.call`` and ``loss.reduction`` replaced on the instance for the block."""
+    own_call, own_reduction = vars(loss).get("call"), loss.reduction
+    loss.call, loss.reduction = call, reduction
     try:
-        with torch.no_grad():
-            return float(loss(y_true, y_pred, weight))
+        yield
     finally:
-        loss.reduction = reduction
-        if had_own_call:
-            loss.call = real_call
-        else:
+        loss.reduction = own_reduction
+        if own_call is None:
             del loss.call
+        else:
+            loss.call = own_call
 
 
 @contextlib.contextmanager
