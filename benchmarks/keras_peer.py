@@ -144,7 +144,11 @@ def exactness_table(k: int) -> None:
             error = relative_error(reference, r["weights"])
             rows.append(
                 [name if method == "full batch" else "", method, r["calls"], r["iterations"]]
-                + [r["counter"], f"{r['lr']:.4g}", "-" if method == "full batch" else f"{error:.1e}"]
+                + [
+                    r["counter"],
+                    f"{r['lr']:.4g}",
+                    "-" if method == "full batch" else f"{error:.1e}",
+                ]
             )
     print_table(
         f"What each computes: fit batch B=16, k={k} (micro-batch 4), SGD momentum 0.9, 2 epochs, "

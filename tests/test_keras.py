@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,24 @@ def test_accumulate_none_gives_back_keras_own_step(gen) -> None:
     assert bigbatch.keras.accumulate(model, None) is None  # undoing twice is harmless
     plain = _fit((model, kwargs), "sgd", None, **fit)
     assert weights_error(full["model"], plain["model"]) == 0.0
+
+
+def test_batch_normalization_is_named_once(gen) -> None:
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization(name="bn")])
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), inner])
+    model.compile(optimizer="sgd", loss="mse")
+    bigbatch.keras.accumulate(model, 4)
+    x, y = torch.randn(10, 6, generator=gen), torch.randn(10, 8, generator=gen)
+    with pytest.warns(bigbatch.BigBatchWarning, match=r"BatchNormalization layers \['bn'\]"):
+        model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    inner.layers[0].trainable = False  # frozen: inference statistics, exact
+    model.compile(optimizer="sgd", loss="mse")
+    handle = bigbatch.keras.accumulate(model, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bigbatch.BigBatchWarning)
+        model.fit(x, y, batch_size=10, verbose=0)
+    assert handle.last.micro_batches == 3
 
 
 def test_bad_arguments_are_named() -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from bigbatch._keras_loss import Divisors, ensure_built, shares
+from bigbatch._warnings import BigBatchWarning
 from bigbatch.memory import auto
 from bigbatch.memory.oom import is_out_of_memory, release_memory
 from bigbatch.split import batch_size, split
@@ -124,6 +125,7 @@ class Accumulation:
         self.auto_state = auto.AutoState() if micro_batch_size == "auto" else None
         self.last: StepInfo | None = None
         self._changing: set[int] | None = None  # ids of state seen changing; None: not known
+        self._layers_checked = False  # warn once about BatchNormalization
 
     def __call__(self, data: Any) -> dict[str, Any]:
         """One ``fit`` step over the whole batch ``data`` (Note [keras train step])."""
@@ -174,6 +176,9 @@ class Accumulation:
         model, divisors = self.model, Divisors(samples=n, known=known)
         model.zero_grad(set_to_none=True)
         pieces = split(batch, size)
+        if len(pieces) > 1 and not self._layers_checked:  # one piece is the full batch: exact
+            _warn_batch_norm(model)
+            self._layers_checked = True
         loss_sum: Any = 0.0
         logs: dict[str, Any] = {}
         terms, extra = 0, _overrides_compute_loss(model)
@@ -297,6 +302,25 @@ def _check_compiled(model: Any) -> None:
         raise ValueError(
             "jit_compile=True is not supported with bigbatch.keras.accumulate (the step loops "
             "over micro-batches in Python): model.compile(..., jit_compile=False)."
+        )
+
+
+def _warn_batch_norm(model: Any) -> None:
+    """One BigBatchWarning naming the trainable BatchNormalization layers, if there are any."""
+    found, todo = [], list(model.layers)
+    while todo:
+        layer = todo.pop(0)
+        todo += list(getattr(layer, "layers", []))  # nested models
+        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable:
+            found.append(layer.name)
+    if found:
+        warnings.warn(
+            f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
+            "statistics, so a step is not exactly the full batch's: freeze them "
+            "(layer.trainable = False) or use keras.layers.GroupNormalization / "
+            "LayerNormalization for exact accumulation.",
+            BigBatchWarning,
+            stacklevel=4,
         )
 
 
