@@ -43,7 +43,9 @@ TESTS = Path(__file__).resolve().parent
 N, BATCH = 25, 10  # one epoch: fit steps of 10, 10 and a short last 5 samples
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(
-        learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5), momentum=0.9
+        learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5),
+        momentum=0.9,
+        clipnorm=1.0,  # per variable
     ),
     "adamw": lambda: keras.optimizers.AdamW(
         learning_rate=keras.optimizers.schedules.CosineDecay(
@@ -51,12 +53,28 @@ OPTIMIZERS = {
         ),
         weight_decay=0.01,
         global_clipnorm=1.0,
+        use_ema=True,  # the averages are optimizer variables: compared with the weights
+        ema_momentum=0.5,
     ),
 }
 
 
+@pytest.fixture(autouse=True)
+def _keras_defaults():
+    """Every test starts from Keras' defaults: float32 weights and a float32 dtype policy.
+
+    Keras pins its global dtype policy the first time a layer asks for it, and
+    ``set_floatx`` alone does not move it: both are set, and put back after the test.
+    """
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+
+
 @pytest.fixture
-def float64(monkeypatch):
+def float64(monkeypatch, _keras_defaults):
     """Keras in float64 end to end.
 
     ``set_floatx("float64")`` makes float64 weights, but Keras aligns its type promotion with
@@ -67,10 +85,8 @@ def float64(monkeypatch):
     from keras.src.backend.common import dtypes
 
     monkeypatch.setitem(dtypes.BIT64_TO_BIT32_DTYPE, "float64", "float64")
-    previous = keras.config.floatx()
     keras.config.set_floatx("float64")
-    yield
-    keras.config.set_floatx(previous)
+    keras.config.set_dtype_policy("float64")
 
 
 def _fit(built: Any, optimizer: str, micro: int | str | None, **fit: Any) -> dict[str, Any]:
@@ -154,6 +170,7 @@ def test_fit_with_accumulate_equals_fit_with_the_full_batch(case: str, gen) -> N
     seed = int(torch.randint(0, 2**16, (1,), generator=gen))
     full = _fit(builder(seed, **options), optimizer, None, **fit)
     acc = _fit(builder(seed, **options), optimizer, micro, **fit)
+    assert {w.dtype for w in acc["model"].weights} == {"float64"}
     _assert_same_training(full, acc, rtol=1e-10)
     last = acc["handle"].last
     assert (last.samples, last.micro_batch_size) == (5, min(micro, 5))  # the short last batch
@@ -167,7 +184,19 @@ def test_float32_keras_agrees_to_float32_rounding(gen) -> None:
     fit = data("masked", N, gen)
     full = _fit(masked(1), "adamw", None, **fit)
     acc = _fit(masked(1), "adamw", 4, **fit)
+    assert {w.dtype for w in acc["model"].weights} == {"float32"}
     _assert_same_training(full, acc, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_mixed_precision_steps_once_per_fit_step(gen) -> None:
+    """mixed_float16: the LossScaleOptimizer scales each share and unscales the sum once."""
+    fit = data("dense", N, gen)
+    keras.config.set_dtype_policy("mixed_float16")  # put back by _keras_defaults
+    full = _fit(dense(8), "adamw", None, **fit)
+    acc = _fit(dense(8), "adamw", 4, **fit)
+    assert type(acc["model"].optimizer).__name__ == "LossScaleOptimizer"
+    _assert_same_training(full, acc, rtol=1e-2)  # float16 forward: rounding of ~1e-3
 
 
 @pytest.mark.usefixtures("float64")
