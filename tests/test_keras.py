@@ -292,6 +292,13 @@ def test_bad_arguments_are_named() -> None:
         bigbatch.keras.accumulate(model, True)
     with pytest.raises(TypeError, match=r"model is a Linear; accumulate needs a keras.Model"):
         bigbatch.keras.accumulate(torch.nn.Linear(2, 2), 4)
+
+    class Custom(keras.Sequential):
+        def train_step(self, data: Any) -> Any:
+            return super().train_step(data)
+
+    with pytest.raises(ValueError, match=r"Custom defines its own train_step, which accumulate"):
+        bigbatch.keras.accumulate(Custom([keras.layers.Dense(2)]), 4)
     model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), **kwargs)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2; bigbatch.keras"):
         bigbatch.keras.accumulate(model, 4)

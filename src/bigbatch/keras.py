@@ -244,8 +244,9 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
     Raises:
         TypeError: ``model`` is not a Keras model, or ``micro_batch_size`` is not an int,
             ``"auto"`` or ``None``.
-        ValueError: ``micro_batch_size`` is not positive; the model compiles with
-            ``jit_compile=True`` or an optimizer with ``gradient_accumulation_steps``.
+        ValueError: ``micro_batch_size`` is not positive; the model's class defines its own
+            ``train_step``; the model compiles with ``jit_compile=True`` or an optimizer with
+            ``gradient_accumulation_steps``.
 
     Example:
         >>> model.compile(optimizer="adamw", loss="sparse_categorical_crossentropy")  # doctest: +SKIP
@@ -262,6 +263,7 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
             del model.train_step
         return None
     _check_micro_batch_size(micro_batch_size)
+    _check_own_train_step(model)
     if getattr(model, "optimizer", None) is not None:
         _check_compiled(model)
     step = Accumulation(model, micro_batch_size)
@@ -282,6 +284,17 @@ def _check_micro_batch_size(value: object) -> None:
         raise ValueError(
             f'micro_batch_size={value} is not allowed: use a positive integer, "auto", or None '
             "to undo (e.g. micro_batch_size=64)."
+        )
+
+
+def _check_own_train_step(model: Any) -> None:
+    """Refuse a model class with its own ``train_step``: accumulate would silently replace it."""
+    owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
+    if not owner.__module__.startswith("keras."):
+        raise ValueError(
+            f"{owner.__name__} defines its own train_step, which accumulate would replace: keep "
+            "Keras' train_step and put custom loss terms in compute_loss (bigbatch.keras honours "
+            "it), or accumulate in your own loop with bigbatch.Accumulator."
         )
 
 
