@@ -23,7 +23,8 @@ computes float64 matmuls in float32 otherwise), so that exact means ~1e-16.
 Table 2 (what each one costs) fits a model whose activations dominate memory (a broadcast
 ``tanh(x[..., None] * v)`` layer) in float32 for one epoch: seconds per epoch (median of
 ``--repeats`` epochs, the three methods taking turns) and the peak memory of the epoch (CPU resident-set high-water mark, or the CUDA
-allocator's peak), as ratios to the full batch.
+allocator's peak; on the CPU with glibc's mmap threshold fixed at 64 KiB, as the planner does, so
+that freed tensors leave the resident set), as ratios to the full batch.
 
 Run:
     PYTHONPATH=src python benchmarks/keras_peer.py             # CPU, about a minute (quiet machine)
@@ -33,6 +34,8 @@ Run:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import os
 import statistics
@@ -182,6 +185,8 @@ class Expand(keras.layers.Layer):
 
 
 def cost_table(batch: int, k: int, repeats: int, device: str) -> None:
+    if device == "cpu":  # as Note [honest CPU peaks] in bigbatch/memory/planner.py: freed tensors
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 65536)  # leave the resident set
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(4 * batch, 256)).astype("float32"), rng.integers(0, 4, 4 * batch)
 

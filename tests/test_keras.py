@@ -251,12 +251,14 @@ def test_a_failed_step_leaves_model_optimizer_and_metrics_as_they_were(gen) -> N
 
 
 @pytest.mark.usefixtures("float64")
-def test_accumulate_none_gives_back_keras_own_step(gen) -> None:
+def test_accumulate_none_gives_back_keras_own_step(gen, tmp_path) -> None:
     fit = data("dense", N, gen)
     full = _fit(dense(4), "sgd", None, **fit)
     model, kwargs = dense(4)
     handle = bigbatch.keras.accumulate(model, 4)
     assert model.train_step is handle
+    model.save(tmp_path / "model.keras")  # saving is unaffected; a loaded model is plain Keras
+    assert "train_step" not in vars(keras.models.load_model(tmp_path / "model.keras"))
     assert bigbatch.keras.accumulate(model, None) is None
     assert "train_step" not in vars(model)
     assert bigbatch.keras.accumulate(model, None) is None  # undoing twice is harmless
