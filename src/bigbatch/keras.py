@@ -135,26 +135,7 @@ class Accumulation:
         batch = (x, y, sample_weight)
         n = batch_size(batch)
         saved = _Saved(model, self._changing)
-        retries, known, redone = 0, None, False
-        while True:
-            size, failed = self._size_for(n), None
-            try:
-                window = self._window(batch, n, size, known)
-            except BaseException as exc:
-                saved.restore()
-                if self.auto_state is None or not is_out_of_memory(exc):
-                    raise
-                traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
-                failed = size
-            if failed is None:
-                if not window.missed or window.rescalable:
-                    break
-                saved.restore()  # a divisor was mispredicted: redo with the measured ones
-                known, redone = window.divisors, True
-                continue
-            release_memory(_device_of(model))
-            self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
-            retries += 1
+        window, size, retries, redone = self._settle(batch, n, saved)
         self._changing = (self._changing or set()) | saved.changed()
         try:
             logs = self._apply(window, n)
@@ -165,6 +146,36 @@ class Accumulation:
             self.auto_state = auto.after_success(self.auto_state, size, n)
         self.last = StepInfo(n, window.micro_batches, size, retries, redone)
         return logs
+
+    def _settle(self, batch: Any, n: int, saved: _Saved) -> tuple[_Window, int, int, bool]:
+        """Run the window until it completes: ``(window, size, oom_retries, redone)``.
+
+        An out-of-memory error with ``"auto"`` redoes it smaller; a mispredicted divisor that
+        rescaling cannot fix redoes it once with the measured divisors (Note [keras loss
+        shares]); each redo starts from the state ``saved`` holds.
+        """
+        retries, known = 0, None
+        while True:
+            size, failed = self._size_for(n), None
+            try:
+                window = self._window(batch, n, size, known)
+            except BaseException as exc:
+                saved.restore()
+                if self.auto_state is None or not is_out_of_memory(exc):
+                    raise
+                traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
+                failed = size
+            if failed is not None:  # retried outside the except: the exception pins tensors
+                release_memory(_device_of(self.model))
+                self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
+                retries += 1
+            elif not window.missed or window.rescalable or known is not None:
+                # (a redone window used measured divisors: a second miss could only come from
+                # masks that change between passes, and is not redone again)
+                return window, size, retries, known is not None
+            else:
+                saved.restore()
+                known = window.divisors
 
     def _size_for(self, n: int) -> int:
         if self.auto_state is not None:
