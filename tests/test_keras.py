@@ -398,6 +398,34 @@ def test_check_on_keras_models(gen) -> None:
     assert "batch-statistics" in [d.kind for d in report.diagnoses]
 
 
+KERAS_TASK = """
+import keras, torch
+import bigbatch
+
+def task():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(3)])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    loss = lambda m, b: (ce(b[1], m(b[0], training=True)), len(b[1]))
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(12, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    return bigbatch.Task(model=model, train_data=data, loss_fn=loss)
+"""
+
+
+@pytest.mark.usefixtures("float64")
+def test_cli_check_on_a_keras_task(tmp_path, capsys) -> None:
+    """`bigbatch check module:task` with a Keras model (float64 throughout: see the fixture)."""
+    from bigbatch.cli import main
+
+    path = tmp_path / "keras_task.py"
+    path.write_text(KERAS_TASK)
+    assert main(["check", f"{path}:task", "--batch-size", "10"]) == 0
+    assert "exact: max relative difference" in capsys.readouterr().out
+
+
 def test_check_on_a_float32_keras_model_needs_a_float32_tolerance(gen) -> None:
     """Keras computes float32 matmuls even on float64 copies: ~1e-7 apart, exact at 1e-5."""
     fit = data("dense", 10, gen)
