@@ -311,6 +311,30 @@ def test_bad_arguments_are_named() -> None:
         bigbatch.keras.accumulate(model, 4)
 
 
+class _DirectLoss(keras.losses.Loss):
+    """A loss that skips Loss.call: bigbatch.keras cannot count what it divides by."""
+
+    def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        return keras.ops.mean(keras.ops.square(y_pred - keras.ops.cast(y_true, y_pred.dtype)))
+
+
+def test_losses_bigbatch_cannot_read_are_refused(gen) -> None:
+    fit = data("dense", 4, gen)
+    batch = (torch.as_tensor(fit["x"]).float(), torch.as_tensor(fit["y"])[:, None].float())
+    for loss, error, message in [
+        (keras.losses.MeanSquaredError(reduction=None), ValueError, r"reduction=None; fit needs"),
+        (_DirectLoss(name="direct"), TypeError, r"'direct' \(_DirectLoss\) did not compute"),
+    ]:
+        model, _ = dense(0)
+        model.compile(optimizer="sgd", loss=loss)
+        bigbatch.keras.accumulate(model, 2)
+        with pytest.raises(error, match=message):
+            model.train_step(batch)
+    del model._compile_loss._flat_losses  # as a Keras version without it would be
+    with pytest.raises(RuntimeError, match=r"this Keras version is not supported"):
+        model.train_step(batch)
+
+
 def test_fit_without_compile_says_so(gen) -> None:
     model, _ = dense(0)
     bigbatch.keras.accumulate(model, 4)  # before compile is allowed

@@ -175,10 +175,16 @@ def shares(model: Any, divisors: Divisors) -> Iterator[int]:
     own ``compute_loss``) yields 0 and is left as it is.
     """
     compiled = getattr(model, "_compile_loss", None)
-    entries = getattr(compiled, "_flat_losses", None)
-    if not entries:
+    if compiled is None:
         yield 0
         return
+    entries = getattr(compiled, "_flat_losses", None)
+    if entries is None:
+        raise RuntimeError(
+            "bigbatch.keras could not find the compiled loss's terms (model._compile_loss."
+            "_flat_losses); this Keras version is not supported: pip install "
+            '"bigbatch[keras]" for a tested one.'
+        )
     original = list(entries)
     entries[:] = [e._replace(loss=_Term(e.loss, k, divisors)) for k, e in enumerate(original)]
     try:
@@ -196,9 +202,3 @@ def ensure_built(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
         compiled(y, y_pred, sample_weight)
     for metric in compiled.metrics:  # per-output loss trackers created just now by build
         metric.reset_state()
-    if getattr(compiled, "_flat_losses", None) is None:
-        raise RuntimeError(
-            "bigbatch.keras could not find the compiled loss's terms (model._compile_loss."
-            "_flat_losses); this Keras version is not supported: pip install "
-            '"bigbatch[keras]" for a tested one.'
-        )
