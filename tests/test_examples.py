@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name != "ddp_torchrun.py")
+# keras_fit.py needs Keras and runs as a slow test in test_keras.py
+EXAMPLES = sorted(
+    p.name
+    for p in (ROOT / "examples").glob("*.py")
+    if p.name not in ("ddp_torchrun.py", "keras_fit.py")
+)
 NEEDS = {"causal_lm.py": "transformers"}
 
 

@@ -47,6 +47,8 @@ LAYERS = {
     "distributed": 2,
     "memory.checkpointing": 2,
     "memory.planner": 2,
+    "keras": 2,  # the Keras 3 adapter (imports keras inside functions only)
+    "_keras_loss": 2,
     # on top: the application, imported by nothing
     "cli": TOP,
     "console": TOP,
