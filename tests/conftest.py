@@ -29,3 +29,15 @@ def gen(request):
         seed = zlib.crc32(request.node.nodeid.encode())
     print(f"BIGBATCH_TEST_SEED={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``--doctest-modules`` only the package's modules and the test files are collected:
+    the helpers and child scripts in tests/ (models.py, oom_child.py, ...) are not imported."""
+    if collection_path.suffix != ".py" or collection_path.name == "conftest.py":
+        return None
+    try:
+        in_tests = collection_path.relative_to(config.rootpath).parts[0] == "tests"
+    except ValueError:
+        return None
+    return in_tests and not collection_path.name.startswith("test_")

@@ -154,7 +154,9 @@ class WindowMeter:
     Args:
         device: where the window runs.
         budget: bytes a window may add; ``None`` for no budget.
-        always: measure even without a budget (auto mode reports the adopted attempt's peak).
+        always: auto mode: measure even without a budget (to report the adopted attempt's
+            peak), and when a budget is below ``gradient_bytes`` say so at the first overrun
+            instead of shrinking to one sample first.
         gradient_bytes: what the gradients of the trained parameters take: the part of every
             window no micro-batch size can shrink.
     """
@@ -167,6 +169,7 @@ class WindowMeter:
         gradient_bytes: int = 0,
     ) -> None:
         self.budget = budget
+        self.auto = always
         self.gradient_bytes = gradient_bytes
         self.active = budget is not None or always
         self._probe = PeakProbe(device) if self.active else None
@@ -182,7 +185,7 @@ class WindowMeter:
         if self.budget is None or self._probe is None or self._record is None:
             return
         used = self._probe.peak_bytes(self._record)
-        if used > self.budget and self.gradient_bytes >= self.budget:
+        if used > self.budget and self.auto and self.gradient_bytes >= self.budget:
             raise ValueError(
                 f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
                 f"the gradients alone take {format_bytes(self.gradient_bytes)} (this attempt used "
