@@ -46,6 +46,7 @@ LAYERS = {
     "memory.planner": 2,
     # on top: the application, imported by nothing
     "cli": TOP,
+    "console": TOP,
     "demo": TOP,
     "__main__": TOP,
 }
