@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from bigbatch.train.signals import Stopped
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
 CHECKED = (
@@ -37,6 +39,7 @@ CHECKED = (
     MemoryError,
     FloatingPointError,
     ImportError,
+    Stopped,  # not an error: a run stopped by SIGINT / SIGTERM says how to resume (exit 130 / 143)
 )
 
 
