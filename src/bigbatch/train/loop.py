@@ -409,11 +409,12 @@ def _last_good(run: _Run, progress: _Progress) -> str:
 
 
 def _stopped_line(run: _Run, progress: _Progress, signum: int) -> str:
+    import shlex
     import signal
 
     args = sys.argv[1:]
-    if args[:1] == ["train"]:  # the command line: say the command to type
-        command = " ".join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
+    if args[:1] == ["train"]:  # the command line: say the command to type, quoted for a shell
+        command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
     else:
         command = "the same call with resume=True"
     return (
