@@ -41,7 +41,9 @@ def argv(out: Path, *extra: str, task: str = "killable", micro: str = "4") -> li
 
 def run(args: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
     """Run a child to its end; return it (exit code, stdout, stderr)."""
-    return subprocess.run(args, env=env(**extra_env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        args, env=env(**extra_env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start(args: list[str], err: Path, **extra_env: str) -> subprocess.Popen:

@@ -134,12 +134,14 @@ def faulty() -> bigbatch.Task:
     calls of its loss_fn (micro-batches started; batch 10 at 4 is 3 calls per step):
 
     * $NAN_AT=n: the loss of the n-th call is NaN (the cause is removed by unsetting it);
+      $NAN_FROM=n: of every call from the n-th on;
     * $FILL_DISK_AT=n with $FILL_DISK=path: at the n-th call, fill the filesystem holding that
       path with a file until $FILL_LEAVE bytes (default 0) are free;
     * $OPTIMIZER=sgd: SGD with momentum instead of the default AdamW.
     """
     task = classify()
     nan_at = int(os.environ.get("NAN_AT", "0"))
+    nan_from = int(os.environ.get("NAN_FROM", "0"))
     fill_at = int(os.environ.get("FILL_DISK_AT", "0"))
     calls = [0]
 
@@ -148,7 +150,8 @@ def faulty() -> bigbatch.Task:
         if calls[0] == fill_at:
             fill_disk(os.environ["FILL_DISK"], int(os.environ.get("FILL_LEAVE", "0")))
         loss = _loss(model, batch)
-        return loss * float("nan") if calls[0] == nan_at else loss
+        bad = calls[0] == nan_at or 0 < nan_from <= calls[0]
+        return loss * float("nan") if bad else loss
 
     task.loss_fn = loss_fn
     if os.environ.get("OPTIMIZER") == "sgd":
