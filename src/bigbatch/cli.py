@@ -93,7 +93,9 @@ def explain(exc: BaseException) -> str | None:
     message = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         message = f"{exc.filename}: {exc.strerror}"
-    if origin is None or _in_bigbatch(origin.filename):
+    # a file that cannot be written is the whole story, wherever it was found (matplotlib, PIL)
+    about_a_file = isinstance(exc, OSError) and exc.filename is not None and user is None
+    if origin is None or _in_bigbatch(origin.filename) or about_a_file:
         if not isinstance(exc, CHECKED):
             return None
         return f"{_where(user)}: {message}" if user is not None else message
