@@ -188,16 +188,19 @@ def nan_data() -> bigbatch.Task:
 def hungry(n: int = 32) -> bigbatch.Task:
     """A float64 task whose forward takes about 3 MiB per sample (a 1.5 MiB broadcast and its
     tanh, kept for backward), so the memory a micro-batch needs grows with it: for budgets and
-    real out-of-memory errors. At the $STOP_AT-th call of its loss it stops (SIGSTOP)."""
+    real out-of-memory errors. It stops itself (SIGSTOP) at the $STOP_AT-th call of its loss, or
+    at the first call after the file $STOP_WHEN_EXISTS appeared."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
     y = (x.sum(1) > 0).long()
     model = nn.Linear(6, 2).to(torch.float64)
     stop_at, calls = int(os.environ.get("STOP_AT", "0")), [0]
+    when, stopped = os.environ.get("STOP_WHEN_EXISTS", ""), []
 
     def loss_fn(model: nn.Module, batch) -> torch.Tensor:
         calls[0] += 1
-        if calls[0] == stop_at:
+        if calls[0] == stop_at or (when and os.path.exists(when) and not stopped):
+            stopped.append(calls[0])
             os.kill(os.getpid(), signal.SIGSTOP)
         x, y = batch
         wide = torch.tanh(x[:, :, None] * torch.linspace(-1, 1, 2**15, dtype=x.dtype))
