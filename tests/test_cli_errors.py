@@ -424,3 +424,25 @@ def test_report_png_on_a_read_only_filesystem_names_the_file(capsys, tmp_path):
         code, err = run(capsys, "report", out, "--png", mount / "report.png")
         assert code == 2
         assert one_line(err, "report") == f"{mount / 'report.png'}: Read-only file system"
+
+
+@pytest.mark.slow
+def test_warnings_are_one_line_each(tmp_path):
+    """bigbatch's warnings name the cause, not a line of bigbatch's code (a real child: pytest
+    records warnings in this process instead of printing them)."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.csv").write_text("step,loss,samples,count\n")  # killed before a snapshot
+    argv = [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:bn_cnn", "--batch-size", "12",
+            "--micro-batch-size", "5", "--steps", "1", "--quiet", "--out", str(out), "--resume"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"bigbatch train: warning: --resume: the run in {str(out)!r} was stopped before its first "
+        "snapshot: it starts again from step 0.",
+        "bigbatch train: warning: '1' (BatchNorm2d) normalise with batch statistics in training "
+        "mode, so each micro-batch sees its own statistics and accumulation is not exact. Choose "
+        'a policy with bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm"), or '
+        "run `bigbatch check` to see the effect.",
+    ]

@@ -18,11 +18,13 @@ Note [error boundary]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.run(args) or 0)
+        with _warnings_in_one_line(args.command):
+            return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print(f"bigbatch {args.command}: interrupted.", file=sys.stderr)
         return 130
@@ -83,6 +86,27 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"bigbatch {args.command}: {'' if code != 2 else 'error: '}{line}", file=sys.stderr)
         return int(code)
+
+
+@contextlib.contextmanager
+def _warnings_in_one_line(command: str) -> Iterator[None]:
+    """bigbatch's own warnings as ``bigbatch COMMAND: warning: message`` (not file, line and the
+    line of bigbatch's code that warned); other packages' warnings as Python shows them. Only the
+    text changes (``formatwarning``): filters and recording (``catch_warnings``) work as ever."""
+    from bigbatch import BigBatchWarning
+
+    original = warnings.formatwarning
+
+    def one_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        if not issubclass(category, BigBatchWarning):
+            return original(message, category, *args, **kwargs)
+        return f"bigbatch {command}: warning: {message}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 def explain(exc: BaseException) -> str | None:
