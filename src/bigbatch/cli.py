@@ -93,7 +93,7 @@ def _warnings_in_one_line(command: str) -> Iterator[None]:
     """bigbatch's own warnings as ``bigbatch COMMAND: warning: message`` (not file, line and the
     line of bigbatch's code that warned); other packages' warnings as Python shows them. Only the
     text changes (``formatwarning``): filters and recording (``catch_warnings``) work as ever."""
-    from bigbatch import BigBatchWarning
+    from bigbatch._warnings import BigBatchWarning
 
     original = warnings.formatwarning
 
