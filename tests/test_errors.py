@@ -16,6 +16,7 @@ from reference import full_batch_step, max_relative_error
 
 import bigbatch
 from bigbatch.split import split
+from bigbatch.stepping import NonFiniteError
 
 
 def _acc(**kwargs):
@@ -306,3 +307,209 @@ def test_failure_in_second_micro_batch_changes_nothing(error, micro, gen):
     full_batch_step(ref, opt_ref, mean_ce, batch, max_grad_norm=0.5)
     acc.train_step(batch, mean_ce)
     assert max_relative_error(ref, model) < 1e-10
+
+
+# ---------------------------------------------------------------- counts (issue 10, item 3)
+@pytest.mark.parametrize(
+    "count", [-4.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"]
+)
+def test_a_bad_tensor_count_is_refused_at_step_and_changes_nothing(count, gen):
+    """A tensor count lives on the device: it is checked once, at step, before anything changes."""
+    acc = _acc(micro_batch_size=4)
+    acc.train_step(_batch(gen), mean_ce)
+    before = _snapshot(acc)
+    calls = [0]
+
+    def second_is_bad(model, batch):
+        calls[0] += 1
+        loss_sum = F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+        return loss_sum, torch.tensor(count if calls[0] == 2 else float(len(batch[1])))
+
+    with pytest.raises(
+        ValueError,
+        match=r"^1 micro-batch count\(s\) were negative or not finite: a count must be the number "
+        r"of items summed over\. The window was discarded; nothing was changed\.$",
+    ):
+        acc.train_step(_batch(gen), second_is_bad)
+    _assert_unchanged(acc, before)
+
+
+@pytest.mark.parametrize(
+    "count, what", [(float("nan"), "not finite"), (float("inf"), "not finite"), (-2.5, "negative")]
+)
+def test_a_bad_python_count_is_refused_at_once(count, what, gen):
+    with pytest.raises(
+        ValueError,
+        match=rf"^loss_fn's count={re.escape(repr(count))} is {what}; it must count the items",
+    ):
+        _acc(micro_batch_size=4).train_step(_batch(gen), lambda m, b: (m(b[0]).sum(), count))
+
+
+def test_numpy_counts_are_numbers(gen):
+    np = pytest.importorskip("numpy")
+    batch = _batch(gen)
+    results = []
+    for to_count in (int, np.int64, np.float32):
+        acc = _acc(micro_batch_size=4)
+
+        def pair(model, mb, to_count=to_count):
+            return F.cross_entropy(model(mb[0]), mb[1], reduction="sum"), to_count(len(mb[1]))
+
+        results.append((acc.train_step(batch, pair), [p.detach() for p in acc.model.parameters()]))
+    for result, params in results[1:]:
+        assert result.count == results[0][0].count == 10
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][1], strict=True))
+
+
+# ---------------------------------------------------------------- optimizer and scheduler
+def test_an_optimizer_missing_trainable_parameters_is_refused():
+    model = mlp()
+    with pytest.raises(
+        ValueError,
+        match=r"^the optimizer does not hold the trainable parameter\(s\) 4\.weight, 4\.bias: their "
+        r"gradients would grow step after step and never be used\. Give them to the optimizer, "
+        r"or call requires_grad_\(False\) on the parameters you do not train\.$",
+    ):
+        bigbatch.Accumulator(model, torch.optim.SGD(list(model.parameters())[:4], lr=0.1))
+    with pytest.raises(ValueError, match=r"^the optimizer holds none of the model's trainable"):
+        bigbatch.Accumulator(model, torch.optim.SGD(mlp(seed=1).parameters(), lr=0.1))
+    for p in list(model.parameters())[4:]:
+        p.requires_grad_(False)  # frozen: not the optimizer's business
+    bigbatch.Accumulator(model, torch.optim.SGD(list(model.parameters())[:4], lr=0.1))
+
+
+def test_something_that_is_not_an_optimizer_is_refused():
+    model = mlp()
+    with pytest.raises(
+        TypeError, match=r"^optimizer=list is not an optimizer: pass a torch\.optim"
+    ):
+        bigbatch.Accumulator(model, list(model.parameters()))
+
+
+class _NeedsAMetric:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self, metric):  # noqa: ARG002 - the signature is the point
+        pass
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (
+            lambda opt: object(),
+            TypeError,
+            r"^scheduler=object cannot be stepped once per optimizer",
+        ),
+        (
+            _NeedsAMetric,
+            TypeError,
+            r"^scheduler=_NeedsAMetric cannot be stepped once per optimizer",
+        ),
+        (
+            lambda opt: torch.optim.lr_scheduler.StepLR(
+                torch.optim.SGD(mlp(seed=1).parameters(), lr=0.1), 1
+            ),
+            TypeError,
+            r"^the scheduler steps another optimizer than the Accumulator's",
+        ),
+    ],
+    ids=["not-a-scheduler", "step-needs-an-argument", "another-optimizer"],
+)
+def test_a_scheduler_that_cannot_be_stepped_is_refused_at_construction(make, error, message):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=message):
+        bigbatch.Accumulator(model, opt, scheduler=make(opt))
+
+
+def test_reduce_lr_on_plateau_is_stepped_with_the_windows_loss(gen):
+    """mode="max" on a falling loss (one batch, descended): no improvement, so the rate halves
+    every step, as it does for the plain loop stepping the scheduler with the full batch's loss."""
+    ref, model = mlp(), mlp()
+    opt_ref, opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model))
+    make = lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(  # noqa: E731
+        o, mode="max", factor=0.5, patience=0
+    )
+    sched_ref, sched = make(opt_ref), make(opt)
+    acc = bigbatch.Accumulator(model, opt, micro_batch_size=3, scheduler=sched)
+    batch = _batch(gen)
+    for _ in range(4):
+        loss = full_batch_step(ref, opt_ref, mean_ce, batch)
+        sched_ref.step(loss)
+        assert acc.train_step(batch, mean_ce).loss == pytest.approx(loss, rel=1e-10)
+    assert opt.param_groups[0]["lr"] == opt_ref.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert max_relative_error(ref, model) < 1e-10
+
+
+# ---------------------------------------------------------------- settings
+@pytest.mark.parametrize("value", ["1.0", float("inf"), True])
+def test_max_grad_norm_must_be_a_finite_number(value):
+    with pytest.raises(
+        ValueError, match=rf"^max_grad_norm={re.escape(repr(value))} is not allowed: use a positive"
+    ):
+        _acc(max_grad_norm=value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_memory_budget_must_be_finite(value):
+    with pytest.raises(
+        ValueError, match=rf"^memory_budget={value!r} is not a finite size: write e\.g\."
+    ):
+        _acc(memory_budget=value)
+
+
+def test_unknown_nonfinite_policy():
+    with pytest.raises(
+        ValueError, match=r"^nonfinite='ignore' is not allowed: use one of 'raise', 'skip', 'apply'"
+    ):
+        _acc(nonfinite="ignore")
+
+
+# ---------------------------------------------------------------- non-finite windows
+def _nan_in_second(model, batch, calls=[0]):  # noqa: B006 - a counter across calls
+    calls[0] += 1
+    loss = mean_ce(model, batch)
+    return loss * float("nan") if calls[0] % 3 == 2 else loss
+
+
+def _inf_gradient(model, batch):
+    """A finite loss whose gradient is infinite: d sqrt(w - w0) / dw at w = w0."""
+    weight = model[0].weight
+    return mean_ce(model, batch) + (weight - weight.detach()).sqrt().sum()
+
+
+@pytest.mark.parametrize(
+    "loss_fn, message",
+    [
+        (_nan_in_second, r"the window's loss is nan \(count 10\); nothing was changed"),
+        (_inf_gradient, r"the window's gradient norm is (inf|nan) \(count 10\); nothing was"),
+    ],
+    ids=["nan-loss", "inf-gradient"],
+)
+def test_a_non_finite_window_raises_before_the_optimizer_steps(loss_fn, message, gen):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    acc = bigbatch.Accumulator(model, opt, micro_batch_size=4, scheduler=sched, max_grad_norm=1.0)
+    acc.train_step(_batch(gen), mean_ce)
+    before = _snapshot(acc)
+    with pytest.raises(NonFiniteError, match=message):
+        acc.train_step(_batch(gen), loss_fn)
+    _assert_unchanged(acc, before)
+    assert sched.last_epoch == 1
+    assert acc.train_step(_batch(gen), mean_ce).nonfinite is False  # usable afterwards
+
+
+def test_skip_skips_the_window_and_apply_applies_it(gen):
+    skipping = _acc(micro_batch_size=4, nonfinite="skip")
+    skipping.train_step(_batch(gen), mean_ce)
+    before = _snapshot(skipping)
+    result = skipping.train_step(_batch(gen), _inf_gradient)
+    assert result.skipped and result.nonfinite
+    _assert_unchanged(skipping, before)
+    applying = _acc(micro_batch_size=4, nonfinite="apply")
+    result = applying.train_step(_batch(gen), _inf_gradient)
+    assert result.nonfinite and not result.skipped
+    assert not torch.isfinite(applying.model[0].weight).all()  # what "apply" means

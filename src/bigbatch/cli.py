@@ -18,14 +18,18 @@ Note [error boundary]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from bigbatch.train.signals import Stopped
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
@@ -37,6 +41,7 @@ CHECKED = (
     MemoryError,
     FloatingPointError,
     ImportError,
+    Stopped,  # not an error: a run stopped by SIGINT / SIGTERM says how to resume (exit 130 / 143)
 )
 
 
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.run(args) or 0)
+        with _warnings_in_one_line(args.command):
+            return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print(f"bigbatch {args.command}: interrupted.", file=sys.stderr)
         return 130
@@ -82,6 +88,27 @@ def main(argv: list[str] | None = None) -> int:
         return int(code)
 
 
+@contextlib.contextmanager
+def _warnings_in_one_line(command: str) -> Iterator[None]:
+    """bigbatch's own warnings as ``bigbatch COMMAND: warning: message`` (not file, line and the
+    line of bigbatch's code that warned); other packages' warnings as Python shows them. Only the
+    text changes (``formatwarning``): filters and recording (``catch_warnings``) work as ever."""
+    from bigbatch._warnings import BigBatchWarning
+
+    original = warnings.formatwarning
+
+    def one_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        if not issubclass(category, BigBatchWarning):
+            return original(message, category, *args, **kwargs)
+        return f"bigbatch {command}: warning: {message}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
 def explain(exc: BaseException) -> str | None:
     """The line the user sees for ``exc``, or ``None`` for a bug in bigbatch (Note [error boundary])."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -90,7 +117,9 @@ def explain(exc: BaseException) -> str | None:
     message = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         message = f"{exc.filename}: {exc.strerror}"
-    if origin is None or _in_bigbatch(origin.filename):
+    # a file that cannot be written is the whole story, wherever it was found (matplotlib, PIL)
+    about_a_file = isinstance(exc, OSError) and exc.filename is not None and user is None
+    if origin is None or _in_bigbatch(origin.filename) or about_a_file:
         if not isinstance(exc, CHECKED):
             return None
         return f"{_where(user)}: {message}" if user is not None else message

@@ -60,14 +60,16 @@ def classify_dropout() -> bigbatch.Task:
 
 def killable() -> bigbatch.Task:
     """``classify_dropout`` whose loss appends "<pid> <n>" to $KILL_LOG for the n-th micro-batch
-    it starts and, at n = $STOP_AT, stops the process (SIGSTOP) so the test can SIGKILL it there.
+    it starts and, at n = $STOP_AT (or any n of a comma-separated list), stops the process
+    (SIGSTOP) so the test can SIGKILL or signal it there.
     Under torchrun "{rank}" in $KILL_LOG is the rank, and rank 0 alone stops. With $OOM_ABOVE
     set, a micro-batch larger than that raises ``MemoryError`` after its forward (as a real
     out-of-memory error would), so ``--micro-batch-size auto`` adopts a smaller one."""
     task = classify_dropout()
     rank = os.environ.get("RANK", "0")
     log = os.environ.get("KILL_LOG", "").replace("{rank}", rank)
-    stop_at = int(os.environ.get("STOP_AT", "0")) if rank == "0" else 0
+    stops = os.environ.get("STOP_AT", "") if rank == "0" else ""
+    stop_at = {int(n) for n in stops.split(",") if n}
     oom_above = int(os.environ.get("OOM_ABOVE", "0"))
     calls = [0]
 
@@ -76,7 +78,7 @@ def killable() -> bigbatch.Task:
         if log:
             with open(log, "a") as f:
                 f.write(f"{os.getpid()} {calls[0]}\n")
-        if calls[0] == stop_at:
+        if calls[0] in stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)
         loss = _loss(model, batch)
         if oom_above and len(batch[0]) > oom_above:
@@ -125,3 +127,114 @@ def tiny_lm(n: int = 16, vocab: int = 11, length: int = 7) -> bigbatch.Task:
 
     data = torch.utils.data.TensorDataset(ids, labels)
     return bigbatch.Task(model=model, train_data=data, loss_fn=loss_fn)
+
+
+def faulty() -> bigbatch.Task:
+    """``classify`` (no dropout) whose loss misbehaves where the environment says, counted in
+    calls of its loss_fn (micro-batches started; batch 10 at 4 is 3 calls per step):
+
+    * $NAN_AT=n: the loss of the n-th call is NaN (the cause is removed by unsetting it);
+      $NAN_FROM=n: of every call from the n-th on;
+    * $FILL_DISK_AT=n with $FILL_DISK=path: at the n-th call, fill the filesystem holding that
+      path with a file until $FILL_LEAVE bytes (default 0) are free;
+    * $OPTIMIZER=sgd: SGD with momentum instead of the default AdamW.
+    """
+    task = classify()
+    nan_at = int(os.environ.get("NAN_AT", "0"))
+    nan_from = int(os.environ.get("NAN_FROM", "0"))
+    fill_at = int(os.environ.get("FILL_DISK_AT", "0"))
+    calls = [0]
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == fill_at:
+            fill_disk(os.environ["FILL_DISK"], int(os.environ.get("FILL_LEAVE", "0")))
+        loss = _loss(model, batch)
+        bad = calls[0] == nan_at or 0 < nan_from <= calls[0]
+        return loss * float("nan") if bad else loss
+
+    task.loss_fn = loss_fn
+    if os.environ.get("OPTIMIZER") == "sgd":
+        task.optimizer = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return task
+
+
+def fill_disk(path: str, leave: int = 0) -> None:
+    """Write ``path`` until its filesystem has at most ``leave`` bytes free (a real full disk)."""
+    with open(path, "wb") as f:
+        while True:
+            free = os.statvfs(os.path.dirname(path) or ".")
+            room = free.f_bavail * free.f_frsize - leave
+            if room <= 0:
+                break
+            try:
+                f.write(b"\0" * min(room, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+
+
+def nan_data() -> bigbatch.Task:
+    """``classify`` whose training sample $NAN_SAMPLE (if set) holds a NaN input."""
+    task = classify()
+    x, y = task.train_data.tensors
+    if os.environ.get("NAN_SAMPLE"):
+        x = x.clone()
+        x[int(os.environ["NAN_SAMPLE"]), 0] = float("nan")
+    task.train_data = torch.utils.data.TensorDataset(x, y)
+    return task
+
+
+def hungry(n: int = 32) -> bigbatch.Task:
+    """A float64 task whose forward takes about 3 MiB per sample (a 1.5 MiB broadcast and its
+    tanh, kept for backward), so the memory a micro-batch needs grows with it: for budgets and
+    real out-of-memory errors. It stops itself (SIGSTOP) at the $STOP_AT-th call of its loss, or
+    at the first call after the file $STOP_WHEN_EXISTS appeared."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
+    y = (x.sum(1) > 0).long()
+    model = nn.Linear(6, 2).to(torch.float64)
+    stop_at, calls = int(os.environ.get("STOP_AT", "0")), [0]
+    when, stopped = os.environ.get("STOP_WHEN_EXISTS", ""), []
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == stop_at or (when and os.path.exists(when) and not stopped):
+            stopped.append(calls[0])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        x, y = batch
+        wide = torch.tanh(x[:, :, None] * torch.linspace(-1, 1, 2**15, dtype=x.dtype))
+        return F.cross_entropy(model(wide.mean(-1)), y)
+
+    return bigbatch.Task(
+        model=model, train_data=torch.utils.data.TensorDataset(x, y), loss_fn=loss_fn
+    )
+
+
+def typo_in_loss() -> bigbatch.Task:
+    """A user's bug inside the loss: a keyword argument torch does not take (TypeError)."""
+    task = classify()
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduce_to="mean")  # the user's typo
+
+    task.loss_fn = loss_fn
+    return task
+
+
+def broken_task_function() -> bigbatch.Task:
+    """A user's bug in the task function itself (ValueError while building the data)."""
+    return bigbatch.Task(model=nn.Linear(2, 1), train_data=int("ten"), loss_fn=_loss)
+
+
+def model_not_a_module() -> bigbatch.Task:
+    task = classify()
+    task.model = "resnet18"  # type: ignore[assignment]
+    return task
+
+
+def no_loss() -> bigbatch.Task:
+    task = classify()
+    task.loss_fn = None  # type: ignore[assignment]
+    return task

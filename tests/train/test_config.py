@@ -94,3 +94,62 @@ def test_toml_file(tmp_path):
         load_toml(str(path))
     with pytest.raises(FileNotFoundError, match=r"config file '.*missing.toml' does not exist"):
         load_toml(str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize(
+    "settings, error, match",
+    [
+        ({"max_grad_norm": "1.0"}, TypeError, r"^max_grad_norm='1\.0' is a str: max_grad_norm "
+         r"takes a number \(or is left out\)\.$"),
+        ({"max_grad_norm": float("inf")}, ValueError, r"^max_grad_norm=inf is not allowed: use a "
+         r"positive number \(finite, e\.g\. 1\.0\), or leave it out for no clipping\.$"),
+        ({"memory_budget": float("nan")}, ValueError, r"^memory_budget=nan is not a finite size"),
+        ({"memory_budget": "inf"}, ValueError, r"^memory_budget='inf' is not a size"),
+        ({"lr": float("inf")}, ValueError, r"^lr=inf is not allowed: use a positive number"),
+        ({"lr": float("nan")}, ValueError, r"^lr=nan is not allowed: use a positive number"),
+        ({"seed": 2**63}, ValueError, r"^seed=9223372036854775808 is not allowed: use an integer "
+         r"from 0 to 2\*\*63 - 1\.$"),
+        ({"seed": -1}, ValueError, r"^seed=-1 is not allowed: use a non-negative integer\.$"),
+        ({"lr_scaling": "linear", "reference_batch_size": 0}, ValueError,
+         r"^reference_batch_size=0 is not allowed: use a positive integer\.$"),
+        ({"lr_scaling": "sqrt", "reference_batch_size": -4}, ValueError,
+         r"^reference_batch_size=-4 is not allowed: use a positive integer\.$"),
+        ({"keep_snapshots": 0}, ValueError, r"^keep_snapshots=0 is not allowed: use a positive"),
+        ({"nonfinite": "ignore"}, ValueError, r"^nonfinite='ignore' is not allowed: use one of "
+         r"'raise', 'skip', 'apply'\.$"),
+        ({"resume": "no"}, ValueError, r"^resume='no' is not allowed: use one of False, True, "
+         r"'auto'\.$"),
+    ],
+)  # fmt: skip
+def test_every_setting_is_checked_when_the_config_is_made(settings, error, match):
+    with pytest.raises(error, match=match):
+        TrainConfig(**settings)
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ('shuffle = "false"', r"^shuffle='false' is a str: shuffle takes true or false\.$"),
+        ('gradient_checkpointing = "false"', r"^gradient_checkpointing='false' is a str"),
+        ("quiet = 1", r"^quiet=1 is an int: quiet takes true or false\.$"),
+        ("task = 5", r"^task=5 is an int: task takes a string \(or is left out\)\.$"),
+        ("lr = true", r"^lr=True is a bool: lr takes a number\.$"),
+    ],
+)
+def test_toml_values_of_the_wrong_type_name_the_key(tmp_path, line, match):
+    """A string where a bool belongs was read as true (resume = "no" resumed a finished run)."""
+    path = tmp_path / "run.toml"
+    path.write_text(line + "\n")
+    with pytest.raises(TypeError, match=match):
+        make_config(load_toml(str(path)))
+
+
+def test_two_of_three_batch_numbers_never_say_give_only_two():
+    with pytest.raises(ValueError) as given_two:
+        TrainConfig(batch_size=10, gradient_accumulation_steps=6)
+    assert "Give only two" not in str(given_two.value)
+    assert str(given_two.value).endswith(
+        "Use gradient_accumulation_steps=5, or give micro_batch_size instead."
+    )
+    with pytest.raises(ValueError, match=r"Give only two of the three\.$"):  # three given: right
+        TrainConfig(batch_size=10, micro_batch_size=4, gradient_accumulation_steps=2)

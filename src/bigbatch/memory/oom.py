@@ -23,7 +23,25 @@ _ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error
 
 
 class MemoryBudgetExceeded(RuntimeError):
-    """A step used more memory than the ``memory_budget`` it was given."""
+    """A step used more memory than the ``memory_budget`` it was given.
+
+    Attributes:
+        micro_batch_size, used_bytes, budget_bytes: what went over, when the raiser knows
+            (``None`` otherwise), for callers that word their own advice (the trainer's flags).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        micro_batch_size: int | None = None,
+        used_bytes: int | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.micro_batch_size = micro_batch_size
+        self.used_bytes = used_bytes
+        self.budget_bytes = budget_bytes
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

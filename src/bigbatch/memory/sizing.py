@@ -197,7 +197,10 @@ class WindowMeter:
             raise MemoryBudgetExceeded(
                 f"micro_batch_size={micro_batch_size} used {format_bytes(used)}, over "
                 f'memory_budget={format_bytes(self.budget)}; use micro_batch_size="auto" '
-                "(--micro-batch-size auto), a smaller micro-batch or a larger budget."
+                "(--micro-batch-size auto), a smaller micro-batch or a larger budget.",
+                micro_batch_size=micro_batch_size,
+                used_bytes=used,
+                budget_bytes=self.budget,
             )
 
     def peak_bytes(self) -> int | None:

@@ -353,9 +353,13 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
             return
     wanted = " or ".join(_EXAMPLES.get(k, "none") for k in allowed if k is not type(None))
     raise TypeError(
-        f"{name}={value!r} is a {type(value).__name__}: {name} takes {wanted}"
+        f"{name}={value!r} is {_a(type(value).__name__)}: {name} takes {wanted}"
         + (" (or is left out)." if type(None) in allowed else ".")
     )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:

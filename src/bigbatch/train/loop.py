@@ -36,10 +36,12 @@ import torch
 
 from bigbatch import _rng, distributed
 from bigbatch._tree import map_tensors
+from bigbatch._units import format_bytes
 from bigbatch._warnings import BigBatchWarning
 from bigbatch.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import as_sum_and_count
+from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakProbe
 from bigbatch.split import batch_size as samples_in
 from bigbatch.stepping import NonFiniteError
@@ -59,10 +61,18 @@ from bigbatch.train.signals import Stopped, StopSignals
 from bigbatch.train.task import Task, canonical_path, check_task
 
 MAX_SKIPPED_IN_A_ROW = 20
+_NOTHING_TO_RESUME = (
+    "--resume: run folder {out!r} holds no run to resume: drop --resume to start a new run "
+    "there, or give --resume auto to start when there is nothing to resume."
+)
 
 
 class NonFiniteRun(FloatingPointError):
     """The run stopped on NaN / inf values (Note [non-finite runs]); the message says where."""
+
+
+class OutOfMemoryRun(MemoryError):
+    """A step ran out of memory or over ``memory_budget``; the message names the settings to change."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,8 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     """
     config = make_config(config, **settings)
     check_task(task)
+    if config.resume is True and not os.path.isdir(config.out):  # touch nothing: not even mkdir
+        raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     with RunFolder(config.out, ranks) as folder, StopSignals(ranks.device) as stop:
@@ -168,6 +180,10 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
         result = run.acc.train_step(batch, run.task.loss_fn, count_fn=run.task.count_fn)
     except NonFiniteError as exc:
         raise NonFiniteRun(f"step {step}: {exc} " + _last_good(run, progress)) from None
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise OutOfMemoryRun(_out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
@@ -274,10 +290,7 @@ def _nothing_to_resume(config: TrainConfig, folder: RunFolder) -> None:
     if config.resume is not True:
         return
     if not os.path.exists(folder.path(METRICS_CSV)):
-        raise resume.RunMismatchError(
-            f"--resume: run folder {config.out!r} holds no run to resume: drop --resume to start "
-            "a new run there, or give --resume auto to start when there is nothing to resume."
-        )
+        raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
     warnings.warn(
         f"--resume: the run in {config.out!r} was stopped before its first snapshot: it starts "
         "again from step 0.",
@@ -408,12 +421,36 @@ def _last_good(run: _Run, progress: _Progress) -> str:
     )
 
 
+def _out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
+    """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
+    if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
+        cause = (
+            f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
+            f"--memory-budget {format_bytes(exc.budget_bytes or 0)}"
+        )
+    elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
+        budget = config.memory_budget is not None
+        return (
+            f"step {step}: out of memory{' or over --memory-budget' if budget else ''} with "
+            "--micro-batch-size auto down to 1: a single sample does not fit. "
+            f"{'Use a larger --memory-budget, add' if budget else 'Add'} --gradient-checkpointing, "
+            "free memory, or use a smaller model or sequence length."
+        )
+    else:
+        cause = f"out of memory at micro-batch {resolve_batch(config)[1]} ({exc})"
+    return (
+        f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a smaller "
+        "--micro-batch-size, --gradient-checkpointing, or a larger --memory-budget."
+    )
+
+
 def _stopped_line(run: _Run, progress: _Progress, signum: int) -> str:
+    import shlex
     import signal
 
     args = sys.argv[1:]
-    if args[:1] == ["train"]:  # the command line: say the command to type
-        command = " ".join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
+    if args[:1] == ["train"]:  # the command line: say the command to type, quoted for a shell
+        command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
     else:
         command = "the same call with resume=True"
     return (

@@ -1,0 +1,115 @@
+"""``bigbatch train`` in child processes, for the tests that provoke real faults.
+
+A child runs the CLI on a task of ``tasks.py``; ``tasks.killable`` stops itself (SIGSTOP) at the
+micro-batch $STOP_AT names, so a test knows where the child is when it signals, kills or races
+it. The common run: 50 samples, batch 10 cut 4+4+2 (3 micro-batches per step), 2 epochs = 10
+steps = 30 micro-batches; snapshots after steps 3, 5 (end of epoch), 6, 9 and 10.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.train.log import read_csv
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+TASKS = HERE / "tasks.py"
+SETTINGS = ["--batch-size", "10", "--epochs", "2", "--lr", "0.05", "--save-every", "3",
+            "--seed", "3", "--quiet"]  # fmt: skip
+
+
+def env(**extra: str) -> dict[str, str]:
+    """The environment of a child: this checkout's bigbatch and the test tasks importable."""
+    base = {k: v for k, v in os.environ.items() if k not in ("STOP_AT", "KILL_LOG", "NAN_AT")}
+    return {**base, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]), **extra}
+
+
+def argv(out: Path, *extra: str, task: str = "killable", micro: str = "4") -> list[str]:
+    """``python -m bigbatch train TASK SETTINGS --micro-batch-size micro --out out extra...``."""
+    return [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:{task}", *SETTINGS,
+            "--micro-batch-size", micro, "--out", str(out), *extra]  # fmt: skip
+
+
+def run(args: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    """Run a child to its end; return it (exit code, stdout, stderr)."""
+    return subprocess.run(
+        args, env=env(**extra_env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start(args: list[str], err: Path, **extra_env: str) -> subprocess.Popen:
+    """Start a child whose stderr goes to the file ``err``."""
+    with open(err, "w") as file:
+        return subprocess.Popen(args, env=env(**extra_env), stdout=subprocess.DEVNULL, stderr=file)
+
+
+def wait_stopped(proc: subprocess.Popen, err: Path, timeout: float = 300) -> None:
+    """Wait until the child has stopped itself (SIGSTOP); fail if it ends or never stops."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the child never reached its stop: {err.read_text()[-3000:]}")
+        time.sleep(0.02)
+    if not os.WIFSTOPPED(status):
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here
+        pytest.fail(f"the child ended before its stop: {err.read_text()[-3000:]}")
+
+
+def signal_and_continue(proc: subprocess.Popen, *signals: int) -> None:
+    """Send ``signals`` to a stopped child, then SIGCONT: it handles them as it resumes."""
+    for signum in signals:
+        os.kill(proc.pid, signum)
+    os.kill(proc.pid, signal.SIGCONT)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child (no handler runs, nothing is flushed) and reap it."""
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def folder_state(out: Path) -> dict[str, bytes]:
+    """Every file under ``out`` (relative name -> contents): what a run may not touch."""
+    return {
+        str(path.relative_to(out)): path.read_bytes()
+        for path in sorted(out.rglob("*"))
+        if path.is_file()
+    }
+
+
+def snapshot_step(out: Path) -> int | None:
+    """The step of ``out/snapshot.pt`` (loaded as a resume would), or ``None`` without one."""
+    path = out / "snapshot.pt"
+    return int(torch.load(path, weights_only=True)["step"]) if path.exists() else None
+
+
+def one_line(stderr: str) -> str:
+    """The one line a failed run printed (asserted: one line, no traceback)."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def assert_same_run(got: Path, want: Path, steps: int = 10) -> None:
+    """model.pt bitwise equal; metrics.csv one row per step, the same losses and micro-batches."""
+    a, b = torch.load(got / "model.pt"), torch.load(want / "model.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the uninterrupted run"
+    rows, ref = read_csv(str(got / "metrics.csv")), read_csv(str(want / "metrics.csv"))
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm", "lr", "samples", "micro_batch_size", "oom_retries"):
+        assert [r[key] for r in rows] == [r[key] for r in ref], key
