@@ -211,8 +211,8 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
     code, err = run(capsys, "check", f"{TASKS}:classify", "--micro-batch-size", "0")
     assert code == 2
     assert one_line(err, "check") == (
-        'micro_batch_size=0 is not allowed: use a positive integer or "auto" (e.g. '
-        "micro_batch_size=8)."
+        "micro_batch_size=0 is not allowed: use a positive integer smaller than the batch, or "
+        "None for about a third of it."
     )
 
 
