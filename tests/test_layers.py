@@ -34,6 +34,7 @@ LAYERS = {
     "batchnorm": 1,
     "check": 2,
     "distributed": 2,
+    "local": 2,  # LocalAccumulation, re-exported by distributed
     "memory.checkpointing": 2,
     "memory.planner": 2,
     "cli": TOP,
