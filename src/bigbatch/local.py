@@ -248,11 +248,9 @@ class LocalAccumulation:
 
     def _after_inner(self, result: StepResult) -> LocalStepResult:
         r = self._round
-        r.steps, r.count, r.loss_sum = (
-            r.steps + 1,
-            r.count + result.count,
-            r.loss_sum + (result.loss * result.count),
-        )
+        r.steps += 1
+        r.count += result.count
+        r.loss_sum += result.loss * result.count
         outer = self.outer_step() if r.steps == self.local_steps else None
         return LocalStepResult(result, outer)
 
