@@ -79,7 +79,7 @@ def methods(quick: bool) -> list[Method]:
     for lam in (4,) if quick else (4, 16):
         rows.append(Method("local, outer_lr λ (average)", lam, "local", outer_lr=lam))
         if not quick:
-            rows.append(Method("local, outer Nesterov 0.9, lr λ", lam, "local", lam, 0.9))
+            rows.append(Method("local, outer Nesterov 0.9, lr 0.7λ", lam, "local", 0.7 * lam, 0.9))
         rows.append(Method("PyTorch post-local SGD", lam, "post_local"))
     return rows
 
@@ -202,10 +202,12 @@ def table(rows: list[Row], args: argparse.Namespace, params: int) -> None:
             )
         )
     samples = args.steps * args.batch
+    parts = [f"{args.latency_ms:g} ms"] if args.latency_ms else []
+    link = " + ".join(parts + ([f"bytes at {args.mbit:g} Mbit/s"] if args.mbit else [])) or "none"
     print_table(
         f"{args.ranks} gloo ranks, {params:,} float32 parameters, global batch {args.batch} "
         f"(micro-batch {args.micro}), {args.steps} optimizer steps = {samples:,} samples; slow "
-        f"link: {args.latency_ms:g} ms + bytes at {args.mbit:g} Mbit/s before each all-reduce",
+        f"link: {link} before each all-reduce",
         [
             "method",
             "λ",
