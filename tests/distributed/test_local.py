@@ -389,7 +389,14 @@ def test_benchmark_quick_runs():
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| exact data-parallel (DDP)" in done.stdout and "post-local SGD" in done.stdout
+    rows = {
+        line.split("|")[1].strip() + line.split("|")[2].strip(): line.split("|")
+        for line in done.stdout.splitlines()
+        if line.startswith("|")
+    }
+    assert rows["exact data-parallel (DDP)-"][5].strip() == "1.0x"
+    assert rows["local, outer_lr 1 (AGN)4"][5].strip() == "4.0x"  # λ times fewer bytes
+    assert rows["PyTorch post-local SGD4"][3].strip() == "0.25"  # one all-reduce per 4 steps
 
 
 # ---------------------------------------------------------------------------- quick tests
