@@ -120,7 +120,7 @@ class LocalAccumulation:
     DDP does). Every rank must take the same number of steps: the outer step is a collective.
 
     Args:
-        model: the plain module, the same on every rank (not ``DistributedDataParallel``/FSDP).
+        model: the plain module (not ``DistributedDataParallel``/FSDP), built alike on every rank.
         inner_optimizer: the optimizer of the local steps, over ``model``'s parameters.
         local_steps: λ, inner optimizer steps per all-reduce (1 = one exchange per step).
         micro_batch_size: samples per micro-batch of the inner ``Accumulator`` (or ``"auto"``;
