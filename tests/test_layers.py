@@ -45,6 +45,7 @@ LAYERS = {
     "_check_runs": 2,
     "_check_diagnoses": 2,
     "distributed": 2,
+    "local": 2,  # LocalAccumulation, re-exported by distributed
     "memory.checkpointing": 2,
     "memory.planner": 2,
     "keras": 2,  # the Keras 3 adapter (imports keras inside functions only)

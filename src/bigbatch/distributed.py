@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from bigbatch.local import LocalAccumulation  # noqa: F401 (re-exported for users' loops)
+
 DEVICES = ("cpu", "cuda")
 
 

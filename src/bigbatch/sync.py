@@ -243,11 +243,20 @@ def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
     Raises:
         ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    kind = wrapper_kind(model)
+    if kind == "ddp":
         return DDPSync(model, auto)
-    if _is_fsdp(model):
+    if kind == "fsdp":
         return FSDPSync(model, auto)
     return LocalSync()
+
+
+def wrapper_kind(model: torch.nn.Module) -> str:
+    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1) or ``"plain"``: the one place in
+    bigbatch that looks at a model's distributed wrapper type."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    return "fsdp" if _is_fsdp(model) else "plain"
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
