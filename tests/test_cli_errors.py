@@ -94,6 +94,7 @@ def test_out_under_a_file(capsys, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow  # mounts a tmpfs (child processes)
 def test_out_on_a_read_only_filesystem(capsys, tmp_path):
     with tmpfs(tmp_path / "ro") as mount:
         (mount / "old").mkdir()
@@ -109,6 +110,7 @@ def test_out_on_a_read_only_filesystem(capsys, tmp_path):
         assert os.listdir(mount) == ["old"] and os.listdir(mount / "old") == []
 
 
+@pytest.mark.slow  # mounts a tmpfs (child processes)
 def test_disk_full_while_writing_a_snapshot_keeps_the_previous_one(capsys, tmp_path, monkeypatch):
     """At micro-batch 14 (step 5) the task fills the disk; the snapshot of step 5 cannot be written."""
     with tmpfs(tmp_path / "small") as mount:
@@ -415,6 +417,7 @@ def test_report_on_a_broken_summary_names_the_file(capsys, tmp_path):
     assert one_line(err, "report").startswith(f"{out / 'summary.json'} is not a bigbatch summary")
 
 
+@pytest.mark.slow  # mounts a tmpfs (child processes)
 def test_report_png_on_a_read_only_filesystem_names_the_file(capsys, tmp_path):
     out = tmp_path / "r"
     code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "2", "--out", out, "--quiet")

@@ -37,6 +37,7 @@ def run_child(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a child process
 def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path):
     done = run_child("-c", CHILD, str(tmp_path / "plots" / "demo.png"))
     assert done.returncode == 0, done.stderr
@@ -53,6 +54,7 @@ def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path):
     assert "Same result" in done.stdout
 
 
+@pytest.mark.slow  # a child process
 def test_cli_demo_exits_0_and_writes_the_plot(tmp_path):
     png = tmp_path / "demo.png"
     done = run_child(
@@ -83,6 +85,7 @@ def test_bad_settings_are_one_line(capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a child process
 def test_without_scikit_learn_one_line_says_what_to_install():
     # sys.modules[name] = None makes `import sklearn` raise ImportError: a real import failure.
     code = "import sys; sys.modules['sklearn'] = None; from bigbatch.cli import main; sys.exit(main(['demo']))"

@@ -149,6 +149,7 @@ def test_dict_batch_with_non_tensor_leaves_and_namedtuple(gen):
     assert seen == [("Pair", "keep")] * 3
 
 
+@pytest.mark.slow  # hundreds of steps
 def test_memory_stays_flat_over_hundreds_of_steps(gen):
     """Nothing (running loss, result) keeps a graph alive from one step to the next."""
     import weakref

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example runs in a child process
+
 ROOT = Path(__file__).resolve().parents[1]
 # keras_fit.py needs Keras and runs as a slow test in test_keras.py
 EXAMPLES = sorted(

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import size  # noqa: E402  (tools/ is not a package)
 
+pytestmark = pytest.mark.slow  # ruff, mypy and tools/size.py run as child processes
+
 # Every Python file of the project: the package (also type-checked), its tests, benchmarks,
 # examples and tools. A new file is checked from the day it is added.
 LINTED = ["src", "tests", "benchmarks", "examples", "tools"]

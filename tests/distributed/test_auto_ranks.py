@@ -13,14 +13,16 @@ import os
 
 import pytest
 import torch
+from cases import OPTIMIZERS, cat
 from models import classification_batch, mean_ce, mlp
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
-from test_ddp import OPTIMIZERS, _cat
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
 from bigbatch.split import batch_size
+
+pytestmark = pytest.mark.slow  # real gloo ranks
 
 SAMPLES = (10, 12)
 FITS = 3  # rank 1 "runs out of memory" above this many samples per micro-batch
@@ -28,7 +30,7 @@ STEPS = 3
 CASES = [("forward", "adamw"), ("backward", "sgd_momentum")]
 
 
-def _batches(seed: int) -> list[list]:
+def rank_windows(seed: int) -> list[list]:
     gen = torch.Generator().manual_seed(seed)
     return [[classification_batch(n, torch.float64, gen) for n in SAMPLES] for _ in range(STEPS)]
 
@@ -53,7 +55,7 @@ def _loss_fn(rank: int, where: str):
 def _case(rank: int, where: str, opt_name: str, seed: int) -> dict:
     ddp = DDP(mlp(torch.float64))
     acc = bigbatch.Accumulator(ddp, OPTIMIZERS[opt_name](ddp.parameters()), micro_batch_size="auto")
-    results = [acc.train_step(b[rank], _loss_fn(rank, where)) for b in _batches(seed)]
+    results = [acc.train_step(b[rank], _loss_fn(rank, where)) for b in rank_windows(seed)]
     return {
         "losses": [r.loss for r in results],
         "sizes": [r.micro_batch_size for r in results],
@@ -79,7 +81,7 @@ class Expand(torch.nn.Module):
 REAL_SAMPLES, REAL_MARGIN_MIB = 24, 160
 
 
-def _real_batches(seed: int) -> list[list]:
+def _realrank_windows(seed: int) -> list[list]:
     gen = torch.Generator().manual_seed(seed)
 
     def batch():
@@ -93,7 +95,7 @@ def _low_level(rank: int, seed: int) -> list[torch.Tensor]:
     """The low-level path of an auto-mode Accumulator still syncs on ``last=True``."""
     ddp = DDP(mlp(torch.float64))
     acc = bigbatch.Accumulator(ddp, OPTIMIZERS["adamw"](ddp.parameters()), micro_batch_size="auto")
-    for per_rank in _batches(seed):
+    for per_rank in rank_windows(seed):
         pieces = bigbatch.split(per_rank[rank], 4)
         for i, piece in enumerate(pieces):
             with acc.micro_batch(last=i == len(pieces) - 1):
@@ -108,7 +110,7 @@ def _real_oom(rank: int, seed: int) -> dict:
     import resource
 
     model = Expand()
-    batches = _real_batches(seed)
+    batches = _realrank_windows(seed)
     ddp = DDP(model)
     acc = bigbatch.Accumulator(
         ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), micro_batch_size="auto"
@@ -187,7 +189,7 @@ def test_auto_across_ranks_equals_full_batch_on_union(ranks, where, opt_name):
     seed, results = ranks
     ref = mlp(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
-    ref_losses = [full_batch_step(ref, opt, mean_ce, _cat(b)) for b in _batches(seed)]
+    ref_losses = [full_batch_step(ref, opt, mean_ce, cat(b)) for b in rank_windows(seed)]
     for got in (r[(where, opt_name)] for r in results):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-10)
         gathered = mlp(torch.float64)
@@ -215,7 +217,7 @@ def test_real_out_of_memory_on_one_rank_only(ranks):
     assert got[0]["state"] == got[1]["state"]
     ref = Expand()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = [full_batch_step(ref, opt, mean_ce, _cat(b)) for b in _real_batches(seed)]
+    ref_losses = [full_batch_step(ref, opt, mean_ce, cat(b)) for b in _realrank_windows(seed)]
     for g in got:
         assert g["losses"] == pytest.approx(ref_losses, rel=1e-10)
         gathered = Expand()
@@ -230,8 +232,8 @@ def test_low_level_path_in_auto_mode_syncs_on_last(ranks):
     seed, results = ranks
     ref = mlp(torch.float64)
     opt = OPTIMIZERS["adamw"](ref.parameters())
-    for b in _batches(seed):
-        full_batch_step(ref, opt, mean_ce, _cat(b))
+    for b in rank_windows(seed):
+        full_batch_step(ref, opt, mean_ce, cat(b))
     for r in results:
         gathered = mlp(torch.float64)
         with torch.no_grad():

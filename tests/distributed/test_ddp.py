@@ -16,14 +16,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from cases import CASES, MICRO, MODELS, OPTIMIZERS, SAMPLES, STEPS, cat, rank_windows
 from models import (
     PAD,
-    causal_lm,
-    classification_batch,
-    lm_token_loss,
     mean_ce,
     mlp,
-    padded_lm_batch,
 )
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
@@ -34,39 +31,7 @@ import bigbatch
 from bigbatch.loss import as_sum_and_count
 from bigbatch.split import batch_size
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
-}
-MODELS = {"mlp": (mlp, mean_ce), "causal_lm": (causal_lm, lm_token_loss)}
-SAMPLES = (10, 7)  # per rank: 4 + 4 + 2 and 4 + 3 at micro_batch_size=4
-MICRO = 4
-STEPS = 3
-CASES = [(m, o, path) for m in MODELS for o in OPTIMIZERS for path in ("train_step", "low_level")]
-
-
-def _batches(model_name: str, seed: int, samples: tuple[int, ...] = SAMPLES) -> list[list]:
-    """``STEPS`` windows, each a list of one batch per rank."""
-    gen = torch.Generator().manual_seed(seed)
-    steps = []
-    for _ in range(STEPS):
-        per_rank = []
-        for rank, n in enumerate(samples):
-            if model_name == "mlp":
-                per_rank.append(classification_batch(n, torch.float64, gen))
-            else:
-                batch = padded_lm_batch(n, gen)
-                if rank == 1:  # far fewer real tokens on rank 1
-                    batch["labels"][:, 4:] = PAD
-                per_rank.append(batch)
-        steps.append(per_rank)
-    return steps
-
-
-def _cat(batches: list):
-    if isinstance(batches[0], dict):
-        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-    return tuple(torch.cat(parts) for parts in zip(*batches, strict=True))
+pytestmark = pytest.mark.slow  # real gloo ranks
 
 
 def _pieces(batch, size: int) -> list:
@@ -133,9 +98,9 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
     out = {}
     for model_name, opt_name, path in CASES:
         out[(model_name, opt_name, path)] = _case(
-            rank, model_name, opt_name, path, _batches(model_name, seed)
+            rank, model_name, opt_name, path, rank_windows(model_name, seed)
         )
-    out["naive"] = _sync_every_micro_batch(rank, _batches("mlp", seed))
+    out["naive"] = _sync_every_micro_batch(rank, rank_windows("mlp", seed))
     out["world_size"] = dist.get_world_size()
     return out
 
@@ -154,8 +119,8 @@ def test_ddp_accumulation_equals_full_batch_on_union_float64(ranks, model_name, 
     ref = make_model(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
     ref_losses = [
-        full_batch_step(ref, opt, loss_fn, _cat(per_rank))
-        for per_rank in _batches(model_name, seed)
+        full_batch_step(ref, opt, loss_fn, cat(per_rank))
+        for per_rank in rank_windows(model_name, seed)
     ]
     for rank_result in results:
         got = rank_result[(model_name, opt_name, path)]
@@ -171,7 +136,7 @@ def test_ddp_accumulation_equals_full_batch_on_union_float64(ranks, model_name, 
 
 def test_padded_lm_ranks_hold_unequal_token_counts(ranks):
     seed, _ = ranks
-    for per_rank in _batches("causal_lm", seed):
+    for per_rank in rank_windows("causal_lm", seed):
         tokens = [int((b["labels"][:, 1:] != PAD).sum()) for b in per_rank]
         assert tokens[0] > 2 * tokens[1]
 

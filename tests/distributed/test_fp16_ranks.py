@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from cases import LM_MICRO, distance, lm_batches, lm_count, lm_loss, make_lm, plain_full_batch
 from ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -22,29 +23,26 @@ pytestmark = pytest.mark.slow
 
 
 def _rank(rank: int, world_size: int) -> dict:
-    from test_fp16 import MICRO, count_fn, lm_batches, loss_fn, make_model
 
-    init = make_model()
+    init = make_lm()
     model = DDP(copy.deepcopy(init))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = bigbatch.Accumulator(
-        model, opt, micro_batch_size=MICRO, max_grad_norm=1.0, precision="fp16"
+        model, opt, micro_batch_size=LM_MICRO, max_grad_norm=1.0, precision="fp16"
     )
     skipped = []
     for batch in lm_batches():
         share = {k: v.chunk(world_size)[rank] for k, v in batch.items()}
-        skipped.append(acc.train_step(share, loss_fn, count_fn=count_fn).skipped)
+        skipped.append(acc.train_step(share, lm_loss, count_fn=lm_count).skipped)
     return {"skipped": skipped, "model": model.module.state_dict()}
 
 
 def test_two_ranks_fp16_skip_no_step_the_full_batch_keeps():
-    from test_fp16 import distance, lm_batches, make_model, plain_full_batch
-
     results = run_ranks(_rank, timeout_s=600)
-    init, batches = make_model(), lm_batches()
+    init, batches = make_lm(), lm_batches()
     truth, _ = plain_full_batch(init, batches, fp16=False)
     full, full_skipped = plain_full_batch(init, batches, fp16=True)
-    ours = make_model()
+    ours = make_lm()
     ours.load_state_dict(results[0]["model"])
     assert results[0]["skipped"] == results[1]["skipped"]  # one decision for all ranks
     lost = [

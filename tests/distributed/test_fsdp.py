@@ -16,14 +16,16 @@ import os
 
 import pytest
 import torch
+from cases import MICRO, MODELS, OPTIMIZERS, STEPS, cat, rank_windows
 from models import TinyCausalLM
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
-from test_ddp import MICRO, MODELS, OPTIMIZERS, STEPS, _batches, _cat
 
 import bigbatch
 from bigbatch.loss import as_sum_and_count
 from bigbatch.split import batch_size, split
+
+pytestmark = pytest.mark.slow  # real gloo ranks
 
 SAMPLES = (10, 9)  # same number of micro-batches (3) on both ranks, unequal sizes and tokens
 REDUCE_SCATTER = "c10d::_reduce_scatter_base_"
@@ -74,7 +76,7 @@ def _case(
     rank: int, kind: str, model_name: str, opt_name: str, seed: int, every: bool = False
 ) -> dict:
     make_model, loss_fn = MODELS[model_name]
-    steps = _batches(model_name, seed, SAMPLES)
+    steps = rank_windows(model_name, seed, SAMPLES)
     model = _shard(kind, make_model(torch.float64))
     units: list = []
     with _count_reduce_scatters(units):  # one synced backward: one reduce-scatter per unit
@@ -123,7 +125,7 @@ def test_fsdp_accumulation_equals_full_batch_on_union_float64(ranks, case):
     ref = make_model(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
     ref_losses = [
-        full_batch_step(ref, opt, loss_fn, _cat(b)) for b in _batches(model_name, seed, SAMPLES)
+        full_batch_step(ref, opt, loss_fn, cat(b)) for b in rank_windows(model_name, seed, SAMPLES)
     ]
     for rank_result in results:
         got = rank_result[case]

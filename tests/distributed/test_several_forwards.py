@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import OPTIMIZERS, SAMPLES, cat
 from models import classification_batch, mean_ce, mlp
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
-from test_ddp import OPTIMIZERS, SAMPLES, _cat
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
@@ -50,7 +50,7 @@ def test_forwards_then_backwards_equal_the_full_batch_on_the_union(opt_name):
     ref = mlp(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
     for window in _windows(7, torch.float64):
-        full_batch_step(ref, opt, mean_ce, _cat(window))
+        full_batch_step(ref, opt, mean_ce, cat(window))
     for state in got:
         model = mlp(torch.float64)
         model.load_state_dict(state)
@@ -62,7 +62,7 @@ def test_forwards_then_backwards_in_bf16_are_close_to_fp32():
     ref = mlp(torch.float32)
     opt = OPTIMIZERS["adamw"](ref.parameters())
     for window in _windows(8, torch.float32):
-        full_batch_step(ref, opt, mean_ce, _cat(window))
+        full_batch_step(ref, opt, mean_ce, cat(window))
     model = mlp(torch.float32)
     model.load_state_dict(got[0])
     assert max_relative_error(ref, model) < 5e-2  # bf16 rounding, not a missing micro-batch

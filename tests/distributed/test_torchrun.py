@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # real torchrun ranks
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 

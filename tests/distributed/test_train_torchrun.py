@@ -20,6 +20,8 @@ import torch
 
 from bigbatch.train.log import read_csv
 
+pytestmark = pytest.mark.slow  # real torchrun ranks
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 TASK = f"{HERE.parent / 'train' / 'tasks.py'}:classify"  # float64 MLP, 50 samples, no dropout

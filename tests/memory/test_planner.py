@@ -107,6 +107,7 @@ def setting(tmp_path_factory):
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow  # one plan measured in a child process
 def test_choice_fits_and_is_the_fastest_fitting(setting):
     result, budget, _ = setting
     assert result.memory_budget == budget
@@ -118,6 +119,7 @@ def test_choice_fits_and_is_the_fastest_fitting(setting):
     )
 
 
+@pytest.mark.slow  # one plan measured in a child process
 def test_says_why_and_compares_with_the_naive_choice(setting):
     # No assertion on which configuration is faster: that is a timing, for benchmarks/memory.py.
     result, budget, _ = setting
@@ -131,11 +133,13 @@ def test_says_why_and_compares_with_the_naive_choice(setting):
         )
 
 
+@pytest.mark.slow  # one plan measured in a child process
 def test_users_model_is_untouched(setting):
     _, _, untouched = setting
     assert untouched == {"weights": True, "grads": True, "not checkpointed": True}
 
 
+@pytest.mark.slow  # one plan measured in a child process
 def test_fit_predicts_the_peak(setting):
     result, budget, _ = setting
     measured = [c for c in result.candidates if c.checkpointing == 0 and c.measured]
@@ -230,6 +234,7 @@ def task():
 """
 
 
+@pytest.mark.slow  # measures a plan
 def test_cli_prints_the_table_and_the_choice(tmp_path, capsys):
     (tmp_path / "plan_task.py").write_text(textwrap.dedent(TASK))
     path = f"{tmp_path / 'plan_task.py'}:task"

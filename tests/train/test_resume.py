@@ -26,6 +26,8 @@ import torch
 
 from bigbatch.train.log import read_csv
 
+pytestmark = pytest.mark.slow  # child processes killed with SIGKILL
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 TASK = f"{HERE / 'tasks.py'}:killable"
