@@ -8,12 +8,13 @@ from bigbatch._warnings import BigBatchWarning
 from bigbatch.batchnorm import batchnorm
 from bigbatch.check import CheckReport, NotExactError, check
 from bigbatch.engine import Accumulator, StepResult
-from bigbatch.loss import LossFn, LossOutput, sample_cross_entropy, sample_mse, token_cross_entropy
+from bigbatch.loss import LossFn, sample_cross_entropy, sample_mse, token_cross_entropy
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.memory.planner import Plan, plan
 from bigbatch.split import split
+from bigbatch.stepping import NonFiniteError
 from bigbatch.train.config import TrainConfig
 from bigbatch.train.loop import fit
 from bigbatch.train.task import Task
@@ -24,8 +25,8 @@ __all__ = [
     "CheckReport",
     "NotExactError",
     "LossFn",
-    "LossOutput",
     "MemoryBudgetExceeded",
+    "NonFiniteError",
     "PeakMemory",
     "Plan",
     "StepResult",
