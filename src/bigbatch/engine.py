@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bigbatch.batchnorm import warn_batch_coupled, window
-from bigbatch.loss import LossFn, as_sum_and_count, check_count, check_scalar_loss
+from bigbatch.loss import LossFn, WindowLoss, as_sum_and_count, check_count, check_scalar_loss
 from bigbatch.memory import auto
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.memory.peak import PeakProbe
@@ -193,6 +193,9 @@ class Accumulator:
             self._layers_checked = True
         sizes = micro_batch_sizes(batch_size(batch), size)  # those of `pieces`, without a re-walk
         with window(self.model, sum(sizes)):
+            if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+                with self.micro_batch(last=False):
+                    loss_fn = loss_fn.prepare(self.model, batch, pieces)
             for i, piece in enumerate(pieces):
                 # defers_sync: the sync waits for end_window (Note [auto micro-batch across ranks])
                 last = i == len(pieces) - 1 and not self.sync.defers_sync
