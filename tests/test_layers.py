@@ -32,6 +32,7 @@ LAYERS = {
     # batchnorm: the engine calls its window() / warn_batch_coupled() for momentum correction, and
     # it imports nothing above layer 0, so it sits beside the engine rather than above it.
     "batchnorm": 1,
+    "cached": 2,
     "check": 2,
     "distributed": 2,
     "memory.checkpointing": 2,
