@@ -274,8 +274,11 @@ def _loss_diagnoses(model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int) 
     return [Diagnosis(
         "batch-coupled-loss", (),
         "each sample's loss depends on the other samples in the batch (e.g. in-batch negatives "
-        "of a contrastive loss): a micro-batch sees fewer of them. Compute such a loss over "
-        "cached embeddings of the whole batch, or accept the smaller pool per micro-batch.",
+        "of a contrastive loss): a micro-batch sees fewer of them. If it depends on them only "
+        "through per-sample representations (embeddings), write it as "
+        "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
+        "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
+        "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
     )]
 
 
