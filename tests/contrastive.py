@@ -34,12 +34,20 @@ class Block(nn.Module):
 class TwoTower(nn.Module):
     def __init__(self, dropout: float = 0.0, dim: int = 8, out: int = 5) -> None:
         super().__init__()
-        self.a = nn.Sequential(nn.Linear(6, dim), Block(dim, dropout), Block(dim, dropout), nn.Linear(dim, out))
-        self.b = nn.Sequential(nn.Linear(7, dim), Block(dim, dropout), Block(dim, dropout), nn.Linear(dim, out))
+        self.a = nn.Sequential(
+            nn.Linear(6, dim), Block(dim, dropout), Block(dim, dropout), nn.Linear(dim, out)
+        )
+        self.b = nn.Sequential(
+            nn.Linear(7, dim), Block(dim, dropout), Block(dim, dropout), nn.Linear(dim, out)
+        )
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.3)))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
-        return F.normalize(self.a(x), dim=-1), F.normalize(self.b(y), dim=-1), self.logit_scale.exp()
+        return (
+            F.normalize(self.a(x), dim=-1),
+            F.normalize(self.b(y), dim=-1),
+            self.logit_scale.exp(),
+        )
 
 
 def two_tower(dropout: float = 0.0, dtype: torch.dtype = torch.float64, seed: int = 0) -> TwoTower:
@@ -92,4 +100,4 @@ def losses(model: nn.Module, kind: str = "clip", temperature: str = "encode"):
 
 def concat_reps(parts: list) -> tuple:
     """The per-chunk outputs of ``encode`` as one batch's: rows concatenated, 0-dim from the first."""
-    return tuple(torch.cat(ts) if ts[0].dim() else ts[0] for ts in zip(*parts))
+    return tuple(torch.cat(ts) if ts[0].dim() else ts[0] for ts in zip(*parts, strict=True))

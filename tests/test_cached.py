@@ -43,7 +43,9 @@ def full_batch_step(model, opt, encode, batch_loss, batch, chunk=None, sched=Non
     opt.zero_grad(set_to_none=True)
     n = len(batch["x"])
     chunk = chunk or n
-    parts = [encode(model, {k: v[i : i + chunk] for k, v in batch.items()}) for i in range(0, n, chunk)]
+    parts = [
+        encode(model, {k: v[i : i + chunk] for k, v in batch.items()}) for i in range(0, n, chunk)
+    ]
     out = batch_loss(concat_reps(parts), batch)
     loss = out[0] / out[1] if isinstance(out, tuple) else out
     loss.backward()
@@ -107,8 +109,12 @@ def test_plain_accumulation_of_the_same_loss_is_not_exact(gen):
 def test_checkpointing_clipping_and_scheduler(gen):
     ref, eng, (opt_ref, opt_eng), (enc, bl), (enc2, bl2) = _twins(dropout=0.2, opt="adamw")
     bigbatch.enable_checkpointing(eng, blocks=[Block])
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt_ref, opt_eng)]
-    acc = bigbatch.Accumulator(eng, opt_eng, micro_batch_size=4, scheduler=scheds[1], max_grad_norm=0.05)
+    scheds = [
+        torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt_ref, opt_eng)
+    ]
+    acc = bigbatch.Accumulator(
+        eng, opt_eng, micro_batch_size=4, scheduler=scheds[1], max_grad_norm=0.05
+    )
     for _ in range(STEPS):
         batch = pairs(N, gen)
         state = torch.get_rng_state()
@@ -187,3 +193,169 @@ def test_auto_redoes_the_window_after_oom_in_either_pass(limits, failures, gen):
         assert (result.micro_batch_size, result.oom_retries) == (2, 2 if step == 0 else 0)
     assert seen == failures
     assert max_relative_error(ref, eng) < TOL
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_close_to_fp32_reference(precision, gen):
+    ref = two_tower(dtype=torch.float32)
+    eng = copy.deepcopy(ref)
+    opt_ref, opt_eng = (OPTIMIZERS["adamw"](m.parameters()) for m in (ref, eng))
+    (enc, bl), (enc2, bl2) = losses(ref), losses(eng)
+    acc = bigbatch.Accumulator(eng, opt_eng, micro_batch_size=4, precision=precision)
+    taken = 0
+    for _ in range(2 * STEPS):
+        batch = pairs(N, gen, torch.float32)
+        result = acc.train_step(batch, bigbatch.cached_loss(enc2, bl2))
+        if result.skipped:  # fp16: inf gradients at the first scales, as any fp16 run
+            continue
+        taken += 1
+        want = full_batch_step(ref, opt_ref, enc, bl, batch)
+        assert result.loss == pytest.approx(want, rel=5e-2)
+    assert taken >= STEPS
+    assert max_relative_error(ref, eng) < 5e-2
+
+
+def test_batchnorm_running_statistics_move_once_per_micro_batch(gen):
+    """Pass 1 puts the buffers back: the statistics are those of ONE forward per micro-batch."""
+    model = two_tower()
+    model.a.insert(1, nn.BatchNorm1d(8, dtype=torch.float64))
+    plain = copy.deepcopy(model)
+    batch = pairs(N, gen)
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", bigbatch.BigBatchWarning)  # per-micro-batch statistics
+        acc.train_step(batch, bigbatch.cached_loss(*losses(model)))
+    with torch.no_grad():
+        for piece in bigbatch.split(batch, 4):
+            plain.a(piece["x"])
+    bn, want = model.a[1], plain.a[1]
+    assert torch.allclose(bn.running_mean, want.running_mean, rtol=1e-12, atol=0)
+    assert torch.allclose(bn.running_var, want.running_var, rtol=1e-12, atol=0)
+    assert bn.num_batches_tracked == want.num_batches_tracked == 3
+
+
+def test_check_says_a_coupled_loss_can_be_written_as_cached_loss(gen):
+    model = two_tower()
+    enc, bl = losses(model)
+    batch = pairs(N, gen)
+    report = bigbatch.check(model, batch, lambda m, mb: bl(enc(m, mb), mb), micro_batch_size=4)
+    [diagnosis] = [d for d in report.diagnoses if d.kind == "batch-coupled-loss"]
+    assert "bigbatch.cached_loss(encode, batch_loss)" in diagnosis.message
+    assert bigbatch.check(model, batch, bigbatch.cached_loss(enc, bl), micro_batch_size=4).exact
+
+
+def test_check_on_a_cached_loss_with_dropout_names_the_dropout(gen):
+    model = two_tower(dropout=0.3)
+    report = bigbatch.check(model, pairs(N, gen), bigbatch.cached_loss(*losses(model)), 4)
+    assert [d.kind for d in report.diagnoses] == ["dropout"]
+    model.eval()
+    assert bigbatch.check(model, pairs(N, gen), bigbatch.cached_loss(*losses(model)), 4).exact
+
+
+# ---------------------------------------------------------------------------- errors
+def _failing_step(gen, encode=None, batch_loss=None, micro=4):
+    """Run a step that must fail; check nothing changed; return the error."""
+    model = two_tower()
+    enc, bl = losses(model)
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    acc = bigbatch.Accumulator(model, opt, micro_batch_size=micro)
+    acc.train_step(pairs(N, gen), bigbatch.cached_loss(enc, bl))  # momentum state exists
+    before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    with pytest.raises((ValueError, TypeError)) as info:
+        acc.train_step(pairs(N, gen), bigbatch.cached_loss(encode or enc, batch_loss or bl))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[0][k]) for k, v in model.state_dict().items())
+    assert str(opt.state_dict()) == str(before[1])
+    return str(info.value)
+
+
+def test_encode_outputs_that_disagree_on_the_sample_dimension(gen):
+    def encode(m, mb):
+        q, d, _ = m(mb["x"], mb["y"])
+        return q, d[:-1]
+
+    message = _failing_step(gen, encode, lambda reps, b: (reps[0] @ reps[1].T).mean())
+    assert message.startswith(
+        "encode_fn's outputs disagree on the sample dimension for micro-batch 0 of 4 samples "
+        "(reps[0] has 4 rows, reps[1] has 3 rows): every representation needs one row per sample."
+    )
+
+
+def test_batch_loss_that_is_not_a_scalar(gen):
+    def per_sample(reps, batch):
+        q, d, scale = reps
+        return F.cross_entropy(scale * q @ d.T, torch.arange(len(q)), reduction="none")
+
+    with pytest.raises(
+        ValueError,
+        match=r"batch_loss_fn's return value has shape \(10,\); it must be a scalar\. Reduce",
+    ):
+        raise ValueError(_failing_step(gen, batch_loss=per_sample))
+
+
+def test_representation_that_does_not_require_grad(gen):
+    def detached(m, mb):
+        q, d, scale = m(mb["x"], mb["y"])
+        return q, d.detach(), scale
+
+    message = _failing_step(gen, detached)
+    assert message.startswith(
+        "encode_fn's reps[1] (shape (4, 5)) does not require grad, so no gradient reaches the "
+        "model through it"
+    )
+    labels = _failing_step(gen, lambda m, mb: (m(mb["x"], mb["y"])[0], mb["label"]))
+    assert labels.startswith("encode_fn's reps[1] (shape (4,)) does not require grad")
+
+
+@pytest.mark.parametrize(
+    "encode,batch_loss,match",
+    [
+        (
+            lambda m, mb: None,
+            None,
+            r"encode_fn returned NoneType with no per-sample tensor for micro-batch 0: return a tensor",
+        ),
+        (
+            lambda m, mb: m(mb["x"], mb["y"])[: 2 if len(mb["x"]) == 4 else 3],
+            None,
+            r"encode_fn returned \['reps\[0\]', 'reps\[1\]', 'reps\[2\]'\] for micro-batch 2 but \['reps\[0\]', 'reps\[1\]'\] for micro-batch 0: return the same structure",
+        ),  # fmt: skip
+        (
+            None,
+            lambda reps, b: "low",
+            r"batch_loss_fn returned str; return a scalar tensor \(the mean",
+        ),
+        (
+            None,
+            lambda reps, b: torch.tensor(1.0, dtype=torch.float64),
+            r"batch_loss_fn's loss does not depend on the representations",
+        ),  # fmt: skip
+    ],
+    ids=["no tensor", "structure changes", "not a tensor", "no gradient"],
+)
+def test_other_bad_encodes_and_losses(encode, batch_loss, match, gen):
+    with pytest.raises(ValueError, match=match):
+        raise ValueError(_failing_step(gen, encode, batch_loss))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"encode_fn=3 is not callable: pass a function"):
+        bigbatch.cached_loss(3, lambda reps, b: reps)
+    with pytest.raises(TypeError, match=r"batch_loss_fn=None is not callable"):
+        bigbatch.cached_loss(lambda m, b: m(b), None)
+    with pytest.raises(TypeError, match=r"gather='yes' is not allowed: use True or False\."):
+        bigbatch.cached_loss(lambda m, b: m(b), lambda reps, b: reps, gather="yes")
+
+
+def test_a_window_loss_fn_refuses_other_micro_batches(gen):
+    model = two_tower()
+    batch = pairs(N, gen)
+    pieces = bigbatch.split(batch, 4)
+    piece_loss = bigbatch.cached_loss(*losses(model)).prepare(model, batch, pieces)
+    with pytest.raises(
+        ValueError, match=r"this loss_fn belongs to the micro-batches given to CachedLoss\.prepare"
+    ):
+        piece_loss(model, pairs(4, gen))
+    assert as_sum_and_count(piece_loss(model, pieces[0]), 4)[1] == pytest.approx(4.0)

@@ -207,7 +207,7 @@ class _Encoded:
     """Pass 1 of a window: the representations without a graph, and how to replay them."""
 
     template: Any  # the first micro-batch's reps: the structure to rebuild
-    paths: list[str]  # of the per-sample tensors, in order
+    paths: list[str]  # of the per-sample tensors, then the 0-dim ones
     rows: list[torch.Tensor]  # per-sample tensors, the micro-batches concatenated
     per_batch: list[torch.Tensor]  # 0-dim outputs (one value for the whole batch)
     sizes: list[int]  # samples per micro-batch
@@ -227,7 +227,7 @@ class _Window:
 
     states: list[Any]  # random state before each micro-batch's encode
     end_state: Any  # random state to leave behind
-    paths: list[str]  # the per-sample representations, as pass 1 saw them
+    paths: list[str]  # the representations, as pass 1 saw them
     starts: list[int]  # first row of each micro-batch in the (gathered) batch
     sizes: list[int]  # samples per micro-batch
     grads: _Gradients
@@ -295,7 +295,7 @@ def _encode_pieces(
             states.append(_rng_state(device))
             reps = encode_fn(model, piece)
             sizes.append(batch_size(piece))
-            paths = [p for p, _ in parts[0][0]] if parts else None
+            paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
             parts.append(_split_leaves(reps, sizes[-1], f"micro-batch {j}", paths))
             template = reps if template is None else template
         for b, saved in zip(model.buffers(), buffers, strict=True):
@@ -305,8 +305,8 @@ def _encode_pieces(
         if not t.is_floating_point():
             raise ValueError(_NO_GRAD.format(path=path, shape=tuple(t.shape)))
     rows = [torch.cat([p[0][k][1] for p in parts]) for k in range(len(first_rows))]
-    return _Encoded(template, [p for p, _ in first_rows], rows, [t for _, t in first_batch],
-                    sizes, states)  # fmt: skip
+    paths = [p for p, _ in first_rows + first_batch]
+    return _Encoded(template, paths, rows, [t for _, t in first_batch], sizes, states)
 
 
 def _split_leaves(
@@ -330,9 +330,10 @@ def _split_leaves(
             f"({listing}): every representation needs one row per sample. Return one value for "
             "the whole batch (e.g. a temperature) as a 0-dim tensor."
         )
-    if paths is not None and [p for p, _ in rows] != paths:
+    names = [p for p, _ in rows + per_batch]
+    if paths is not None and names != paths:
         raise ValueError(
-            f"encode_fn returned {[p for p, _ in rows]} for {where} but {paths} before: return the "
+            f"encode_fn returned {names} for {where} but {paths} for micro-batch 0: return the "
             "same structure for every micro-batch."
         )
     return rows, per_batch
@@ -441,7 +442,7 @@ def _gather(
     ranks: _Ranks, encoded: _Encoded, batch: Batch | None
 ) -> tuple[list[torch.Tensor], Batch, int]:
     """Every rank's representations (and batch), concatenated in rank order, and our offset."""
-    leaves = [*zip(encoded.paths, encoded.rows, strict=True)]
+    leaves = [*zip(encoded.paths, encoded.rows, strict=False)]  # the per-sample ones
     leaves += list(tensor_leaves(batch)) if batch is not None else []
     shapes = [(path, str(t.dtype), list(t.shape[1:])) for path, t in leaves]
     everyone = _share(ranks, {"rows": len(encoded.rows[0]), "shapes": shapes})
