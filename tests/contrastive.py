@@ -40,13 +40,14 @@ class TwoTower(nn.Module):
         self.b = nn.Sequential(
             nn.Linear(7, dim), Block(dim, dropout), Block(dim, dropout), nn.Linear(dim, out)
         )
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.3)))
+        # shape [1], not []: FSDP2 does not shard 0-dim parameters
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / 0.3)))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor):
         return (
             F.normalize(self.a(x), dim=-1),
             F.normalize(self.b(y), dim=-1),
-            self.logit_scale.exp(),
+            self.logit_scale.exp()[0],
         )
 
 
@@ -90,7 +91,7 @@ def losses(model: nn.Module, kind: str = "clip", temperature: str = "encode"):
         if temperature == "encode":
             q, d, scale = reps
         else:
-            (q, d), scale = reps, model.logit_scale.exp()
+            (q, d), scale = reps, model.logit_scale.exp()[0]
         if kind == "clip":
             return _clip(q, d, scale)
         return _masked_sum(q, d, scale, batch["label"])

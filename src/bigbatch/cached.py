@@ -324,7 +324,7 @@ def _split_leaves(
             "a tensor, or a tuple / dict of tensors whose first dimension is the sample dimension."
         )
     if any(t.shape[0] != n for _, t in rows):
-        listing = ", ".join(f"{p} has {t.shape[0]} rows" for p, t in rows)
+        listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
         raise ValueError(
             f"encode_fn's outputs disagree on the sample dimension for {where} of {n} samples "
             f"({listing}): every representation needs one row per sample. Return one value for "
