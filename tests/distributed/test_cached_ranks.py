@@ -160,8 +160,13 @@ def _reference(name: str, seed: int) -> tuple[torch.nn.Module, list[float]]:
         union = {k: torch.cat([b[k] for b in per_rank]) for k in per_rank[0]}
         shares = [union] if gather else per_rank
         outs = [batch_loss(concat_reps([encode(model, b)]), b) for b in shares]
-        sums = [o[0] if isinstance(o, tuple) else o * len(b["x"]) for o, b in zip(outs, shares, strict=True)]
-        counts = [o[1] if isinstance(o, tuple) else len(b["x"]) for o, b in zip(outs, shares, strict=True)]
+        sums = [
+            o[0] if isinstance(o, tuple) else o * len(b["x"])
+            for o, b in zip(outs, shares, strict=True)
+        ]
+        counts = [
+            o[1] if isinstance(o, tuple) else len(b["x"]) for o, b in zip(outs, shares, strict=True)
+        ]
         loss = sum(sums) / sum(counts)
         loss.backward()
         opt.step()

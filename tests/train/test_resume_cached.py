@@ -26,7 +26,9 @@ def _argv(out: Path, *extra: str) -> list[str]:
 
 
 def _train(out: Path, *extra: str) -> None:
-    done = subprocess.run(_argv(out, *extra), env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _argv(out, *extra), env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -50,7 +52,9 @@ KILL_POINTS = {
 def test_sigkill_mid_window_then_resume_is_bitwise_equal(point, tmp_path, uninterrupted):
     stop_at, snapshot_step = KILL_POINTS[point]
     out, calls = tmp_path / "run", tmp_path / "calls.log"
-    _kill_when_stopped(_argv(out), _env(KILL_LOG=str(calls), STOP_AT=str(stop_at)), tmp_path / "err")
+    _kill_when_stopped(
+        _argv(out), _env(KILL_LOG=str(calls), STOP_AT=str(stop_at)), tmp_path / "err"
+    )
     assert calls.read_text().split()[-1] == str(stop_at)  # killed where intended
     assert _snapshot_step(out) == snapshot_step
     _train(out, "--resume")
