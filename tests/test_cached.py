@@ -17,7 +17,11 @@ reference encodes the whole batch in one call.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,3 +363,30 @@ def test_a_window_loss_fn_refuses_other_micro_batches(gen):
     ):
         piece_loss(model, pairs(4, gen))
     assert as_sum_and_count(piece_loss(model, pieces[0]), 4)[1] == pytest.approx(4.0)
+
+
+# ---------------------------------------------------------------------------- the scripts
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(*argv: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_example_checks_both_losses_and_learns():
+    out = _script("examples/contrastive.py")  # (tests/test_examples.py runs it too, unchecked)
+    assert "plain loss_fn:  NOT exact" in out and "- batch-coupled-loss: " in out
+    assert "cached_loss:    exact: max relative difference" in out
+    assert "step 29: loss" in out and "held-out recall@1 among 512 documents" in out
+
+
+@pytest.mark.slow
+def test_benchmark_quick_mode():
+    out = _script("benchmarks/contrastive.py", "--quick")  # (d) measured only where installed
+    assert "| (d) sentence-transformers Cached MNRL |" in out
+    assert "(c) exact to 1e-10 in float64: yes" in out
