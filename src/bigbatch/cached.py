@@ -108,15 +108,14 @@ def cached_loss(encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool = 
 
     Example:
         >>> import torch.nn.functional as F
-        >>> model = torch.nn.Linear(4, 3, dtype=torch.float64)
-        >>> def info_nce(reps, batch):
+        >>> from bigbatch import Accumulator
+        >>> model = torch.nn.Linear(4, 3)
+        >>> def info_nce(reps, batch):  # each query against every document of the batch
         ...     q, d = reps
         ...     return F.cross_entropy(q @ d.T / 0.05, torch.arange(len(q)))
-        >>> loss_fn = cached_loss(lambda m, b: (m(b[0]), m(b[1])), info_nce)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> acc = bigbatch.Accumulator(model, opt, micro_batch_size=4)  # doctest: +SKIP
-        >>> batch = (torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64))
-        >>> acc.train_step(batch, loss_fn).micro_batches  # doctest: +SKIP
+        >>> loss_fn = cached_loss(lambda m, mb: (m(mb[0]), m(mb[1])), info_nce)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+        >>> acc.train_step((torch.randn(10, 4), torch.randn(10, 4)), loss_fn).micro_batches
         3
     """
     for name, fn in (("encode_fn", encode_fn), ("batch_loss_fn", batch_loss_fn)):
@@ -188,9 +187,9 @@ class CachedLoss:
             states=encoded.states,
             end_state=_rng_state(device),  # after pass 1 and the batch loss
             paths=encoded.paths,
-            starts=[offset + sum(encoded.sizes[:j]) for j in range(len(pieces))],
+            starts=[sum(encoded.sizes[:j]) for j in range(len(pieces))],
             sizes=encoded.sizes,
-            grads=_gradients(loss_sum, reps, scalars),
+            grads=_gradients(loss_sum, reps, scalars, offset, sum(encoded.sizes)),
             loss=loss_sum.detach() / count,
             counts=[count * (n / n_total) for n in encoded.sizes],
             weight=1.0 / ranks.size if ranks is not None else 1.0,
@@ -216,7 +215,7 @@ class _Encoded:
 
 @dataclass
 class _Gradients:
-    rows: list[torch.Tensor | None]  # ∂S/∂r of every sample (all ranks'); None: unused
+    rows: list[torch.Tensor | None]  # ∂S/∂r of this rank's samples; None: the loss ignores r
     per_batch: list[torch.Tensor | None]  # ∂S/∂(0-dim output)
     params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
 
@@ -228,7 +227,7 @@ class _Window:
     states: list[Any]  # random state before each micro-batch's encode
     end_state: Any  # random state to leave behind
     paths: list[str]  # the representations, as pass 1 saw them
-    starts: list[int]  # first row of each micro-batch in the (gathered) batch
+    starts: list[int]  # first row of each micro-batch in this rank's batch
     sizes: list[int]  # samples per micro-batch
     grads: _Gradients
     loss: torch.Tensor  # L = S / C
@@ -260,7 +259,9 @@ class _PieceLoss:
             for t, g in [*outputs, *w.grads.params]:
                 if g is not None and t.requires_grad:
                     terms.append(_dot(t, g) * w.weight)
-        surrogate = torch.stack(terms).sum() if terms else w.loss.new_zeros(())
+        if not terms:  # the loss ignores this micro-batch: a zero that keeps the graph
+            terms.append(rows[0][1].sum() * 0)
+        surrogate = sum(terms[1:], terms[0])
         return surrogate - surrogate.detach() + w.loss * w.counts[j], w.counts[j]
 
     def _index(self, piece: Batch) -> int:
@@ -360,9 +361,11 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
 
 
 def _gradients(
-    loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor]
-) -> _Gradients:
-    """``∂S/∂r``, ``∂S/∂(0-dim outputs)`` and ``∂S/∂p`` for parameters the loss uses directly."""
+    loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor], offset: int,
+    rows: int,
+) -> _Gradients:  # fmt: skip
+    """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's), ``∂S/∂(0-dim
+    outputs)`` and ``∂S/∂p`` for parameters the loss uses directly."""
     if not loss_sum.requires_grad:
         raise ValueError(
             "batch_loss_fn's loss does not depend on the representations (it does not require "
@@ -373,7 +376,10 @@ def _gradients(
     grads = torch.autograd.grad(loss_sum, [*leaves, *params], allow_unused=True)
     by_leaf = {id(t): g for t, g in zip(leaves, grads, strict=False)}
     return _Gradients(
-        rows=list(grads[: len(reps)]),
+        rows=[
+            g if g is None or len(g) == rows else g[offset : offset + rows].clone()
+            for g in grads[: len(reps)]
+        ],
         per_batch=[by_leaf.get(id(t)) for t in scalars],
         params=[(p, g) for p, g in zip(params, grads[len(leaves) :], strict=True) if g is not None],
     )
