@@ -13,7 +13,8 @@ documents -- and one optimizer step of a batch of ``--batch`` (query, document) 
   when it is installed (``pip install "bigbatch[compare]"``; without it the same BERT with mean
   pooling runs (a)-(c)).
 
-Time per step (median of ``--repeats`` steps after one warm-up, float32, AdamW) and peak memory
+Time per step (median of ``--repeats`` steps after one warm-up, taken round-robin over the
+methods, float32, AdamW) and peak memory
 of a step (``bigbatch.measure_peak``: on the CPU the resident-set high-water mark above what was
 in use before the step: activations, gradients, the loss) are measured side by side. The error
 column is the relative difference of each method's parameter update from (a)'s after one plain
@@ -30,6 +31,7 @@ import argparse
 import copy
 import importlib.util
 import os
+import statistics
 import sys
 import tempfile
 import warnings
@@ -188,18 +190,24 @@ def update_errors(args: argparse.Namespace, model: nn.Module, batch: dict) -> di
 def measure(
     args: argparse.Namespace, model: nn.Module, batch: dict
 ) -> dict[str, tuple[float, int]]:
-    """Per method: (median seconds per step, peak bytes of a step), float32, AdamW."""
-    out = {}
+    """Per method: (median seconds per step, peak bytes of a step), float32, AdamW.
+
+    The timed steps go round-robin over the methods (a, b, c, d, a, b, ...), so that a change in
+    the machine's load while the benchmark runs hits every method alike.
+    """
+    steps, peaks = {}, {}
     for name, make in methods(args).items():
         work = copy.deepcopy(model)
-        step = make(work, torch.optim.AdamW(work.parameters(), lr=1e-4))
-        step(batch)  # warm-up: optimizer state, allocator, autograd
-        peak = peak_bytes(lambda step=step: step(batch), "cpu")
-        out[name] = (
-            median_seconds(lambda step=step: step(batch), "cpu", warmup=0, repeats=args.repeats),
-            peak,
-        )
-    return out
+        steps[name] = make(work, torch.optim.AdamW(work.parameters(), lr=1e-4))
+        steps[name](batch)  # warm-up: optimizer state, allocator, autograd
+        peaks[name] = peak_bytes(lambda step=steps[name]: step(batch), "cpu")
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            seconds[name].append(
+                median_seconds(lambda s=step: s(batch), "cpu", warmup=0, repeats=1)
+            )
+    return {name: (statistics.median(seconds[name]), peaks[name]) for name in steps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--quick", action="store_true", help="batch 32 at 8, 1 layer of 32, 1 repeat"
     )
