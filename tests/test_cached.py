@@ -199,6 +199,7 @@ def test_auto_redoes_the_window_after_oom_in_either_pass(limits, failures, gen):
     assert max_relative_error(ref, eng) < TOL
 
 
+@pytest.mark.slow  # autocast on the CPU: seconds per case
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_close_to_fp32_reference(precision, gen):
     ref = two_tower(dtype=torch.float32)
