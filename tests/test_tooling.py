@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import size  # noqa: E402  (tools/ is not a package)
 
 CHECKED = [
-    "__init__.py", "__main__.py", "_tree.py", "_warnings.py", "batchnorm.py", "check.py", "cli.py",
-    "demo.py", "distributed.py", "engine.py", "loss.py", "precision.py", "split.py", "sync.py",
+    "__init__.py", "__main__.py", "_tree.py", "_warnings.py", "batchnorm.py", "cached.py", "check.py",
+    "cli.py", "demo.py", "distributed.py", "engine.py", "loss.py", "precision.py", "split.py", "sync.py",
     "memory/__init__.py", "memory/auto.py", "memory/checkpointing.py", "memory/oom.py",
     "memory/peak.py", "memory/planner.py", "train/__init__.py", "train/config.py", "train/log.py",
     "train/loop.py", "train/report.py", "train/resume.py", "train/task.py",
