@@ -15,9 +15,10 @@ documents -- and one optimizer step of a batch of ``--batch`` (query, document) 
 
 Wall-clock and CPU time per step (medians of ``--repeats`` steps after one warm-up, taken
 round-robin over the methods, float32, AdamW; CPU time is this process's, so other jobs on a
-shared machine disturb it less) and peak memory
-of a step (``bigbatch.measure_peak``: on the CPU the resident-set high-water mark above what was
-in use before the step: activations, gradients, the loss) are measured side by side. The error
+shared machine disturb it less) and peak memory of a step (``bigbatch.measure_peak``: on the CPU
+the resident-set high-water mark above what was in use before the step: activations, gradients,
+the loss) are measured side by side. (d) embeds one column (queries, then documents) per
+mini-batch, (b) and (c) both towers of a micro-batch at once, hence (d)'s lower peak. The error
 column is the relative difference of each method's parameter update from (a)'s after one plain
 SGD step in float64 (dropout off, so the comparison is deterministic): the gradient's error.
 
