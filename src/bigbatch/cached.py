@@ -291,16 +291,19 @@ def _encode_pieces(
     parts: list[tuple[Leaves, Leaves]] = []
     sizes: list[int] = []
     template = None
-    with torch.no_grad():
-        for j, piece in enumerate(pieces):
-            states.append(_rng_state(device))
-            reps = encode_fn(model, piece)
-            sizes.append(batch_size(piece))
-            paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
-            parts.append(_split_leaves(reps, sizes[-1], f"micro-batch {j}", paths))
-            template = reps if template is None else template
-        for b, saved in zip(model.buffers(), buffers, strict=True):
-            b.copy_(saved)  # pass 2 starts where pass 1 did (Note [representation caching])
+    try:
+        with torch.no_grad():
+            for j, piece in enumerate(pieces):
+                states.append(_rng_state(device))
+                reps = encode_fn(model, piece)
+                sizes.append(batch_size(piece))
+                paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
+                parts.append(_split_leaves(reps, sizes[-1], f"micro-batch {j}", paths))
+                template = reps if template is None else template
+    finally:  # also after a failure: a redone window starts from the same buffers
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)  # pass 2 starts where pass 1 did (Note [representation caching])
     first_rows, first_batch = parts[0]
     for path, t in first_rows:
         if not t.is_floating_point():
