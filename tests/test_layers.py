@@ -40,6 +40,7 @@ LAYERS = {
     "batchnorm_window": 1,  # the BatchNorm handling the engine itself needs (momentum, warning)
     # layer 2: tools built on the engine
     "batchnorm": 2,
+    "cached": 2,  # exact batch-coupled losses (representation-gradient caching)
     "check": 2,
     "_check_probes": 2,
     "_check_runs": 2,

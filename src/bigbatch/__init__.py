@@ -6,6 +6,7 @@ however the logical batch is cut into micro-batches.
 
 from bigbatch._warnings import BigBatchWarning
 from bigbatch.batchnorm import batchnorm
+from bigbatch.cached import cached_loss
 from bigbatch.check import CheckReport, NotExactError, check
 from bigbatch.engine import Accumulator, StepResult
 from bigbatch.loss import LossFn, sample_cross_entropy, sample_mse, token_cross_entropy
@@ -33,6 +34,7 @@ __all__ = [
     "Task",
     "TrainConfig",
     "batchnorm",
+    "cached_loss",
     "check",
     "disable_checkpointing",
     "enable_checkpointing",

@@ -23,7 +23,7 @@ from bigbatch._check_runs import (
 )
 from bigbatch._tree import tensor_leaves
 from bigbatch.batchnorm_window import label
-from bigbatch.loss import LossFn
+from bigbatch.loss import LossFn, WindowLoss
 from bigbatch.split import Batch, batch_size, micro_batch_sizes, split
 
 
@@ -145,8 +145,11 @@ def _loss_diagnoses(
 
     When modules of the model couple the samples or change state with every call (``suspect``;
     BatchNorm does not count, the eval() copy runs it on running statistics), halves do not add
-    up whatever the loss does, so the loss is blamed only for a pattern it alone explains.
+    up whatever the loss does, so the loss is blamed only for a pattern it alone explains. A
+    window loss (``cached_loss``) is coupled by design and exact through the window.
     """
+    if isinstance(loss_fn, WindowLoss):
+        return []
     n = batch_size(batch)
     work = copy_float64(model).eval()  # probes the loss alone: no dropout, running statistics
     bounds = [(0, n // 2), (n // 2, n)]
@@ -229,9 +232,11 @@ LOSS_MESSAGES = {
     "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
     "transformers model's labels= loss.",
     "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
-    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. Compute such "
-    "a loss over cached embeddings of the whole batch, or accept the smaller pool per "
-    "micro-batch.",
+    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. If it depends "
+    "on them only through per-sample representations (embeddings), write it as "
+    "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
+    "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
+    "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
 }
 
 

@@ -52,7 +52,7 @@ import torch
 
 from bigbatch._units import parse_bytes
 from bigbatch.batchnorm_window import warn_batch_coupled, window
-from bigbatch.loss import LossFn, as_sum_and_count, check_count, check_scalar_loss
+from bigbatch.loss import LossFn, WindowLoss, as_sum_and_count, check_count, check_scalar_loss
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.memory.sizing import WindowMeter, gradient_bytes, make_sizing
 from bigbatch.precision import make_precision
@@ -288,6 +288,9 @@ class Accumulator:
         self._window.scale = self._plan_scale(pieces, sizes, count_fn)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]
         with window(self.model, sum(sizes)):
+            if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+                with self._sync.micro_batch(False), self._precision.autocast():  # no backward
+                    loss_fn = loss_fn.prepare(self.model, batch, pieces)
             for i, piece in enumerate(pieces):
                 with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
                     self.backward(*as_sum_and_count(loss_fn(self.model, piece), sizes[i]))

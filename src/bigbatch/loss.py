@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,17 @@ LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]
 
 LossFn = Callable[[torch.nn.Module, Any], LossOutput]
 """``loss_fn(model, micro_batch) -> LossOutput``."""
+
+
+@runtime_checkable
+class WindowLoss(Protocol):
+    """A loss that must see the whole window before any micro-batch's backward (``cached_loss``).
+
+    ``Accumulator.train_step`` calls ``prepare`` once per attempt at a window, in the micro-batch
+    context, and calls the ``LossFn`` it returns on each of ``pieces`` instead of the loss itself.
+    """
+
+    def prepare(self, model: torch.nn.Module, batch: Any, pieces: list[Any]) -> LossFn: ...
 
 
 def as_sum_and_count(output: Any, n_samples: int) -> tuple[torch.Tensor, torch.Tensor | float]:

@@ -33,10 +33,27 @@ def env(**extra: str) -> dict[str, str]:
     return {**base, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]), **extra}
 
 
-def argv(out: Path, *extra: str, task: str = "killable", micro: str = "4") -> list[str]:
-    """``python -m bigbatch train TASK SETTINGS --micro-batch-size micro --out out extra...``."""
-    return [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:{task}", *SETTINGS,
+def argv(
+    out: Path, *extra: str, task: str = "killable", micro: str = "4",
+    launcher: tuple[str, ...] = ("-m", "bigbatch"), tasks: Path = TASKS,
+) -> list[str]:  # fmt: skip
+    """``python -m bigbatch train TASK SETTINGS --micro-batch-size micro --out out extra...``
+    (``launcher`` instead of ``-m bigbatch``, e.g. a script that wraps the CLI)."""
+    return [sys.executable, *launcher, "train", f"{tasks}:{task}", *SETTINGS,
             "--micro-batch-size", micro, "--out", str(out), *extra]  # fmt: skip
+
+
+def train_ok(args: list[str], **extra_env: str) -> None:
+    """Run a child to its end and require exit code 0."""
+    done = run(args, **extra_env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def kill_when_stopped(args: list[str], err: Path, **extra_env: str) -> None:
+    """Start a child; when it has stopped itself (SIGSTOP), SIGKILL it."""
+    proc = start(args, err, **extra_env)
+    wait_stopped(proc, err)
+    kill(proc)
 
 
 def run(args: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
@@ -113,3 +130,4 @@ def assert_same_run(got: Path, want: Path, steps: int = 10) -> None:
     assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
     for key in ("loss", "grad_norm", "lr", "samples", "micro_batch_size", "oom_retries"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
+    assert not list(got.glob(".*tmp*")), "a stale temporary file was left"
