@@ -1,8 +1,6 @@
-import os
-import zlib
-
 import pytest
 import torch
+from seeds import seed_for
 
 
 @pytest.fixture(autouse=True)
@@ -14,21 +12,9 @@ def _threads():
 
 @pytest.fixture
 def gen(request):
-    """A seeded generator for the test's random inputs.
-
-    Fixed by default (the seed is derived from the test's name, so every run draws the same
-    inputs and a failure replays). ``BIGBATCH_TEST_SEED=<n>`` uses seed n for every test;
-    ``BIGBATCH_TEST_SEED=random`` draws a fresh seed per test (printed, to replay a failure).
-    """
-    chosen = os.environ.get("BIGBATCH_TEST_SEED")
-    if chosen == "random":
-        seed = int.from_bytes(os.urandom(4), "little")
-    elif chosen:
-        seed = int(chosen)
-    else:
-        seed = zlib.crc32(request.node.nodeid.encode())
-    print(f"BIGBATCH_TEST_SEED={seed}")
-    return torch.Generator().manual_seed(seed)
+    """A generator for the test's random inputs, seeded by ``seeds.seed_for`` (fixed by default;
+    ``BIGBATCH_TEST_SEED=<n>`` or ``=random`` to change it)."""
+    return torch.Generator().manual_seed(seed_for(request.node.nodeid))
 
 
 def pytest_ignore_collect(collection_path, config):

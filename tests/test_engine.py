@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import OPTIMIZERS  # the optimizers every exactness test uses
 from models import (
     causal_lm,
     classification_batch,
@@ -21,10 +22,6 @@ from reference import full_batch_step, max_relative_error
 
 import bigbatch
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
-}
 MODELS = {
     "mlp": (mlp, lambda n, g, dt: classification_batch(n, dt, g), mean_ce),
     "cnn": (cnn, lambda n, g, dt: classification_batch(n, dt, g, image=True), mean_ce),

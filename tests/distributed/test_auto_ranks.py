@@ -9,14 +9,13 @@ ranks must finish, adopt the same micro-batch size, and match one full-batch ste
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from cases import OPTIMIZERS, cat
 from models import classification_batch, mean_ce, mlp
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
+from seeds import seed_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
@@ -169,8 +168,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    seed = int(os.environ.get("BIGBATCH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"BIGBATCH_TEST_SEED={seed}")
+    seed = seed_for("tests/distributed/test_auto_ranks.py")
     return seed, run_ranks(_all_cases, seed, timeout_s=90)
 
 

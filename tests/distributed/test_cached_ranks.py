@@ -23,7 +23,6 @@ cannot replay (tests/test_cached.py covers dropout on one process).
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from contrastive import concat_reps, losses, pairs, two_tower
 from ranks import run_ranks
 from reference import max_relative_error
+from seeds import seed_for
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -143,8 +143,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    seed = int(os.environ.get("BIGBATCH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"BIGBATCH_TEST_SEED={seed}")
+    seed = seed_for("tests/distributed/test_cached_ranks.py")
     return seed, run_ranks(_all_cases, seed, timeout_s=180)
 
 

@@ -11,8 +11,6 @@ each case's results.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ from models import (
 )
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
+from seeds import seed_for
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -107,8 +106,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    seed = int(os.environ.get("BIGBATCH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"BIGBATCH_TEST_SEED={seed}")
+    seed = seed_for("tests/distributed/test_ddp.py")
     return seed, run_ranks(_all_cases, seed)
 
 

@@ -12,7 +12,6 @@ every rank must run the same NUMBER of micro-batches per window (10 and 7 sample
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from cases import MICRO, MODELS, OPTIMIZERS, STEPS, cat, rank_windows
 from models import TinyCausalLM
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
+from seeds import seed_for
 
 import bigbatch
 from bigbatch.loss import as_sum_and_count
@@ -112,8 +112,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    seed = int(os.environ.get("BIGBATCH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"BIGBATCH_TEST_SEED={seed}")
+    seed = seed_for("tests/distributed/test_fsdp.py")
     return seed, run_ranks(_all_cases, seed, timeout_s=90)
 
 

@@ -17,7 +17,6 @@ counts. All cases run in one pair of rank processes (spawning is the slow part).
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.nn as nn
 from models import classification_batch, mean_ce, mlp
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
+from seeds import seed_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
@@ -225,8 +225,7 @@ def _all_cases(rank: int, world_size: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    seed = int(os.environ.get("BIGBATCH_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"BIGBATCH_TEST_SEED={seed}")
+    seed = seed_for("tests/distributed/test_local.py")
     return seed, run_ranks(_all_cases, seed, timeout_s=300)
 
 

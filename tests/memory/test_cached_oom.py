@@ -22,13 +22,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from seeds import seed_for
 
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"
 
 
 def _run_child(margin_mib: int) -> dict:
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = seed_for("tests/memory/test_cached_oom.py")
     print(f"cached oom child seed={seed}")
     env = {
         **os.environ,

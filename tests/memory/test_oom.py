@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from seeds import seed_for
 
 import bigbatch
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
@@ -98,7 +99,7 @@ SCENARIOS = [  # margins measured: each lands well inside the range that gives t
 
 def _run_child(scenarios: list[dict]) -> dict:
     """Run the scenarios in one child (torch imported once); a crash or hang fails the tests."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = seed_for("tests/memory/test_oom.py")
     print(f"oom child seed={seed}")
     scenarios = [{**s, "seed": seed} for s in scenarios]
     env = {
