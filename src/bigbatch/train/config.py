@@ -153,12 +153,13 @@ class TrainConfig:
     device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
     local_steps: int = setting(
         1,
-        "under torchrun, optimizer steps each rank takes on its own share between two "
-        "exchanges (λ, Note [local rounds]): 1 is the exact data-parallel step (DDP, one "
-        "all-reduce per step); λ > 1 is local accumulation (Hermans et al. 2017): λ exact "
-        "local steps per rank, then ONE all-reduce of the ranks' updates normalised by λ "
-        "(λ times fewer bytes and messages, not the exact big-batch step; inner optimizer "
-        "state stays per rank; no FSDP)",
+        "under torchrun: optimizer steps (λ) each rank takes on its own share between two "
+        "exchanges. 1: the exact data-parallel step (DDP, one all-reduce per step). λ > 1: "
+        "local accumulation (Hermans et al. 2017), λ exact local steps per rank, then ONE "
+        "all-reduce of the ranks' updates normalised by λ: λ times fewer bytes and messages, "
+        "not the exact big-batch step; each rank keeps its own optimizer state; the log's "
+        "loss is rank 0's share, round_loss the round's over all ranks; snapshots, "
+        "evaluation and Ctrl-C wait for the round's end; not with FSDP",
     )
     outer_lr: float = setting(
         1.0,
