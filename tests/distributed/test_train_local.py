@@ -179,7 +179,9 @@ def test_a_sharded_task_model_is_refused(tmp_path):
         "bigbatch train: error: --local-steps 4 steps a whole plain replica of the model on each "
         "rank, and the task's model is sharded with FSDP: return the plain module from the task"
     )
+    # each rank says it in one line (torchrun may stop the second rank before it prints)
     lines = [line for line in done.stderr.splitlines() if line.startswith("bigbatch train:")]
-    assert len(lines) == 2 and all(line.startswith(want) for line in lines), done.stderr[-3000:]
-    assert "TypeError" not in done.stderr  # one line per rank, no traceback (torchrun's own apart)
+    assert 1 <= len(lines) <= 2, done.stderr[-3000:]
+    assert all(line.startswith(want) for line in lines), done.stderr[-3000:]
+    assert "TypeError" not in done.stderr  # no worker traceback (torchrun's own report apart)
     assert not (tmp_path / "run").exists()  # refused before the run folder is made
