@@ -3,7 +3,8 @@
 Note [local rounds] in ``bigbatch.train.rounds``. The trained model is checked against the
 algorithm written out plainly in this file (``simulate``: two model copies in one process, each
 taking full-batch AdamW steps on its share of each global batch, then the count-weighted mean
-of the normalised updates and the outer rule by hand), float64, to ~1e-10. A run killed mid-round
+of the normalised updates and the outer rule by hand), float64, to ~1e-10, with its collectives
+counted (two all-reduces per round, none per inner step). A run killed mid-round
 (SIGKILL) or signalled mid-round (SIGTERM) resumes bitwise equal to an uninterrupted one. The
 errors: a sharded (FSDP) task model; one process and local_steps < 1 are in
 tests/train/test_rounds.py.
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_torchrun import HERE, TORCHRUN, _run, start_and_stop_rank0
+from test_train_torchrun import HERE, TORCHRUN, _env, _run, start_and_stop_rank0
 
 from bigbatch import _rng
 from bigbatch.train.log import read_csv
@@ -84,8 +87,11 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
     flags = ["--batch-size", "10", "--micro-batch-size", "3", "--epochs", "2", "--lr", str(LR),
              "--local-steps", "4", "--outer-lr", "2", "--outer-momentum", "0.5",
              "--outer-nesterov", "--eval-every", "3"]  # fmt: skip
-    done = _run([*TORCHRUN, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out",
-                 str(out), "--quiet", "--seed", str(SEED), *flags])  # fmt: skip
+    done = subprocess.run(
+        [*TORCHRUN, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out", str(out),
+         "--quiet", "--seed", str(SEED), *flags],
+        env=_env(COUNT_COLLECTIVES="1"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     want, round_losses = simulate(4, 2.0, 0.5, True, batch=10, epochs=2)
@@ -108,6 +114,11 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
         assert len(os.listdir(out / "tensorboard")) == 1
     for rank in (0, 1):
         assert (out / f"teardown-rank{rank}").read_text() == "left"
+        # per round: the outer step's all-reduce and the ranks' agreement on a stop signal;
+        # nothing per inner step (the rest: the start-up broadcast, snapshot and lock gathers)
+        collectives = json.loads((out / f"collectives-rank{rank}.json").read_text())
+        assert collectives["c10d::allreduce_"] == 2 * 3, collectives
+        assert collectives["c10d::broadcast_"] == 1, collectives
 
 
 # batch 9 on 2 ranks: shares of 5 and 4; 50 samples = 6 steps per epoch (the last of 5 samples),
