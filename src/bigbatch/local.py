@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bigbatch.engine import Accumulator, StepResult
+from bigbatch.engine import Accumulator, CountFn, StepResult
 from bigbatch.loss import LossFn
 from bigbatch.split import Batch
 from bigbatch.sync import wrapper_kind
@@ -220,12 +220,16 @@ class LocalAccumulation:
         """``True`` between rounds: every rank holds the same model (snapshots go here)."""
         return self._round.steps == 0
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> LocalStepResult:
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, count_fn: CountFn | None = None
+    ) -> LocalStepResult:
         """One exact inner step on this rank's ``batch``; the outer step after every λ-th.
 
         Args:
             batch: this rank's share of the global batch (any size; shares may differ).
             loss_fn: ``loss_fn(model, micro_batch)``, as for ``Accumulator.train_step``.
+            count_fn: optional ``count_fn(micro_batch)``, as for ``Accumulator.train_step``
+                (what the loss will count, e.g. tokens; this rank's micro-batches only).
 
         Returns:
             The inner ``StepResult`` and, when this step ended the round, the outer step's.
@@ -233,7 +237,7 @@ class LocalAccumulation:
         Raises:
             As ``Accumulator.train_step``; a failed inner step changes nothing here either.
         """
-        return self._after_inner(self.accumulator.train_step(batch, loss_fn))
+        return self._after_inner(self.accumulator.train_step(batch, loss_fn, count_fn=count_fn))
 
     def step(self) -> LocalStepResult:
         """The inner step of your own loop (after ``local.accumulator.backward(...)`` calls).

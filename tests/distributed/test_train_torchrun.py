@@ -46,6 +46,29 @@ def _train(launcher: list[str], out: Path, *flags: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def start_and_stop_rank0(
+    bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
+) -> tuple[subprocess.Popen, list[int]]:
+    """Start ``torchrun ... -m bigbatch *bigbatch_args`` on a ``tasks.killable`` task and wait
+    until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
+    launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
+    """
+    env = _env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
+    err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not (logs[0].exists() and logs[0].read_text().split()[-1:] == [str(stop_at)]):
+        assert proc.poll() is None, "the run ended before the kill point"
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    while not logs[1].exists():  # rank 1 has started its first micro-batch too
+        assert time.monotonic() < deadline, "rank 1 never started"
+        time.sleep(0.05)
+    return proc, [int(log.read_text().split()[0]) for log in logs]
+
+
 def _max_relative_error(want: dict, got: dict) -> float:
     return max(float((got[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
 
@@ -102,17 +125,9 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
     # rank 0 starts micro-batches 4+1 per step: number 8 is the second of step 4 (snapshot: 3)
-    env = _env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT="8")
-    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not (logs[0].exists() and logs[0].read_text().split()[-1:] == ["8"]):
-        assert proc.poll() is None, "the run ended before the kill point"
-        assert time.monotonic() < deadline, "the run never reached the kill point"
-        time.sleep(0.05)
-    for log in logs:  # the workers (torchrun starts each in its own session)
-        os.kill(int(log.read_text().split()[0]), signal.SIGKILL)
+    proc, workers = start_and_stop_rank0([*flags, "--out", str(run)], tmp_path, stop_at=8)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=60) != 0
     assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 3
 

@@ -89,6 +89,19 @@ def killable() -> bigbatch.Task:
     return task
 
 
+def fsdp_classify() -> bigbatch.Task:
+    """``classify`` with its model sharded by FSDP2 (``fully_shard``): under torchrun only. The
+    task joins the process group itself, as a task that shards its model must."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    task = classify()
+    fully_shard(task.model)
+    return task
+
+
 def not_a_task():
     return {"model": None}
 

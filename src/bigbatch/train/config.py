@@ -44,6 +44,7 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("constant", "cosine")
 BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
 RESUMES = (False, True, "auto")
+OUTER = ("outer_lr", "outer_momentum", "outer_nesterov")  # used only with local_steps > 1
 DEFAULT_BATCH_SIZE = 32
 MAX_SEED = 2**63 - 1
 
@@ -150,6 +151,32 @@ class TrainConfig:
     )
     eval_every: int = setting(0, "evaluate every N steps (0: only at the end)", resumable=True)
     device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
+    local_steps: int = setting(
+        1,
+        "under torchrun: optimizer steps (λ) each rank takes on its own share between two "
+        "exchanges. 1: the exact data-parallel step (DDP, one all-reduce per step). λ > 1: "
+        "local accumulation (Hermans et al. 2017), λ exact local steps per rank, then ONE "
+        "all-reduce of the ranks' updates normalised by λ: λ times fewer bytes and messages, "
+        "not the exact big-batch step; each rank keeps its own optimizer state; the log's "
+        "loss is rank 0's share, round_loss the round's over all ranks; snapshots, "
+        "evaluation and Ctrl-C wait for the round's end; not with FSDP",
+    )
+    outer_lr: float = setting(
+        1.0,
+        "with --local-steps λ > 1: the step taken along the ranks' averaged update, normalised "
+        "by λ: 1 is the paper's (one step's worth per round, about λ times slower per sample), "
+        "λ averages the ranks' models (local SGD, as PyTorch's post-local SGD model "
+        "averaging), 0.7·λ with --outer-momentum 0.9 --outer-nesterov is DiLoCo's",
+    )
+    outer_momentum: float = setting(
+        0.0,
+        "with --local-steps λ > 1: momentum of the outer step, in [0, 1): 0 is the paper's plain "
+        "rule and model averaging's, 0.9 DiLoCo's",
+    )
+    outer_nesterov: bool = setting(
+        False,
+        "with --local-steps λ > 1: Nesterov outer momentum (DiLoCo's; needs --outer-momentum)",
+    )
     shuffle: bool = setting(True, "reshuffle the training data every epoch")
     quiet: bool = setting(False, "no progress bar and no end-of-run table", resumable=True)
 
@@ -163,6 +190,7 @@ class TrainConfig:
             elif int not in typing.get_args(_types()[f.name]) + (_types()[f.name],):
                 _check_type(f.name, value, _types()[f.name])  # integers: _check_numbers
         _check_numbers(self)
+        _check_local(self)
         resolve_batch(self)  # contradictions are reported when the config is made
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,6 +229,39 @@ def _check_numbers(config: TrainConfig) -> None:
         raise ValueError(
             f"lr_scaling={config.lr_scaling!r} needs reference_batch_size, the batch size lr "
             "was tuned for: e.g. --reference-batch-size 256."
+        )
+
+
+def _check_local(config: TrainConfig) -> None:
+    """``local_steps`` and the outer settings (Note [local rounds] in ``train.rounds``)."""
+    steps = config.local_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"local_steps={steps!r} is not allowed: use a whole number >= 1, the optimizer steps "
+            "each rank takes between two exchanges (1, the default: the exact data-parallel step)."
+        )
+    if not (0 < config.outer_lr < math.inf):
+        raise ValueError(
+            f"outer_lr={config.outer_lr!r} is not allowed: use a positive number (1: the paper's "
+            "normalised update; the value of --local-steps: average the ranks' models)."
+        )
+    if not 0 <= config.outer_momentum < 1:
+        raise ValueError(
+            f"outer_momentum={config.outer_momentum!r} is not allowed: use a number in [0, 1) "
+            "(0: the plain outer rule; 0.9 with --outer-nesterov: DiLoCo's)."
+        )
+    if config.outer_nesterov and config.outer_momentum == 0:
+        raise ValueError(
+            "outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 (DiLoCo's), or "
+            "drop --outer-nesterov."
+        )
+    defaults = {f.name: f.default for f in fields(config)}
+    outer = [f"{k}={getattr(config, k)!r}" for k in OUTER if getattr(config, k) != defaults[k]]
+    if steps == 1 and outer:
+        raise ValueError(
+            f"{', '.join(outer)} has no effect with local_steps=1, the exact data-parallel step "
+            "(one all-reduce per step, no outer step): add --local-steps λ > 1 for local "
+            "accumulation, or drop it."
         )
 
 

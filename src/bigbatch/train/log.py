@@ -3,7 +3,9 @@
 ``RunLog.step(row)`` appends one row to ``DIR/metrics.csv``, writes the numbers to TensorBoard
 when it is installed (``DIR/tensorboard``), and advances the progress bar (rich, on stderr):
 loss, samples/s (tokens/s when the loss counts tokens), micro-batch x accumulation steps and
-peak memory.
+peak memory. Under ``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own
+share, and ``round_loss`` / ``round_count`` (at a round's last step) the whole round's over every
+rank (Note [local rounds] in ``train.rounds``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
     "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
     "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
+    "round_loss", "round_count",
 ]  # fmt: skip
 METRICS_CSV = "metrics.csv"
 
@@ -59,6 +62,7 @@ class RunLog:
                 "tokens_per_s",
                 "peak_bytes",
                 "metric",
+                "round_loss",
             ):
                 if row.get(key) not in (None, ""):
                     self._tensorboard.add_scalar(f"train/{key}", float(row[key]), int(row["step"]))

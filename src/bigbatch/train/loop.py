@@ -8,7 +8,9 @@ step) and the snapshot (``_save``, at step boundaries only: a run killed mid-win
 window from the same data and random state). The run folder is locked for the run's life
 (Note [one writer] in ``train.folder``); SIGINT / SIGTERM stop it cleanly (Note [clean stop] in
 ``train.signals``); a step with NaN or inf stops it before anything is written
-(Note [non-finite runs]).
+(Note [non-finite runs]). With ``local_steps > 1`` each rank takes local steps and the ranks
+exchange once per round; snapshots, evaluation and signals wait for a round's end (Note [local
+rounds] in ``train.rounds``).
 
 Note [non-finite runs]
     With ``nonfinite="raise"`` (the default) the engine refuses a window whose loss or gradient
@@ -40,12 +42,13 @@ from bigbatch._units import format_bytes
 from bigbatch._warnings import BigBatchWarning
 from bigbatch.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.engine import Accumulator, StepResult
+from bigbatch.local import LocalAccumulation
 from bigbatch.loss import as_sum_and_count
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.memory.peak import PeakProbe
 from bigbatch.split import batch_size as samples_in
 from bigbatch.stepping import NonFiniteError
-from bigbatch.train import resume
+from bigbatch.train import resume, rounds
 from bigbatch.train.config import (
     TrainConfig,
     make_config,
@@ -84,6 +87,7 @@ class _Run:
     ranks: distributed.Ranks
     folder: RunFolder
     acc: Accumulator
+    local: LocalAccumulation | None  # local_steps > 1 (Note [local rounds]); else DDP steps
     identity: dict[str, Any]
     batch_size: int
     steps_per_epoch: int
@@ -130,6 +134,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
+    rounds.check(config, ranks, task.model)
     with RunFolder(config.out, ranks) as folder, StopSignals(ranks.device) as stop:
         run = _prepare(task, config, ranks, folder)
         progress = _start(run)
@@ -162,9 +167,12 @@ def _train(run: _Run, progress: _Progress, log: RunLog | NullLog, stop: StopSign
     for step in range(progress.step + 1, run.total_steps + 1):
         samples, batch = next(batches)
         row = _step(run, progress, step, samples, batch)
-        log.step({**row, **_evaluate_every(run, step)})
+        ended = rounds.round_end(step, run.config.local_steps, run.total_steps)
+        log.step({**row, **_evaluate_every(run, step, ended)})
+        if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
+            continue
         signum = stop.requested()
-        if signum or _snapshot_due(run, step):
+        if signum or _snapshot_due(run, step, ended):
             _save(run, progress)
         if signum:
             raise Stopped(_stopped_line(run, progress, signum), signum)
@@ -177,7 +185,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     record = probe.reset()
     started = time.perf_counter()
     try:
-        result = run.acc.train_step(batch, run.task.loss_fn, count_fn=run.task.count_fn)
+        result, round_row = _train_step(run, step, batch)
     except NonFiniteError as exc:
         raise NonFiniteRun(f"step {step}: {exc} " + _last_good(run, progress)) from None
     except Exception as exc:
@@ -193,7 +201,19 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
             f"(skipped or applied); stopping. {_last_good(run, progress)}"
         )
     epoch = (step - 1) // run.steps_per_epoch
-    return _row(step, epoch, result, run.acc.optimizer, seconds, probe.finish(record), samples)
+    counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
+    row = _row(
+        step, epoch, result, run.acc.optimizer, seconds, probe.finish(record), samples, counted
+    )
+    return {**row, **round_row}
+
+
+def _train_step(run: _Run, step: int, batch: Any) -> tuple[StepResult, dict[str, Any]]:
+    """The exact data-parallel step, or this rank's local step (Note [local rounds])."""
+    task = run.task
+    if run.local is None:
+        return run.acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
+    return rounds.train_step(run.local, batch, task, last=step == run.total_steps)
 
 
 # ---------------------------------------------------------------------------- setting up
@@ -211,8 +231,9 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: 
         model, optimizer, resolve_batch(config)[1], scheduler, config.max_grad_norm,
         config.precision, config.memory_budget, nonfinite=config.nonfinite,
     )  # fmt: skip
-    return _Run(task, config, ranks, folder, acc, _identity(task, config, optimizer), batch_size,
-                steps_per_epoch, total_steps)  # fmt: skip
+    local = rounds.make_local(acc, config)
+    return _Run(task, config, ranks, folder, acc, local, _identity(task, config, optimizer),
+                batch_size, steps_per_epoch, total_steps)  # fmt: skip
 
 
 def _prepare_model(
@@ -225,6 +246,8 @@ def _prepare_model(
     if config.batchnorm != "keep":
         apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
+    if config.local_steps > 1:  # each rank steps its own replica (Note [local rounds])
+        return model.to(ranks.device)
     return distributed.wrap(model, ranks)
 
 
@@ -302,11 +325,16 @@ def _nothing_to_resume(config: TrainConfig, folder: RunFolder) -> None:
 def _restore(run: _Run, snapshot: resume.Snapshot) -> None:
     resume.check_same_run(snapshot.identity, run.identity, run.config.out)
     acc = run.acc
+    optimizer, engine = snapshot.optimizer, snapshot.engine
+    if snapshot.local is not None:  # each rank its own (Note [local rounds])
+        optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)
     distributed.unwrap(acc.model).load_state_dict(snapshot.model)
-    acc.optimizer.load_state_dict(snapshot.optimizer)
+    acc.optimizer.load_state_dict(optimizer)
     if acc.scheduler is not None and snapshot.scheduler is not None:
         acc.scheduler.load_state_dict(snapshot.scheduler)
-    acc.load_state_dict(snapshot.engine)
+    acc.load_state_dict(engine)
+    if run.local is not None and snapshot.local is not None:
+        run.local.load_state_dict(snapshot.local["outer"])
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
         warnings.warn(
@@ -356,9 +384,9 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
 
 def _row(
     step: int, epoch: int, result: StepResult, optimizer: torch.optim.Optimizer, seconds: float,
-    peak: Any, samples: int,
+    peak: Any, samples: int, counted: int,
 ) -> dict[str, Any]:  # fmt: skip
-    tokens = result.count != samples  # the loss counts tokens (or pixels), not samples
+    tokens = result.count != counted  # the loss counts tokens (or pixels), not samples
     # A step redone after running out of memory: the adopted attempt's peak, the retries' apart.
     step_peak = (
         result.peak_bytes
@@ -377,22 +405,25 @@ def _row(
     }  # fmt: skip
 
 
-def _snapshot_due(run: _Run, step: int) -> bool:
-    every = run.config.save_every and step % run.config.save_every == 0
-    return bool(every or step % run.steps_per_epoch == 0 or step == run.total_steps)
+def _snapshot_due(run: _Run, step: int, ended: int) -> bool:
+    """Due at a step (or, under local rounds, inside the ``ended`` steps of the round just ended)
+    that is a multiple of ``save_every``, an epoch's end or the run's last."""
+    saves = rounds.crossed(step, ended, run.config.save_every)
+    return saves or rounds.crossed(step, ended, run.steps_per_epoch) or step == run.total_steps
 
 
 def _save(run: _Run, progress: _Progress) -> None:
+    acc, is_main = run.acc, run.ranks.is_main
     rng = distributed.all_gather_object(_rng.capture_all())  # each rank's own
-    if not run.ranks.is_main:
+    local = rounds.capture(run.local, acc, is_main) if run.local is not None else None
+    if not is_main:
         return
     _check_finite(run, progress, "a snapshot")
-    acc = run.acc
     snapshot = resume.Snapshot(
         identity=run.identity, step=progress.step, total_steps=run.total_steps,
         model=distributed.unwrap(acc.model).state_dict(), optimizer=acc.optimizer.state_dict(),
         scheduler=acc.scheduler.state_dict() if acc.scheduler is not None else None,
-        engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s,
+        engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s, local=local,
     )  # fmt: skip
     resume.write_snapshot(
         run.folder.out, snapshot, run.config.keep_snapshots, progress.snapshot_step
@@ -491,9 +522,10 @@ def evaluate(
     return totals[0] / max(totals[1], 1e-30), metric
 
 
-def _evaluate_every(run: _Run, step: int) -> dict[str, Any]:
-    config = run.config
-    if not config.eval_every or step % config.eval_every or run.task.eval_data is None:
+def _evaluate_every(run: _Run, step: int, ended: int) -> dict[str, Any]:
+    """Evaluate at multiples of ``eval_every``; under local rounds, at the end of the round
+    (of ``ended`` steps) that holds one."""
+    if not rounds.crossed(step, ended, run.config.eval_every) or run.task.eval_data is None:
         return {}
     eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
     return {"eval_loss": eval_loss, "metric": metric if metric is not None else ""}

@@ -33,7 +33,8 @@ class Summary:
         peak_bytes: highest memory in use during a step (CUDA allocator, or CPU resident set).
         step_peak_bytes: highest memory a step added above what was in use before it; for a
             step redone after running out of memory, the attempt that succeeded.
-        final_loss: the last step's loss.
+        final_loss: the last step's loss (under ``--local-steps`` λ > 1: the last round's, over
+            every rank).
         eval_loss: loss on the task's eval data at the end (``None`` without eval data).
         metric: the task's metric on the eval data at the end (``None`` without one).
         batch_size: effective batch.
@@ -75,6 +76,9 @@ def summarize(
     samples = sum(int(r["samples"]) for r in rows)
     count = sum(float(r["count"]) for r in rows)
     tokens = count if any(r["tokens_per_s"] for r in rows) else None
+    ends = [r for r in rows if r.get("round_loss")]  # local rounds: a row's count is rank 0's
+    if ends:
+        tokens = sum(float(r["round_count"]) for r in ends) if tokens is not None else None
     time_s = max(time_s, 1e-9)
     retried = [int(r["retry_peak_bytes"]) for r in rows if r.get("retry_peak_bytes")]
     summary = Summary(
@@ -86,7 +90,9 @@ def summarize(
         tokens_per_s=None if tokens is None else tokens / time_s,
         peak_bytes=max((int(r["peak_bytes"]) for r in rows), default=0),
         step_peak_bytes=max((int(r["step_peak_bytes"]) for r in rows), default=0),
-        final_loss=float(rows[-1]["loss"]) if rows else float("nan"),
+        final_loss=float(ends[-1]["round_loss"] if ends else rows[-1]["loss"])
+        if rows
+        else float("nan"),
         eval_loss=evaluation[0],
         metric=evaluation[1],
         batch_size=batch_size,
@@ -186,7 +192,13 @@ def plot_run(out: str, path: str | None = None) -> str:
 
     steps = [int(r["step"]) for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
-    top.plot(steps, [float(r["loss"]) for r in rows], color="tab:blue", label="train loss")
+    ends = [r for r in rows if r.get("round_loss")]  # local rounds (Note [local rounds])
+    label = "train loss (rank 0's share)" if ends else "train loss"
+    top.plot(steps, [float(r["loss"]) for r in rows], color="tab:blue", label=label)
+    if ends:
+        round_steps = [int(r["step"]) for r in ends]
+        round_loss = [float(r["round_loss"]) for r in ends]
+        top.plot(round_steps, round_loss, "s-", color="tab:green", label="round loss (all ranks)")
     evals = [r for r in rows if r["eval_loss"]]
     if evals:
         eval_steps = [int(r["step"]) for r in evals]

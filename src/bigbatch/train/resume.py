@@ -7,7 +7,8 @@ scaler), every random generator of every rank (torch CPU and CUDA, numpy, Python
 are) and the run's identity. Under torchrun rank 0 writes it and every rank reads it: the run
 folder must be one that every node sees. A run killed mid-window redoes that window from the
 same data and the same random state, so the resumed run ends bitwise equal to an uninterrupted
-one on the CPU.
+one on the CPU. Under ``--local-steps`` λ > 1 snapshots are taken between rounds only, with
+every rank's optimizer state (Note [local rounds] in ``train.rounds``).
 
 ``DIR/snapshot.pt`` is always the newest; the ones before it are ``DIR/snapshot-<step>.pt``, and
 the newest ``keep`` snapshots are kept in all, so a bad late state (NaN weights are never
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 SNAPSHOT = "snapshot.pt"
-FORMAT = "bigbatch-snapshot-3"  # 3: one typed record; older snapshots kept beside the newest
+FORMAT = "bigbatch-snapshot-4"  # 4: local rounds (``local``, and their settings in the identity)
 _TEMP_PREFIX = ".snapshot.pt.tmp."
 _OLDER = re.compile(r"snapshot-(\d+)\.pt$")
 
@@ -61,6 +62,10 @@ class Snapshot:
         engine: ``Accumulator.state_dict()``.
         rng: every rank's random generators (``bigbatch._rng.capture_all``), indexed by rank.
         elapsed_s: training time so far, summed over earlier resumes.
+        local: under ``--local-steps`` λ > 1, taken between rounds: the outer state
+            (``LocalAccumulation.state_dict``) and every rank's inner optimizer and engine
+            state, indexed by rank (``optimizer`` and ``engine`` are then rank 0's); ``None``
+            otherwise (Note [local rounds] in ``train.rounds``).
         torch_version, num_threads: where it was written (a difference is warned about on resume:
             other kernels or another thread count can change the last bits of a float).
     """
@@ -74,6 +79,7 @@ class Snapshot:
     engine: dict[str, Any]
     rng: list[dict[str, Any]]
     elapsed_s: float
+    local: dict[str, Any] | None = None
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     num_threads: int = field(default_factory=torch.get_num_threads)
     format: str = FORMAT

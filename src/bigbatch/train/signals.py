@@ -7,6 +7,9 @@ Note [clean stop]
     second SIGINT (or SIGTERM) stops at once (``KeyboardInterrupt``), losing only the steps
     since the last snapshot. Under torchrun the ranks agree after each step, with one small
     all-reduce, on whether any of them was signalled, so they all stop after the same step.
+    Under ``--local-steps`` λ > 1 they agree only at a round's end (the ranks hold the same model
+    only there), so the run finishes the round in flight, up to λ - 1 more steps, before its
+    snapshot (Note [local rounds] in ``train.rounds``).
 """
 
 from __future__ import annotations
