@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_train_torchrun import HERE, TORCHRUN, _env, _run, start_and_stop_rank0
+from torchrun_runs import HERE, TORCHRUN, env, launch, start_and_stop_rank0
 
 from bigbatch import _rng
 from bigbatch.train.log import read_csv
@@ -90,7 +90,7 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
     done = subprocess.run(
         [*TORCHRUN, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out", str(out),
          "--quiet", "--seed", str(SEED), *flags],
-        env=_env(COUNT_COLLECTIVES="1"), capture_output=True, text=True, timeout=120,
+        env=env(COUNT_COLLECTIVES="1"), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -134,12 +134,12 @@ STOP_AT = 12
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "whole"
-    done = _run([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(out)])
+    done = launch([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
-def _assert_same_run(got, want) -> None:
+def _assert_samerun(got, want) -> None:
     a, b = torch.load(got / "model.pt"), torch.load(want / "model.pt")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the uninterrupted run"
@@ -159,9 +159,9 @@ def test_killed_mid_round_resumes_bitwise_equal(tmp_path, uninterrupted):
     assert len(snapshot["local"]["optimizers"]) == 2  # each rank's own AdamW state
     assert snapshot["local"]["outer"]["outer_steps"] == 1
 
-    done = _run([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(run), "--resume"])
+    done = launch([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(run), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
-    _assert_same_run(run, uninterrupted)
+    _assert_samerun(run, uninterrupted)
 
 
 def test_a_signal_mid_round_finishes_the_round_then_stops(tmp_path, uninterrupted):
@@ -177,13 +177,13 @@ def test_a_signal_mid_round_finishes_the_round_then_stops(tmp_path, uninterrupte
     assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 8
     assert [int(r["step"]) for r in read_csv(str(run / "metrics.csv"))] == list(range(1, 9))
 
-    done = _run([*TORCHRUN, "-m", "bigbatch", *args, "--resume"])
+    done = launch([*TORCHRUN, "-m", "bigbatch", *args, "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
-    _assert_same_run(run, uninterrupted)
+    _assert_samerun(run, uninterrupted)
 
 
 def test_a_sharded_task_model_is_refused(tmp_path):
-    done = _run([*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:fsdp_classify", "--out",
+    done = launch([*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:fsdp_classify", "--out",
                  str(tmp_path / "run"), "--local-steps", "4", "--quiet"])  # fmt: skip
     assert done.returncode != 0
     want = (

@@ -10,63 +10,23 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_runs import HERE, TORCHRUN, launch, start_and_stop_rank0
 
 from bigbatch.train.log import read_csv
 
 pytestmark = pytest.mark.slow  # real torchrun ranks
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent.parent / "src"
 TASK = f"{HERE.parent / 'train' / 'tasks.py'}:classify"  # float64 MLP, 50 samples, no dropout
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """This environment without a launcher's variables (torchrun sets its own), plus ``extra``."""
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=120)
 
 
 def _train(launcher: list[str], out: Path, *flags: str) -> None:
-    done = _run([*launcher, "train", TASK, "--out", str(out), "--quiet", "--seed", "3", *flags])
+    done = launch([*launcher, "train", TASK, "--out", str(out), "--quiet", "--seed", "3", *flags])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def start_and_stop_rank0(
-    bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
-) -> tuple[subprocess.Popen, list[int]]:
-    """Start ``torchrun ... -m bigbatch *bigbatch_args`` on a ``tasks.killable`` task and wait
-    until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
-    launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
-    """
-    env = _env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
-    err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
-    logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
-    deadline = time.monotonic() + 120
-    while not (logs[0].exists() and logs[0].read_text().split()[-1:] == [str(stop_at)]):
-        assert proc.poll() is None, "the run ended before the kill point"
-        assert time.monotonic() < deadline, "the run never reached the kill point"
-        time.sleep(0.05)
-    while not logs[1].exists():  # rank 1 has started its first micro-batch too
-        assert time.monotonic() < deadline, "rank 1 never started"
-        time.sleep(0.05)
-    return proc, [int(log.read_text().split()[0]) for log in logs]
 
 
 def _max_relative_error(want: dict, got: dict) -> float:
@@ -102,7 +62,7 @@ def test_two_ranks_equal_one_process(tmp_path, batch_size, micro_batch_size):
 
 def test_a_batch_smaller_than_the_ranks_is_refused(tmp_path):
     # 50 samples at 7: the last batch of the epoch holds 1 sample for 2 ranks
-    done = _run([*TORCHRUN, "-m", "bigbatch", "train", TASK, "--batch-size", "7", "--epochs", "1",
+    done = launch([*TORCHRUN, "-m", "bigbatch", "train", TASK, "--batch-size", "7", "--epochs", "1",
                  "--out", str(tmp_path), "--quiet"])  # fmt: skip
     assert done.returncode != 0
     assert (
@@ -121,7 +81,7 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
              "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3"]  # fmt: skip
     whole, run = tmp_path / "whole", tmp_path / "run"
-    done = _run([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(whole)])
+    done = launch([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(whole)])
     assert done.returncode == 0, done.stderr[-3000:]
 
     # rank 0 starts micro-batches 4+1 per step: number 8 is the second of step 4 (snapshot: 3)
@@ -131,7 +91,7 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     assert proc.wait(timeout=60) != 0
     assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 3
 
-    done = _run([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run), "--resume"])
+    done = launch([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     want, got = torch.load(whole / "model.pt"), torch.load(run / "model.pt")
     assert all(torch.equal(want[k], got[k]) for k in want)

@@ -1,0 +1,50 @@
+"""``bigbatch train`` under a real ``torchrun --nproc_per_node 2``: the launcher, the children's
+environment, and stopping rank 0 at a chosen micro-batch (shared by the torchrun trainer tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent.parent / "src"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's variables (torchrun sets its own), plus ``extra``."""
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def launch(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def start_and_stop_rank0(
+    bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
+) -> tuple[subprocess.Popen, list[int]]:
+    """Start ``torchrun ... -m bigbatch *bigbatch_args`` on a ``tasks.killable`` task and wait
+    until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
+    launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
+    """
+    child_env = env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
+    err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], env=child_env,
+                            stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not (logs[0].exists() and logs[0].read_text().split()[-1:] == [str(stop_at)]):
+        assert proc.poll() is None, "the run ended before the kill point"
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    while not logs[1].exists():  # rank 1 has started its first micro-batch too
+        assert time.monotonic() < deadline, "rank 1 never started"
+        time.sleep(0.05)
+    return proc, [int(log.read_text().split()[0]) for log in logs]
