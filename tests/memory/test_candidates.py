@@ -186,3 +186,13 @@ def test_candidate_policy_must_match_its_fraction():
         cand(8, [1.0], 10, "full", 0.0)
     with pytest.raises(ValueError, match=r"policy='none' with checkpointing=0\.5"):
         cand(8, [1.0], 10, "none", 0.5)
+
+
+def test_one_slow_step_does_not_widen_the_noise():
+    """A load spike during one timed step moves neither the median nor the noise: a
+    configuration 30% slower does not tie with the fastest because one of its steps was."""
+    fast = cand(16, [1.00, 1.01, 1.60], 80)  # one step hit by a load spike
+    slow = cand(4, [1.30, 1.31, 1.32], 20, "full", 1.0)
+    assert fast.noise_seconds == pytest.approx(0.02) and fast.seconds_per_step == 1.01
+    assert decide([fast, slow])[0] is fast
+    assert cand(8, [1.0, 1.1], 10).noise_seconds == pytest.approx(0.1)  # two steps: their range

@@ -7,9 +7,10 @@ measurement cost; ``decide`` chooses among candidates (Note [ties and headroom])
 Note [ties and headroom]
     Two configurations whose times differ by less than the noise of their measurements cannot
     be ordered: another run may order them the other way, and a choice that follows the order
-    flips between runs. The noise of a pair is the larger spread (max - min) of their timed
-    steps, and at least 2% of the faster time (below that, runs on one machine do not agree
-    either). Every fitting configuration within that noise of the fastest ties with it, and the
+    flips between runs. The noise of a pair is the larger spread of their timed steps (twice
+    the median absolute deviation from their median: a load spike during one step of three
+    does not widen it, as it does not move the median), and at least 2% of the faster time
+    (below that, runs on one machine do not agree either). Every fitting configuration within that noise of the fastest ties with it, and the
     tie goes to the most headroom: the lowest peak, where peaks within 2% of the lowest count as
     equal (a CPU reading moves by a few pages between runs; an equal choice must not follow
     them). Among those, the simplest wins: no checkpointing before a policy (selective, then
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,8 +86,12 @@ class Candidate:
 
     @property
     def noise_seconds(self) -> float:
-        """Spread (max - min) of the timed steps; 0 with fewer than two."""
-        return max(self.step_seconds) - min(self.step_seconds) if self.step_seconds else 0.0
+        """Twice the median absolute deviation of the timed steps from their median (the range
+        of two steps; one slow step of three does not widen it); 0 with fewer than two."""
+        if len(self.step_seconds) < 2:
+            return 0.0
+        middle = statistics.median(self.step_seconds)
+        return 2 * statistics.median(abs(t - middle) for t in self.step_seconds)
 
     @property
     def saves_nothing(self) -> bool:

@@ -4,9 +4,9 @@ Note [what the planner measures]
     Each configuration (micro-batch ``m``, checkpointing option: none, ``selective``, a fraction
     of whole-block recompute, ``offload`` on CUDA) runs real optimizer steps of the whole
     effective batch on a deep copy of the model and optimizer: one warm-up step, then ``steps``
-    timed steps (their median is the time, their spread the noise). Its peak is
-    ``measure_peak`` around all of it, so it counts what training needs above what was in use
-    before: the copy of the parameters, their gradients, the optimizer state and the
+    timed steps (their median is the time, their spread the noise: ``Candidate.noise_seconds``).
+    Its peak is ``measure_peak`` around all of it, so it counts what training needs above what
+    was in use before: the copy of the parameters, their gradients, the optimizer state and the
     activations of one micro-batch (accumulation keeps only the gradients between
     micro-batches). Within one option the peak grows about linearly with the micro-batch,
     ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the activations
