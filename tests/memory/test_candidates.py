@@ -114,6 +114,16 @@ def test_too_close_to_call_when_the_best_two_are_within_twice_their_noise():
     assert too_close_to_call([a]) == []
 
 
+def test_a_noisy_configuration_a_tie_could_turn_on_is_measured_again():
+    """Not only the best two: a slower configuration whose own steps scatter widely could tie
+    with the fastest and win on headroom, so it is measured again with the fastest."""
+    fastest, second = cand(16, [1.00, 1.01, 1.02], 85), cand(8, [1.10, 1.11, 1.12], 60)
+    noisy = cand(8, [0.9, 1.6, 2.3], 70, "full", 0.5)  # median 1.6, noise 1.4 s
+    assert too_close_to_call([fastest, second, noisy]) == [fastest, noisy]
+    many = [cand(m, [1.0 + m / 100, 1.3], 80 - m, "full", 1.0) for m in (1, 2, 4, 8, 16)]
+    assert [c.micro_batch_size for c in too_close_to_call(many)] == [1, 16, 8, 4]
+
+
 def test_explain_names_the_runner_up_and_why_it_lost():
     fast, close = cand(32, [1.00, 1.04], 80), cand(16, [1.03, 1.05], 50)
     text = explain([fast, close], close, 100 * MiB, 0.1)

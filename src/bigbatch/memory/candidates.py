@@ -16,10 +16,11 @@ Note [ties and headroom]
     them). Among those, the simplest wins: no checkpointing before a policy (selective, then
     full, then offload), fewer blocks checkpointed, then fewer micro-batches. The choice then
     rests on memory readings and on the configurations themselves, not on which of two equal
-    times came out lower. When the best two are not clearly apart (closer than twice their
-    noise), the planner measures the fastest few once more, in the reverse order of its first
-    pass, so a load that rose or fell while planning weighs on all of them alike, and the choice
-    is made on all their timed steps (``too_close_to_call``).
+    times came out lower. When a configuration is not clearly apart from the fastest (closer
+    than twice their noise), the planner measures the fastest and the configurations a tie
+    could turn on (the lowest peaks among those close, three at most) once more, in the
+    reverse order of its first pass, so a load that rose or fell while planning weighs on all
+    of them alike, and the choice is made on all their timed steps (``too_close_to_call``).
 """
 
 from __future__ import annotations
@@ -181,12 +182,16 @@ def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None
 
 
 def too_close_to_call(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The fastest few when the best two are closer than twice their noise; else ``[]``."""
+    """What a tie could turn on: the fastest, and (lowest peak first) up to three configurations
+    within twice their noise of it; ``[]`` when none is that close."""
     order = ranked(candidates)
-    if len(order) < 2 or _gap(order[1], order[0]) > 2 * noise_between(order[0], order[1]):
+    if not order:
         return []
-    close = [c for c in order if _gap(c, order[0]) <= 2 * noise_between(c, order[0])]
-    return close[:REMEASURED_AT_MOST]
+    fastest = order[0]
+    close = [c for c in order[1:] if _gap(c, fastest) <= 2 * noise_between(c, fastest)]
+    if not close:
+        return []
+    return [fastest, *sorted(close, key=lambda c: c.peak_bytes)[: REMEASURED_AT_MOST - 1]]
 
 
 def _simplest(c: Candidate) -> tuple[int, float, int]:
