@@ -38,7 +38,7 @@ def print_plan(result: Plan) -> None:
     console.print(table)
     say = functools.partial(console.print, markup=False)
     if any(c.remeasured for c in result.candidates):
-        say("* measured twice: the fastest were too close to call (Note [ties and headroom])")
+        say("* measured twice: too close to call (Note [ties and headroom])")
     if any(c.saves_nothing for c in result.candidates):
         say("! saves nothing measurable: within 2% of the same micro-batch without checkpointing")
     say(

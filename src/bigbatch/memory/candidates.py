@@ -224,8 +224,8 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     parts += _what_did_not_fit(candidates, choice, budget)
     if any(c.remeasured for c in candidates):
         parts.append(
-            "The fastest were too close to call and were measured again, in reverse order; "
-            "their times pool both passes."
+            "Configurations too close to call were measured again, in reverse order; their "
+            "times pool both passes."
         )
     parts += _saves_nothing(candidates)
     if naive is not choice and naive.seconds_per_step and choice.seconds_per_step:
