@@ -7,6 +7,7 @@ measurements are tested in test_planner.py.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -206,3 +207,11 @@ def test_one_slow_step_does_not_widen_the_noise():
     assert fast.noise_seconds == pytest.approx(0.02) and fast.seconds_per_step == 1.01
     assert decide([fast, slow])[0] is fast
     assert cand(8, [1.0, 1.1], 10).noise_seconds == pytest.approx(0.1)  # two steps: their range
+
+
+def test_a_load_that_changed_between_two_passes_is_not_noise():
+    once = cand(16, [1.00, 1.01, 1.02], 80)
+    twice = dataclasses.replace(once, step_seconds=(1.00, 1.01, 1.02, 1.40, 1.41, 1.42))
+    assert twice.noise_seconds == pytest.approx(0.4)  # as one pass: the drift would count
+    remeasured = dataclasses.replace(twice, remeasured=True)
+    assert remeasured.noise_seconds == pytest.approx(0.02)  # each pass: +-0.01 around its median

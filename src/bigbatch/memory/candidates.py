@@ -9,8 +9,9 @@ Note [ties and headroom]
     be ordered: another run may order them the other way, and a choice that follows the order
     flips between runs. The noise of a pair is the larger spread of their timed steps (twice
     the median absolute deviation from their median: a load spike during one step of three
-    does not widen it, as it does not move the median), and at least 2% of the faster time
-    (below that, runs on one machine do not agree either). Every fitting configuration within that noise of the fastest ties with it, and the
+    does not widen it, as it does not move the median; for a configuration measured twice, the
+    larger of its two passes', since a load that changed between the passes is no scatter),
+    and at least 2% of the faster time (below that, runs on one machine do not agree either). Every fitting configuration within that noise of the fastest ties with it, and the
     tie goes to the most headroom: the lowest peak, where peaks within 2% of the lowest count as
     equal (a CPU reading moves by a few pages between runs; an equal choice must not follow
     them). Among those, the simplest wins: no checkpointing before a policy (selective, then
@@ -88,11 +89,12 @@ class Candidate:
     @property
     def noise_seconds(self) -> float:
         """Twice the median absolute deviation of the timed steps from their median (the range
-        of two steps; one slow step of three does not widen it); 0 with fewer than two."""
-        if len(self.step_seconds) < 2:
-            return 0.0
-        middle = statistics.median(self.step_seconds)
-        return 2 * statistics.median(abs(t - middle) for t in self.step_seconds)
+        of two steps; one slow step of three does not widen it), the larger of the two passes'
+        when measured twice (a load that changed between passes is not scatter); 0 with fewer
+        than two steps."""
+        steps, half = self.step_seconds, len(self.step_seconds) // 2
+        passes = (steps[:half], steps[half:]) if self.remeasured else (steps,)
+        return max(_spread(p) for p in passes)
 
     @property
     def saves_nothing(self) -> bool:
@@ -112,6 +114,13 @@ class Candidate:
             f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps "
             + describe_option((self.policy, self.checkpointing))
         )
+
+
+def _spread(seconds: Sequence[float]) -> float:
+    if len(seconds) < 2:
+        return 0.0
+    middle = statistics.median(seconds)
+    return 2 * statistics.median(abs(t - middle) for t in seconds)
 
 
 def option_label(option: Option) -> str:
