@@ -168,12 +168,16 @@ def test_fit_predicts_the_peak(setting):
 # ---------------------------------------------------------------------------- repeated plans
 def plan_close_candidates() -> tuple:
     """A plan whose fastest configurations are close: micro-batch 16 x 2 and 32 x 1 of large
-    matrix products take about the same time (and checkpointing is clearly slower)."""
+    matrix products take about the same time, checkpointing is slower, and the weights dominate
+    every peak (all within 2%). Whether 16 x 2 and 32 x 1 tie or not, the choice is 32 x 1
+    without checkpointing (the simplest of a tie, or the fastest); only a load that changes by
+    more than the recompute's cost between two measurements (seen on a 2-core machine shared
+    with four other jobs) can make it otherwise."""
     torch.set_num_threads(1)
     batch = torch.randn(BATCH, 8, 512, generator=torch.Generator().manual_seed(2))
     result = plan(
         make_model(512, 3), batch, square_loss, micro_batch_sizes=[16, BATCH],
-        checkpointing=("none", "full"), steps=3,
+        checkpointing=("none", "full"), steps=5,
     )  # fmt: skip
     c = result.choice
     return (c.micro_batch_size, c.policy, c.checkpointing), [

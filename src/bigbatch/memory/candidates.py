@@ -21,7 +21,9 @@ Note [ties and headroom]
     than twice their noise), the planner measures the fastest and the configurations a tie
     could turn on (the lowest peaks among those close, three at most) once more, in the
     reverse order of its first pass, so a load that rose or fell while planning weighs on all
-    of them alike, and the choice is made on all their timed steps (``too_close_to_call``).
+    of them alike, and each takes the lower median of its two passes: another job's load only
+    ever slows a step down, so the less disturbed pass is the better estimate
+    (``too_close_to_call``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class Candidate:
         fits: whether ``peak_bytes`` is within the budget less the safety margin.
         measured: ``False`` when the size was only predicted (a smaller one already did not fit).
         out_of_memory: the measurement itself ran out of memory.
-        step_seconds: every timed step, in the order run (both passes when re-measured).
+        step_seconds: every timed step, in the order run (both passes when re-measured; then
+            ``seconds_per_step`` is the lower of the two passes' medians).
         saved_bytes: peak saved against no checkpointing at the same micro-batch (``None`` when
             not checkpointed or not both measured).
         remeasured: measured a second time because the best were too close to call.
@@ -233,8 +236,8 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     parts += _what_did_not_fit(candidates, choice, budget)
     if any(c.remeasured for c in candidates):
         parts.append(
-            "Configurations too close to call were measured again, in reverse order; their "
-            "times pool both passes."
+            "Configurations too close to call were measured again, in reverse order; each "
+            "takes the lower median of its two passes."
         )
     parts += _saves_nothing(candidates)
     if naive is not choice and naive.seconds_per_step and choice.seconds_per_step:

@@ -363,7 +363,7 @@ def _remeasure(setup: _Setup, first: Candidate) -> Candidate:
         return dataclasses.replace(second, remeasured=True)
     times = first.step_seconds + second.step_seconds
     peak = max(first.peak_bytes, second.peak_bytes)
-    t = statistics.median(times)
+    t = min(first.seconds_per_step or math.inf, second.seconds_per_step or math.inf)
     saved = None if first.saved_bytes is None else first.saved_bytes - (peak - first.peak_bytes)
     return dataclasses.replace(
         first, step_seconds=times, seconds_per_step=t, samples_per_s=count_samples(setup.batch) / t,
