@@ -225,9 +225,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "the timed steps) and samples/s. Memory is fitted as peak = a + b x micro-batch to "
         "predict sizes not run. Chooses the fastest configuration whose peak stays within the "
         "budget less the safety margin; times within the measured noise tie, and a tie goes to "
-        "the one with more headroom (what a tie could turn on is measured again when too close to "
-        "call). "
-        "Prints the table, the margin, the choice, the runner-up and why it lost.",
+        "the one with more headroom (what a tie could turn on is measured again when too close "
+        "to call). Prints the table, the margin, the choice, the runner-up and why it lost.",
     )
     plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
     plan.add_argument(
