@@ -6,7 +6,9 @@ CNN, one process measures side by side:
 * full batch B, a hand-written plain loop (zero_grad, forward, backward, step);
 * micro-batch m = B/k with k accumulation steps (``bigbatch.Accumulator``);
 * the same with every repeated block checkpointed (``bigbatch.enable_checkpointing``);
-* the planner's choice (``bigbatch.plan``) under a budget the full batch exceeds;
+* the planner's choice (``bigbatch.plan``, default options: none / selective / 50% / full, and
+  offload on CUDA; 10% safety margin) under a budget the full batch exceeds, with its table, its
+  runner-up and why it lost; ``--plans N`` plans N times and says whether the choice held;
 * one plain step of m samples (the memory reference for accumulation at micro-batch m).
 
 Then, on the GPT-2-like model, the checkpointing frontier: time per step against activation
@@ -29,6 +31,7 @@ Run:
     PYTHONPATH=src python benchmarks/memory.py                       # CPU, small models (~3 min)
     PYTHONPATH=src python benchmarks/memory.py --frontier-only --plot docs/frontier.png
     PYTHONPATH=src python benchmarks/memory.py --quick               # smoke test (seconds)
+    PYTHONPATH=src python benchmarks/memory.py --no-frontier --plans 3   # the planner's part
     PYTHONPATH=src python benchmarks/memory.py --device cuda --layers 12 --dim 768 --seq 1024 \\
         --batch 16 --cnn-width 128 --cnn-blocks 8 --image 128 --cnn-batch 64
 """
@@ -53,6 +56,7 @@ from _measure import device_name, median_seconds, print_table, synchronize  # no
 
 import bigbatch  # noqa: E402
 from bigbatch.console import print_plan  # noqa: E402
+from bigbatch.memory.candidates import noise_between, ranked  # noqa: E402
 from bigbatch.memory.peak import small_mmap_threshold  # noqa: E402
 from bigbatch.memory.planner import Plan  # noqa: E402
 from bigbatch.split import batch_size as count_samples  # noqa: E402
@@ -127,13 +131,14 @@ def measure(
     device: str,
     steps: int,
     keep_grads: bool = False,
+    policy: str = "full",
 ) -> dict[str, float]:
     """Peak and median step time of one configuration; ``micro=None`` is the hand-written loop."""
     n = count_samples(batch)
     with bigbatch.measure_peak(device) as peak:
         model = copy.deepcopy(template)
         if fraction > 0:
-            bigbatch.enable_checkpointing(model, fraction=fraction)
+            bigbatch.enable_checkpointing(model, fraction=fraction, policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if micro is None:
 
@@ -172,14 +177,20 @@ def run_model(
     rows["plain_m"] = measure(model, small, loss_fn, None, 0.0, dev, steps)
     rows["plain_m_kept"] = measure(model, small, loss_fn, None, 0.0, dev, steps, keep_grads=True)
     budget = int(args.budget_fraction * rows["full"]["peak"])
-    result = bigbatch.plan(model, batch, loss_fn, memory_budget=budget, steps=steps)
+    plans = [
+        bigbatch.plan(model, batch, loss_fn, memory_budget=budget, steps=steps)
+        for _ in range(args.plans)
+    ]
+    result = plans[0]
     print_plan(result)
     choice = result.choice
     rows["planner"] = measure(
-        model, batch, loss_fn, choice.micro_batch_size, choice.checkpointing, dev, steps
-    )
+        model, batch, loss_fn, choice.micro_batch_size, choice.checkpointing, dev, steps,
+        policy=choice.policy,
+    )  # fmt: skip
     print_rows(name, rows, B, m, args.k, choice, budget)
     print_targets(rows, result, budget)
+    print_stability(plans)
 
 
 def print_rows(name: str, rows: dict, B: int, m: int, k: int, choice: Any, budget: int) -> None:
@@ -189,7 +200,7 @@ def print_rows(name: str, rows: dict, B: int, m: int, k: int, choice: Any, budge
         "accumulated": f"{m} x {k} accumulated (bigbatch)",
         "checkpointed": f"{m} x {k} accumulated + checkpointing",
         "planner": f"planner, budget {budget / 2**20:,.0f} MiB: {choice.micro_batch_size} x "
-        f"{choice.gradient_accumulation_steps}, {choice.checkpointing:.0%} ckpt",
+        f"{choice.gradient_accumulation_steps}, checkpointing {choice.label}",
         "plain_m": f"one plain step of {m} samples (reference)",
         "plain_m_kept": "the same, gradients kept (zero_grad(set_to_none=False))",
     }
@@ -234,41 +245,58 @@ def print_targets(rows: dict, result: Plan, budget: int) -> None:
         print(
             f"- accumulation peak at micro-batch m / one plain step of m ({how}): {same:.3f} ({verdict} 5%)"
         )
-    fits = {f.checkpointing: f for f in result.fits}
+    fits = {f.label: f for f in result.fits}
     cost = ckpt["seconds"] / acc["seconds"] - 1
-    if 0.0 in fits and 1.0 in fits:
-        saving = 1 - fits[1.0].bytes_per_sample / fits[0.0].bytes_per_sample
-        half = (
-            1 - fits[0.5].bytes_per_sample / fits[0.0].bytes_per_sample
-            if 0.5 in fits
-            else float("nan")
-        )
+    if "none" in fits and "full" in fits:
+        base = fits["none"].bytes_per_sample
+        saved = {k: 1 - f.bytes_per_sample / base for k, f in fits.items() if k != "none"}
         print(
             f"- checkpointing every block: {cost:+.0%} time per step; activation memory per sample "
-            f"(slope of the planner's fit) {saving:.0%} lower (half the blocks: {half:.0%} lower); "
-            f"target <= +25% time where >= 50% saved: {'met' if cost <= 0.25 and saving >= 0.5 else 'NOT met'}"
+            "(slope of the planner's fit) lower by: "
+            + ", ".join(f"{k} {v:.0%}" for k, v in saved.items())
+            + f"; target <= +25% time where >= 50% saved: "
+            f"{'met' if cost <= 0.25 and saved['full'] >= 0.5 else 'NOT met'}"
         )
         print(
-            "- largest micro-batch within the budget, by checkpointed fraction: "
-            + ", ".join(
-                f"{f:.0%}: {fit.largest_fitting(budget)}" for f, fit in sorted(fits.items())
-            )
+            f"- largest micro-batch within the budget less the {result.margin:.0%} margin, by "
+            "option: "
+            + ", ".join(f"{k}: {f.largest_fitting(result.usable_bytes)}" for k, f in fits.items())
         )
     else:
         print(
             f"- checkpointing every block: {cost:+.0%} time per step (too few sizes fitted for a slope)"
         )
-    fitting = [c for c in result.candidates if c.fits and c.seconds_per_step]
-    fastest = all(result.choice.seconds_per_step <= c.seconds_per_step for c in fitting)
+    print_planner_check(rows, result, budget)
+
+
+def print_planner_check(rows: dict, result: Plan, budget: int) -> None:
+    """The choice against the plan's own measurements and against the table's rows."""
+    fitting = ranked(result.candidates)
+    fastest = fitting[0]
+    tied = result.choice.seconds_per_step - fastest.seconds_per_step <= noise_between(
+        result.choice, fastest
+    )
     others = [rows[k] for k in ("full", "accumulated", "checkpointed") if rows[k]["peak"] <= budget]
     best_other = min((r["seconds"] for r in others), default=float("inf"))
     ratio = rows["planner"]["seconds"] / best_other if others else float("nan")
     print(f"- planner: {result.reason}")
     print(
-        f"- planner's choice is the fastest of its {len(fitting)} measured configurations that fit: "
-        f"{'yes' if fastest else 'NO'}; re-measured, its time / the fastest fitting row above: "
-        f"{ratio:.2f} ({len(others)} rows fit the budget)"
+        f"- planner's choice among its {len(fitting)} measured configurations that fit the budget "
+        f"less the margin: {'the fastest' if fastest is result.choice else 'within the noise of the fastest' if tied else 'NOT within the noise of the fastest'}"
+        f" ({result.choice.seconds_per_step / fastest.seconds_per_step:.2f}x its time); peak "
+        f"{result.choice.peak_bytes / 2**20:,.1f} MiB of {result.usable_bytes / 2**20:,.1f} usable; "
+        f"re-measured, its time / the fastest fitting row above: {ratio:.2f} ({len(others)} rows "
+        "fit the budget)"
     )
+
+
+def print_stability(plans: list[Plan]) -> None:
+    """Whether repeated plans of the same model chose the same configuration."""
+    if len(plans) < 2:
+        return
+    choices = [p.choice.describe() for p in plans]
+    same = len(set(choices)) == 1
+    print(f"- {len(plans)} plans, same choice: {'yes' if same else 'NO'} ({'; '.join(choices)})")
 
 
 # --------------------------------------------------------------------------- the frontier
@@ -473,6 +501,13 @@ def main() -> None:
     )
     parser.add_argument("--plot", default=None, help="write the frontier plot to this PNG path")
     parser.add_argument(
+        "--no-frontier", action="store_true", help="only the tables: rows, planner, no frontier"
+    )
+    parser.add_argument(
+        "--plans", type=int, default=1, help="plans per model (more than 1: is the choice stable?)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch)")
+    parser.add_argument(
         "--quick", action="store_true", help="the frontier of a small model: a smoke test"
     )
     args = parser.parse_args()
@@ -482,14 +517,15 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
-        torch.set_num_threads(2)
+        torch.set_num_threads(args.threads)
         small_mmap_threshold().__enter__()  # Note [honest CPU peaks], for every row of this process
     print(f"# bigbatch memory benchmark on {device_name(args.device)} (torch {torch.__version__})")
     print("command: python benchmarks/memory.py " + " ".join(sys.argv[1:]))
     if args.model in ("both", "transformer"):
         if not args.frontier_only:
             run_model("GPT-2-like transformer", *gpt2(args, args.device), args)
-        run_frontier(*gpt2(args, args.device), args)
+        if not args.no_frontier:
+            run_frontier(*gpt2(args, args.device), args)
     if args.model in ("both", "cnn") and not args.frontier_only:
         run_model("ResNet-like CNN", *cnn(args, args.device), args)
 

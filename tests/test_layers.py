@@ -27,6 +27,7 @@ LAYERS = {
     "split": 0,
     "loss": 0,
     "memory": 0,
+    "memory.candidates": 0,  # the planner's choice between measured configurations: pure
     # layer 1: one optimizer step: the engine and its siblings
     "engine": 1,
     "precision": 1,

@@ -246,12 +246,16 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
         description="Run real optimizer steps of one effective batch of TASK (a deep copy of its "
-        "model and optimizer) at several micro-batch sizes, with 0%%, 50%% and 100%% of the "
-        "model's repeated blocks checkpointed. For each: the peak memory of a step (CUDA "
-        "allocator, or the CPU's resident-set high-water mark; model, gradients, optimizer state "
-        "and activations), the median time per optimizer step and samples/s. Memory is fitted "
-        "as peak = a + b x micro-batch to predict sizes not run. Prints the table, then the "
-        "fastest configuration whose peak fits the budget and why.",
+        "model and optimizer) at several micro-batch sizes, without checkpointing, with "
+        "selective checkpointing, and with 50%% and 100%% of the model's repeated blocks "
+        "recomputed (and offloaded to host memory on CUDA). For each: the peak memory of a step "
+        "(CUDA allocator, or the CPU's resident-set high-water mark; model, gradients, optimizer "
+        "state and activations), the median time per optimizer step, its noise (the spread of "
+        "the timed steps) and samples/s. Memory is fitted as peak = a + b x micro-batch to "
+        "predict sizes not run. Chooses the fastest configuration whose peak stays within the "
+        "budget less the safety margin; times within the measured noise tie, and a tie goes to "
+        "the one with more headroom (what a tie could turn on is measured again when too close "
+        "to call). Prints the table, the margin, the choice, the runner-up and why it lost.",
     )
     plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
     plan.add_argument(
@@ -262,12 +266,21 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="memory a step may use, e.g. 6GiB (default: the GPU's memory, or the CPU's available memory)",
     )  # fmt: skip
     plan.add_argument(
+        "--margin", type=float, default=0.1,
+        help="fraction of the budget kept free, in [0, 1) (default 0.1: peaks within 90%% of it)",
+    )  # fmt: skip
+    plan.add_argument(
         "--micro-batch-sizes", type=_int_list, default=None,
         help="comma-separated sizes to try, e.g. 1,2,4 (default: powers of two up to the batch)",
     )  # fmt: skip
     plan.add_argument(
-        "--checkpointing", type=_float_list, default=None,
-        help="comma-separated fractions of the blocks to checkpoint (default: 0,0.5,1)",
+        "--checkpointing", type=lambda text: [
+            float(part) if part.strip()[:1].isdigit() else part.strip()
+            for part in text.split(",") if part.strip()
+        ], default=None,
+        help="comma-separated options: fractions of the blocks recomputed whole and policy names "
+        "none, selective, full, offload (selective:0.5 for a fraction); default: "
+        "none,selective,0.5,1 (and offload on CUDA)",
     )  # fmt: skip
     plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
     plan.set_defaults(run=_run_plan)
@@ -289,6 +302,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         optimizer=(lambda params: factory(params, 1e-3)) if factory is not None else None,
         steps=args.steps,
+        margin=args.margin,
     )
     print_plan(result)
     return 0

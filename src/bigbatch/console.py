@@ -6,55 +6,85 @@ top, turns them into text with ``rich``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from bigbatch._units import format_bytes
 from bigbatch.check import CheckReport
+from bigbatch.memory.candidates import Candidate
 from bigbatch.memory.planner import Plan
 
 
-def _console() -> Any:
+def _console(width: int = 100) -> Any:
     from rich.console import Console
 
-    return Console(width=max(100, Console().width))
+    return Console(width=max(width, Console().width))
 
 
 def print_plan(result: Plan) -> None:
-    """Every configuration as a table, then the memory fits, the choice and why."""
+    """Every configuration as a table, then the margin, the memory fits, the choice and why."""
     from rich.table import Table
 
     table = Table(
-        title=f"bigbatch plan: batch {result.batch_size} on {result.device}, "
-        f"budget {format_bytes(result.memory_budget)}"
+        title=f"bigbatch plan: batch {result.batch_size} on {result.device}, budget "
+        f"{format_bytes(result.memory_budget)}, safety margin {result.margin:.0%}"
     )
-    for name in ("micro-batch", "steps", "ckpt", "peak MiB", "ms/step", "samples/s", "fits"):
-        table.add_column(name, justify="right")
+    headers = ("micro-batch", "steps", "checkpointing", "peak MiB", "saved MiB", "ms/step")
+    for name in (*headers, "noise", "samples/s", "fits"):
+        table.add_column(name, justify="right", no_wrap=True)
     for c in result.candidates:
-        peak = f"{c.peak_bytes / 2**20:,.0f}" + ("" if c.measured else " (fit)")
-        fits = "OOM" if c.out_of_memory else ("yes" if c.fits else "no")
-        table.add_row(
-            str(c.micro_batch_size),
-            str(c.gradient_accumulation_steps),
-            f"{c.checkpointing:.0%}",
-            "-" if c.out_of_memory else peak,
-            f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
-            f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
-            fits + (" <- chosen" if c is result.choice else ""),
-        )
-    console = _console()
+        table.add_row(*_plan_row(result, c))
+    console = _console(width=132)
     console.print(table)
-    for fit in result.fits:
-        console.print(
-            f"memory fit, {fit.checkpointing:.0%} checkpointed: peak ≈ "
-            f"{format_bytes(fit.base_bytes)} + {format_bytes(fit.bytes_per_sample)} x micro-batch; "
-            f"largest that fits: {fit.largest_fitting(result.memory_budget)}",
-            markup=False,
-        )
-    console.print(
-        f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
-        markup=False,
+    say = functools.partial(console.print, markup=False)
+    if any(c.remeasured for c in result.candidates):
+        say("* measured twice: too close to call (Note [ties and headroom])")
+    if any(c.saves_nothing for c in result.candidates):
+        say("! saves nothing measurable: within 2% of the same micro-batch without checkpointing")
+    say(
+        f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
+        f"{format_bytes(result.usable_bytes)} of the {format_bytes(result.memory_budget)} budget"
     )
-    console.print(f"why: {result.reason}", markup=False)
+    for fit in result.fits:
+        say(
+            f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
+            f"{format_bytes(fit.bytes_per_sample)} x micro-batch; largest that fits: "
+            f"{_largest(fit.largest_fitting(result.usable_bytes))}"
+        )
+    for skipped in result.skipped:
+        say(f"not tried: {skipped}")
+    say(f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})")
+    if result.runner_up is not None:
+        say(f"runner-up: {result.runner_up.describe()}")
+    say(f"why: {result.reason}")
+
+
+def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
+    """One table row: what was measured (or predicted) and how it compares."""
+    peak = f"{c.peak_bytes / 2**20:,.1f}" + ("" if c.measured else " (fit)")
+    saved = "-" if c.saved_bytes is None else f"{c.saved_bytes / 2**20:,.1f}"
+    seconds = c.seconds_per_step
+    if c.out_of_memory:
+        fits = "OOM"
+    else:
+        over = "no (margin)" if c.peak_bytes <= result.memory_budget else "no"
+        fits = "yes" if c.fits else over
+    mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
+    return (
+        str(c.micro_batch_size),
+        str(c.gradient_accumulation_steps),
+        c.label + ("*" if c.remeasured else ""),
+        "-" if c.out_of_memory else peak,
+        saved + ("!" if c.saves_nothing else ""),
+        f"{seconds * 1000:,.1f}" if seconds else "-",
+        f"±{c.noise_seconds / seconds:.0%}" if seconds and len(c.step_seconds) > 1 else "-",
+        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
+        fits + mark.get(id(c), ""),
+    )
+
+
+def _largest(size: int) -> str:
+    return "any" if size >= 2**31 else str(size)
 
 
 def print_check(report: CheckReport, title: str) -> None:

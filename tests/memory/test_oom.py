@@ -266,7 +266,8 @@ def test_fixed_micro_batch_over_budget_raises_and_changes_nothing(gen):
     net = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 3))
     net = net.double()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    acc = bigbatch.Accumulator(net, opt, micro_batch_size=512, memory_budget="4MiB")
+    # 12 MiB: above the gradients (8.1 MiB; below them the budget is refused as impossible)
+    acc = bigbatch.Accumulator(net, opt, micro_batch_size=512, memory_budget="12MiB")
     before = [p.detach().clone() for p in net.parameters()]
     batch = (
         torch.randn(1024, 256, generator=gen, dtype=torch.float64),
@@ -275,7 +276,7 @@ def test_fixed_micro_batch_over_budget_raises_and_changes_nothing(gen):
     ce = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
     with pytest.raises(
         MemoryBudgetExceeded,
-        match=r'micro_batch_size=512 used [0-9.]+ MiB, over memory_budget=4\.00 MiB; use micro_batch_size="auto"',
+        match=r'micro_batch_size=512 used [0-9.]+ MiB, over memory_budget=12\.00 MiB; use micro_batch_size="auto"',
     ):
         acc.train_step(batch, ce)  # 512 x 4096 float64 activations: 16 MiB each
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))

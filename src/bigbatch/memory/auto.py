@@ -15,8 +15,11 @@ Note [re-measure before shrinking]
     a failed attempt, or in the first step of a fresh process (a resumed run), carry pages that
     a warm process does not need. So an overrun at a size that has already completed a window
     is re-measured once in a fresh attempt of the same window before the size is given up;
-    only a second overrun shrinks it. Real allocator failures shrink at once. This keeps a
-    size that works, and lets a resumed run take the same decisions as an uninterrupted one.
+    only a second overrun shrinks it. That holds for the size a failed growth probe falls back
+    to as well: its first reading is the one taken right after the probe. Real allocator
+    failures shrink at once. This keeps a size that works, and lets a resumed run take the same
+    decisions as an uninterrupted one. (A window re-measures at most once: the re-measured size
+    is the largest known to fit, and a second overrun there forgets it.)
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def after_oom(state: AutoState, failed_size: int, measured: bool = False) -> Aut
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
     fits = state.fits if state.fits is not None and state.fits < failed_size else None
     size = fits if fits is not None else max(1, failed_size // 2)
-    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits)
+    # A fallback to a size that fit may re-measure once (Note [re-measure before shrinking]).
+    return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits, rechecked=False)
 
 
 def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> AutoState:

@@ -31,6 +31,11 @@ Note [honest CPU peaks]
     unmapped on their own. On exit the threshold goes back to glibc's initial 128 KiB; glibc has
     no call to turn its dynamic adjustment back on, so it stays off for the process (freed large
     blocks then go back to the system at once, which keeps later readings honest too).
+    A ``memory_budget`` on the CPU is enforced on these readings, so the engine's window meter
+    turns the adjustment off the same way (``fix_mmap_threshold()``, at glibc's initial 128 KiB)
+    when it is given one: otherwise the pages of a failed attempt stay in the heap and the next
+    reading of a size that fit follows them (measured: a size that fit read 17 to 26 MiB from
+    window to window against a 25 MiB budget; with the threshold fixed, within 1%).
 
 Note [one counter per process]
     ``_open_probes`` is module state on purpose: the counters a probe reads (``VmHWM``, the CUDA
@@ -204,6 +209,12 @@ def small_mmap_threshold() -> Iterator[None]:
         yield
     finally:
         _mallopt_mmap_threshold(128 * 1024)  # glibc's initial value
+
+
+def fix_mmap_threshold() -> None:
+    """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB (Note
+    [honest CPU peaks]); a no-op where the C library is not glibc."""
+    _mallopt_mmap_threshold(128 * 1024)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number

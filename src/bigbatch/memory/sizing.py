@@ -26,7 +26,7 @@ import torch
 from bigbatch._units import format_bytes
 from bigbatch.memory import auto
 from bigbatch.memory.oom import MemoryBudgetExceeded
-from bigbatch.memory.peak import PeakMemory, PeakProbe
+from bigbatch.memory.peak import PeakMemory, PeakProbe, fix_mmap_threshold
 from bigbatch.split import check_micro_batch_size
 
 
@@ -174,6 +174,8 @@ class WindowMeter:
         self.active = budget is not None or always
         self._probe = PeakProbe(device) if self.active else None
         self._record: PeakMemory | None = None
+        if budget is not None and device.type == "cpu":
+            fix_mmap_threshold()  # Note [honest CPU peaks]: a failed attempt's pages leave
 
     def start(self) -> None:
         """Begin measuring an attempt."""
@@ -188,10 +190,12 @@ class WindowMeter:
         if used > self.budget and self.auto and self.gradient_bytes >= self.budget:
             raise ValueError(
                 f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
-                f"the gradients alone take {format_bytes(self.gradient_bytes)} (this attempt used "
-                f"{format_bytes(used)}). Raise the budget (memory_budget= / --memory-budget) "
-                "above the gradients plus one sample's activations, train fewer parameters, or "
-                "use a lower precision."
+                f"the gradients alone take {format_bytes(self.gradient_bytes)}, in every window "
+                f"whatever its micro-batch (this attempt used {format_bytes(used)}; the "
+                f"trained parameters ({format_bytes(self.gradient_bytes)}) and the optimizer state, in "
+                "use before the step, are not counted). Raise the budget (memory_budget= / "
+                "--memory-budget) above the gradients plus one sample's activations, train fewer "
+                "parameters, or use a lower precision."
             )
         if used > self.budget:
             raise MemoryBudgetExceeded(

@@ -1,0 +1,32 @@
+"""benchmarks/memory.py's planner part runs: the plan's table, its margin, its runner-up, the
+planner row beside the others and whether repeated plans chose alike (tiny model, seconds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "--layers 2 --dim 64 --seq 16 --vocab 128 --batch 4 --steps 2 --plans 2 --threads 1"
+
+
+@pytest.mark.slow  # a subprocess planning a tiny GPT-2 twice (~10 s on 2 idle cores)
+def test_memory_benchmark_planner_part_prints_the_plan_and_its_stability() -> None:
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--model", "transformer"]
+    done = subprocess.run(
+        command + ["--no-frontier", *TINY.split()],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())
+    assert "safety margin 10%" in out and "<- chosen" in out and "Runner-up:" in out
+    assert "planner, budget" in out and "checkpointing" in out
+    assert "- planner's choice among its" in out and "configurations that fit the budget" in out
+    assert "- 2 plans, same choice: " in out
+    assert "Checkpointing frontier" not in out  # --no-frontier
