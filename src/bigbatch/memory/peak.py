@@ -49,17 +49,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
 from bigbatch._units import format_bytes
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -208,41 +204,11 @@ def _reset_rss_high_water_mark() -> bool:
 def small_mmap_threshold() -> Iterator[None]:
     """Inside the block, glibc maps every allocation over 64 KiB on its own (Note [honest CPU
     peaks]); a no-op where the C library is not glibc."""
-    _mallopt_mmap_threshold(SMALL_MMAP_THRESHOLD)
+    _mallopt_mmap_threshold(64 * 1024)
     try:
         yield
     finally:
         _mallopt_mmap_threshold(128 * 1024)  # glibc's initial value
-
-
-def run_with_fast_malloc(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread of its own with glibc's mmap threshold at 32 MiB, where its dynamic
-    threshold settles in a training loop; for timing steps inside ``small_mmap_threshold()``
-    (Note [timing apart from peaks]). Exceptions are raised here. On CUDA or without glibc the
-    threshold call is a no-op and only the thread remains."""
-    out: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:  # handed to the caller
-            errors.append(exc)
-
-    _mallopt_mmap_threshold(FAST_MMAP_THRESHOLD)
-    try:
-        thread = threading.Thread(target=target, name="bigbatch-timing")
-        thread.start()
-        thread.join()
-    finally:
-        _mallopt_mmap_threshold(SMALL_MMAP_THRESHOLD)
-    if errors:
-        raise errors[0]
-    return out[0]
-
-
-SMALL_MMAP_THRESHOLD = 64 * 1024
-FAST_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest dynamic threshold on 64-bit
 
 
 def fix_mmap_threshold() -> None:

@@ -3,12 +3,12 @@
 Note [what the planner measures]
     Each configuration (micro-batch ``m``, checkpointing option: none, ``selective``, a fraction
     of whole-block recompute, ``offload`` on CUDA) runs real optimizer steps of the whole
-    effective batch on a deep copy of the model and optimizer. Its peak is ``measure_peak``
-    around the copy and two steps (the second with the optimizer's state in memory), so it counts
-    what training needs above what was in use before: the copy of the parameters, their
-    gradients, the optimizer state and the activations of one micro-batch (accumulation keeps
-    only the gradients between micro-batches). Then one warm-up step and ``steps`` timed steps
-    (their median is the time, their spread the noise: ``Candidate.noise_seconds``). Within one option the peak grows about linearly with the micro-batch,
+    effective batch on a deep copy of the model and optimizer: one warm-up step, then ``steps``
+    timed steps (their median is the time, their spread the noise: ``Candidate.noise_seconds``).
+    Its peak is ``measure_peak`` around all of it, so it counts what training needs above what
+    was in use before: the copy of the parameters, their gradients, the optimizer state and the
+    activations of one micro-batch (accumulation keeps only the gradients between
+    micro-batches). Within one option the peak grows about linearly with the micro-batch,
     ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the activations
     per sample. Sizes are measured smallest first; once one does not fit, the larger ones of
     that option are not run, only predicted by the fit.
@@ -21,19 +21,8 @@ Note [safety margin]
 
 Note [ties and headroom] (in ``bigbatch.memory.candidates``) decides between the fitting ones.
 
-Note [timing apart from peaks]
-    On the CPU, honest peaks need glibc to map every tensor over 64 KiB on its own (Note [honest
-    CPU peaks]), and a step timed that way maps and faults in its activations again each time:
-    measured, 1.5-2x the time of the same step in training and 10-26% noise, which made three
-    plans of one CNN choose three configurations. So the timed steps run with the 32 MiB
-    threshold a training loop settles at, on a thread of their own: glibc gives a new thread its
-    own arena, so the heap those steps leave behind is not the one the next configuration's peak
-    is read from. (Timed on the main thread instead, the leftover heap made later readings creep:
-    micro-batch 16 read 15.0, 16.3, then 26.5 MiB in three plans; on the thread, 15.1 each time.)
-
 Note [honest CPU peaks] (in ``bigbatch.memory.peak``)
-    On the CPU the planner reads peaks inside ``small_mmap_threshold()`` (and times steps apart
-    from them: Note [timing apart from peaks]), and first runs one untimed
+    On the CPU the planner measures inside ``small_mmap_threshold()``, and first runs one untimed
     micro-batch per checkpointing option so that one-time allocations (thread pools, kernel
     caches, checkpointing's machinery) are not charged to the first configuration measured.
     The process's malloc settings are put back when ``plan`` returns.
@@ -44,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import math
 import statistics
 import time
@@ -73,12 +61,7 @@ from bigbatch.memory.candidates import (
 )
 from bigbatch.memory.checkpointing import enable_checkpointing, find_blocks
 from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.memory.peak import (
-    measure_peak,
-    resolve_device,
-    run_with_fast_malloc,
-    small_mmap_threshold,
-)
+from bigbatch.memory.peak import measure_peak, resolve_device, small_mmap_threshold
 from bigbatch.split import Batch, split
 from bigbatch.split import batch_size as count_samples
 
@@ -302,19 +285,20 @@ def _measure(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
     n = count_samples(setup.batch)
     k = math.ceil(n / micro_batch_size)
     policy, fraction = option
+    seconds: list[float] = []
     try:
         with measure_peak(setup.device) as peak:
             net, opt = _copy(setup.model, setup.optimizer)
             if policy != "none":
                 enable_checkpointing(net, fraction=fraction, policy=policy)
             acc = Accumulator(net, opt, micro_batch_size=micro_batch_size)
-            for _ in range(2):  # the second runs with the optimizer's state in memory
+            for step in range(setup.steps + 1):  # the first is a warm-up
+                start = time.perf_counter()
                 acc.train_step(setup.batch, setup.loss_fn)
-        if setup.device.type == "cpu":  # Note [timing apart from peaks]
-            seconds = run_with_fast_malloc(functools.partial(_time_steps, setup, acc))
-        else:
-            seconds = _time_steps(setup, acc)
-        del net, opt, acc
+                if setup.device.type == "cuda":
+                    torch.cuda.synchronize(setup.device)
+                seconds += [time.perf_counter() - start] if step else []
+            del net, opt, acc
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
@@ -331,18 +315,6 @@ def _measure(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
         policy=policy, peak_bytes=peak.peak_bytes, seconds_per_step=t, samples_per_s=n / t,
         fits=peak.peak_bytes <= setup.usable, step_seconds=tuple(seconds),
     )  # fmt: skip
-
-
-def _time_steps(setup: _Setup, acc: Accumulator) -> list[float]:
-    """Seconds of ``steps`` optimizer steps, after one untimed step."""
-    seconds: list[float] = []
-    for step in range(setup.steps + 1):
-        start = time.perf_counter()
-        acc.train_step(setup.batch, setup.loss_fn)
-        if setup.device.type == "cuda":
-            torch.cuda.synchronize(setup.device)
-        seconds += [time.perf_counter() - start] if step else []
-    return seconds
 
 
 def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) -> None:
