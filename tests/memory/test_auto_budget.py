@@ -9,10 +9,9 @@ would change them.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import fresh
 import pytest
 import torch
 import torch.nn as nn
@@ -21,20 +20,13 @@ import bigbatch
 from bigbatch.memory.auto import AutoState, after_oom, after_success
 from bigbatch.memory.peak import small_mmap_threshold
 
-HERE = Path(__file__).resolve().parent
 MiB = 2**20
 
 
 def in_a_fresh_process(call: str, out: Path) -> object:
     """Run ``test_auto_budget.<call>`` (e.g. ``"train(123)"``) in a new Python process; read
     back its result."""
-    code = f"import torch, test_auto_budget as t; torch.save(t.{call}, {str(out)!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE)])}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    return fresh.in_a_fresh_process("test_auto_budget", call, out)
 
 
 class Block(nn.Module):

@@ -9,12 +9,10 @@ seconds. The rules of the choice itself are pinned without timings in test_candi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import fresh
 import pytest
 import torch
 import torch.nn as nn
@@ -25,7 +23,6 @@ from bigbatch.memory import planner
 from bigbatch.memory.candidates import noise_between, ranked
 from bigbatch.memory.planner import fit_memory, plan
 
-HERE = Path(__file__).resolve().parent
 BATCH = 32
 SIZES = [4, 16, 32]
 
@@ -56,19 +53,9 @@ def square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def in_a_fresh_process(function: str, out: Path) -> object:
-    """Run ``test_planner.<function>()`` in a new Python process and read back its result.
-
-    The CPU readings are resident-set high-water marks, and a process that earlier tests have
-    used (large allocations move glibc's dynamic mmap threshold and leave free heap behind)
-    reads peaks too low to separate the configurations; a fresh one reads them as a user's would.
-    """
-    code = f"import torch, test_planner; torch.save(test_planner.{function}(), {str(out)!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE)])}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    """Run ``test_planner.<function>()`` in a new Python process and read back its result: a
+    fresh process reads peaks as a user's would (``fresh``)."""
+    return fresh.in_a_fresh_process("test_planner", f"{function}()", out)
 
 
 # ---------------------------------------------------------------------------- the setting

@@ -1,0 +1,29 @@
+"""Run a test module's function in a new Python process and read back its result.
+
+CPU peak readings are resident-set high-water marks, and a process that earlier tests have used
+(large allocations move glibc's dynamic mmap threshold and leave free heap behind) reads peaks
+that a user's fresh process would not; a new process reads them as a user's would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def in_a_fresh_process(module: str, call: str, out: Path) -> object:
+    """Evaluate ``<module>.<call>`` (e.g. ``"train_under(123)"``) in a new process with
+    ``tests/memory`` and ``src`` on its path; return what it returned (through ``out``)."""
+    code = f"import torch, {module} as m; torch.save(m.{call}, {str(out)!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE)])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
