@@ -213,14 +213,12 @@ def _check_numbers(config: TrainConfig) -> None:
             f"steps={config.steps} and epochs={config.epochs} are both given: choose one "
             "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
         )
-    if not (0 < config.lr < math.inf):
-        raise ValueError(
-            f"lr={config.lr!r} is not allowed: use a positive number (finite), e.g. lr=3e-4."
-        )
-    if config.max_grad_norm is not None and not (0 < config.max_grad_norm < math.inf):
-        raise ValueError(
-            f"max_grad_norm={config.max_grad_norm!r} is not allowed: use a positive number "
-            "(finite, e.g. 1.0), or leave it out for no clipping."
+    _check_positive_finite("lr", config.lr, "(finite), e.g. lr=3e-4.")
+    if config.max_grad_norm is not None:
+        _check_positive_finite(
+            "max_grad_norm",
+            config.max_grad_norm,
+            "(finite, e.g. 1.0), or leave it out for no clipping.",
         )
     if not 0 <= config.seed <= MAX_SEED:
         raise ValueError(f"seed={config.seed} is not allowed: use an integer from 0 to 2**63 - 1.")
@@ -240,11 +238,11 @@ def _check_local(config: TrainConfig) -> None:
             f"local_steps={steps!r} is not allowed: use a whole number >= 1, the optimizer steps "
             "each rank takes between two exchanges (1, the default: the exact data-parallel step)."
         )
-    if not (0 < config.outer_lr < math.inf):
-        raise ValueError(
-            f"outer_lr={config.outer_lr!r} is not allowed: use a positive number (1: the paper's "
-            "normalised update; the value of --local-steps: average the ranks' models)."
-        )
+    _check_positive_finite(
+        "outer_lr",
+        config.outer_lr,
+        "(1: the paper's normalised update; the value of --local-steps: average the ranks' models).",
+    )
     if not 0 <= config.outer_momentum < 1:
         raise ValueError(
             f"outer_momentum={config.outer_momentum!r} is not allowed: use a number in [0, 1) "
@@ -427,6 +425,11 @@ def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if not any(value == a and type(value) is type(a) for a in allowed):  # "1" is not 1, 1 not True
         shown = ", ".join(repr(a) for a in allowed if a is not None)
         raise ValueError(f"{name}={value!r} is not allowed: use one of {shown}.")
+
+
+def _check_positive_finite(name: str, value: float, advice: str) -> None:
+    if not (0 < value < math.inf):
+        raise ValueError(f"{name}={value!r} is not allowed: use a positive number {advice}")
 
 
 def _check_positive_int(name: str, value: Any, zero: bool = False, auto: bool = False) -> None:
