@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import reference
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,22 +44,18 @@ TOL = 1e-10
 
 
 def full_batch_step(model, opt, encode, batch_loss, batch, chunk=None, sched=None, max_norm=None):
-    """One plain step on the whole batch; ``chunk``: encode it in chunks, in one graph (dropout)."""
-    opt.zero_grad(set_to_none=True)
-    n = len(batch["x"])
-    chunk = chunk or n
-    parts = [
-        encode(model, {k: v[i : i + chunk] for k, v in batch.items()}) for i in range(0, n, chunk)
-    ]
-    out = batch_loss(concat_reps(parts), batch)
-    loss = out[0] / out[1] if isinstance(out, tuple) else out
-    loss.backward()
-    if max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    opt.step()
-    if sched is not None:
-        sched.step()
-    return float(loss.detach())
+    """``reference.full_batch_step`` of the plain batch loss; ``chunk``: encode the batch in
+    chunks, in one graph (dropout)."""
+
+    def loss_fn(model, batch):
+        n = len(batch["x"])
+        size = chunk or n
+        parts = [
+            encode(model, {k: v[i : i + size] for k, v in batch.items()}) for i in range(0, n, size)
+        ]
+        return batch_loss(concat_reps(parts), batch)
+
+    return reference.full_batch_step(model, opt, loss_fn, batch, sched, max_norm)
 
 
 def _twins(dropout=0.0, opt="sgd_momentum", kind="clip", temperature="encode"):
