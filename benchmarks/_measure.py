@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.memory.peak import measure_peak
+from bigbatch.core.peak import measure_peak
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -1,4 +1,4 @@
-"""How long `bigbatch.check` takes on models of a few million parameters (CPU).
+"""How long `bigbatch.verifier._check` takes on models of a few million parameters (CPU).
 
 For each model it prints the time of one `check` and, measured in the same run, the time of one
 plain float64 forward + backward of the same batch (the median of three), and their ratio: what

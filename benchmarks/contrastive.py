@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import device_name, mib, peak_bytes, print_table  # noqa: E402
 
 import bigbatch  # noqa: E402
-from bigbatch.memory.peak import small_mmap_threshold  # noqa: E402
+from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
 
 HAS_SENTENCE_TRANSFORMERS = importlib.util.find_spec("sentence_transformers") is not None
 SCALE = 20.0  # MultipleNegativesRankingLoss's default (temperature 0.05)

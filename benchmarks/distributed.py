@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 import bigbatch  # noqa: E402
-from bigbatch.loss import as_sum_and_count  # noqa: E402
-from bigbatch.split import batch_size, split  # noqa: E402
+from bigbatch.core.loss import as_sum_and_count  # noqa: E402
+from bigbatch.core.split import batch_size, split  # noqa: E402
 
 KS = (1, 4, 16)
 

@@ -57,7 +57,7 @@ sys.path.insert(0, HERE)
 from _measure import print_table  # noqa: E402
 
 from bigbatch import Accumulator  # noqa: E402
-from bigbatch.demo import Digits, load_digits  # noqa: E402
+from bigbatch.app.demo import Digits, load_digits  # noqa: E402
 from bigbatch.distributed import LocalAccumulation  # noqa: E402
 
 

@@ -55,11 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import device_name, median_seconds, print_table, synchronize  # noqa: E402
 
 import bigbatch  # noqa: E402
-from bigbatch.console import print_plan  # noqa: E402
-from bigbatch.memory.candidates import noise_between, ranked  # noqa: E402
-from bigbatch.memory.peak import small_mmap_threshold  # noqa: E402
+from bigbatch.app.console import print_plan  # noqa: E402
+from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
+from bigbatch.core.split import batch_size as count_samples  # noqa: E402
+from bigbatch.memory._candidates import noise_between, ranked  # noqa: E402
 from bigbatch.memory.planner import Plan  # noqa: E402
-from bigbatch.split import batch_size as count_samples  # noqa: E402
 
 # samples/s, MB: batch 4; 1 x 4 accumulated; the same plus checkpointing.
 REFERENCE = {"full": (8.86, 14949), "accumulated": (7.75, 8681), "checkpointed": (5.99, 6775)}

@@ -7,7 +7,7 @@ query with its document among all the other documents of the batch. Every sample
 on the whole batch, so plain accumulation is wrong: micro-batches of 32 would train with 31
 negatives, not 255. ``bigbatch.cached_loss`` splits the loss into ``encode`` (per micro-batch)
 and ``info_nce`` (once, over the whole batch's embeddings) and accumulates it exactly. The script
-first asks ``bigbatch.check`` about both ways of writing the loss, then trains with batches of
+first asks ``bigbatch.verifier._check`` about both ways of writing the loss, then trains with batches of
 256 in micro-batches of 32 and reports retrieval accuracy on held-out pairs.
 """
 

@@ -24,7 +24,7 @@ from models import (
 )
 
 import bigbatch
-from bigbatch.loss import token_cross_entropy
+from bigbatch.core.loss import token_cross_entropy
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),

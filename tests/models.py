@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bigbatch.loss import token_cross_entropy
+from bigbatch.core.loss import token_cross_entropy
 
 VOCAB = 17
 PAD = -100

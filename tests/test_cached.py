@@ -32,7 +32,7 @@ from contrastive import Block, concat_reps, losses, pairs, two_tower
 from reference import max_relative_error
 
 import bigbatch
-from bigbatch.loss import WindowLoss, as_sum_and_count
+from bigbatch.core.loss import WindowLoss, as_sum_and_count
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9, nesterov=True),

@@ -1,4 +1,4 @@
-"""bigbatch.check against models whose exactness we know, and the `bigbatch check` command."""
+"""bigbatch.verifier._check against models whose exactness we know, and the `bigbatch check` command."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from models import (
 )
 
 import bigbatch
-from bigbatch.check import NotExactError, check
-from bigbatch.cli import main
+from bigbatch.app.cli import main
+from bigbatch.verifier._check import NotExactError, check
 
 
 class CountingBlock(nn.Module):

@@ -1,4 +1,4 @@
-"""bigbatch.check on stock transformers models built from small configs, default settings otherwise.
+"""bigbatch.verifier._check on stock transformers models built from small configs, default settings otherwise.
 
 Each model family is built with tiny sizes (hidden 16, 2 layers, vocab 32) and its config's
 defaults for everything else: key/value caches on (``use_cache=True``), the attention
@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 import bigbatch
-from bigbatch._check_probes import probe_coupling
-from bigbatch._check_runs import copy_float64, seeded
-from bigbatch.check import check
+from bigbatch.verifier._check import check
+from bigbatch.verifier._probes import probe_coupling
+from bigbatch.verifier._runs import copy_float64, seeded
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: pip install -e '.[test]'"

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from bigbatch.cli import main
-from bigbatch.train.resume import FORMAT
+from bigbatch.app.cli import main
+from bigbatch.app.resume import FORMAT
 
 TASKS = os.path.join(os.path.dirname(__file__), "train", "tasks.py")
 
@@ -27,7 +27,7 @@ def test_help_lists_the_subcommands(capsys):
 
 
 def test_train_help_has_examples_and_every_setting(capsys):
-    from bigbatch.train.config import field_names
+    from bigbatch.app.config import field_names
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -1,5 +1,5 @@
 """One clear line, never a traceback, for every user error of the command line (Note [error
-boundary] in bigbatch.cli), provoked for real: a run folder that is a file, on a read-only or
+boundary] in bigbatch.app.cli), provoked for real: a run folder that is a file, on a read-only or
 full filesystem (small tmpfs mounts; skipped where mounting is refused), a device that is not
 there, memory that runs out, bad TOML, bad tasks, and the user's own bugs, which keep their
 location. Each case also checks that nothing on disk changed that should not have.
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch.cli import main
-from bigbatch.train.log import read_csv
-from bigbatch.train.resume import read_snapshot
+from bigbatch.app.cli import main
+from bigbatch.app.log import read_csv
+from bigbatch.app.resume import read_snapshot
 
 TESTS = Path(__file__).resolve().parent
 TASKS = TESTS / "train" / "tasks.py"

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from bigbatch.cli import main
-from bigbatch.demo import EXACT
+from bigbatch.app.cli import main
+from bigbatch.app.demo import EXACT
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
 
@@ -20,7 +20,7 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
 # are not the demo's (STYLE.md rule 21: real processes).
 CHILD = """
 import json, sys
-from bigbatch.demo import run_demo
+from bigbatch.app.demo import run_demo
 r = run_demo(steps=4, out=sys.argv[1])
 full, accumulated, auto = r.runs
 print(json.dumps(dict(
@@ -88,7 +88,7 @@ def test_bad_settings_are_one_line(capsys, argv, match):
 @pytest.mark.slow  # a child process
 def test_without_scikit_learn_one_line_says_what_to_install():
     # sys.modules[name] = None makes `import sklearn` raise ImportError: a real import failure.
-    code = "import sys; sys.modules['sklearn'] = None; from bigbatch.cli import main; sys.exit(main(['demo']))"
+    code = "import sys; sys.modules['sklearn'] = None; from bigbatch.app.cli import main; sys.exit(main(['demo']))"
     proc = run_child("-c", code)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

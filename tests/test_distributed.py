@@ -1,4 +1,4 @@
-"""bigbatch.distributed without a process group: the batch rule, the sampler union, errors."""
+"""bigbatch.distributed.launch without a process group: the batch rule, the sampler union, errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from bigbatch import distributed
-from bigbatch.distributed import Ranks
+from bigbatch.distributed import launch as distributed
+from bigbatch.distributed.launch import Ranks
 
 
 def test_per_rank_batch_size_divides_the_global_batch():

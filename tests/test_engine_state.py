@@ -11,7 +11,7 @@ from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.memory.sizing import AutoSize, FixedSize, make_sizing
+from bigbatch.core._sizing import AutoSize, FixedSize, make_sizing
 
 
 def _failing_above(limit: int):

@@ -15,8 +15,8 @@ from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.split import split
-from bigbatch.stepping import NonFiniteError
+from bigbatch.core._stepping import NonFiniteError
+from bigbatch.core.split import split
 
 
 def _acc(**kwargs):

@@ -5,7 +5,7 @@ gradients add up coherently), padded sequences of very uneven length (the first 
 holds 5 real tokens, the others about 110), micro-batch 2 of 16, AdamW and clipping, fp16
 autocast with the loss scaler. A plain fp16 full-batch loop back-propagates the token MEAN
 (per-token scale 1 / C). ``train_step(..., count_fn=...)`` counts C before the window and every
-micro-batch back-propagates at that scale (Note [backward scale] in bigbatch.engine), so it
+micro-batch back-propagates at that scale (Note [backward scale] in bigbatch.core.engine), so it
 skips no step the full batch keeps; the low-level path has no look-ahead and scales by the first
 micro-batch's count (100 times larger here): it loses steps, which shows the scenario can fail.
 """

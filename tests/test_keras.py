@@ -346,6 +346,7 @@ def test_fit_without_compile_says_so(gen) -> None:
 def test_import_without_keras_names_the_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "keras", None)  # `import keras` now fails as if absent
     monkeypatch.delitem(sys.modules, "bigbatch.keras")
+    monkeypatch.delitem(sys.modules, "bigbatch.integrations.keras")
     with pytest.raises(ImportError, match=r'needs Keras 3: pip install "bigbatch\[keras\]"'):
         importlib.import_module("bigbatch.keras")
 
@@ -353,6 +354,7 @@ def test_import_without_keras_names_the_install(monkeypatch) -> None:
 def test_import_with_another_backend_names_the_setting(monkeypatch) -> None:
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")  # wiring: which backend runs
     monkeypatch.delitem(sys.modules, "bigbatch.keras")
+    monkeypatch.delitem(sys.modules, "bigbatch.integrations.keras")
     with pytest.raises(ImportError, match=r"runs on 'jax'.*set KERAS_BACKEND=torch"):
         importlib.import_module("bigbatch.keras")
 
@@ -442,7 +444,7 @@ def task():
 @pytest.mark.usefixtures("float64")
 def test_cli_check_on_a_keras_task(tmp_path, capsys) -> None:
     """`bigbatch check module:task` with a Keras model (float64 throughout: see the fixture)."""
-    from bigbatch.cli import main
+    from bigbatch.app.cli import main
 
     path = tmp_path / "keras_task.py"
     path.write_text(KERAS_TASK)

@@ -16,49 +16,24 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "bigbatch"
-TOP = 3
-# Exactly the list of ../shared/STYLE.md ("Import rule"), module by module; no relabelling.
-LAYERS = {
-    # layer 0: pure (no model, no optimizer, no process group), and the small shared helpers
-    "_tree": 0,
-    "_warnings": 0,
-    "_units": 0,
-    "_rng": 0,
-    "split": 0,
-    "loss": 0,
-    "memory": 0,
-    "memory.candidates": 0,  # the planner's choice between measured configurations: pure
-    # layer 1: one optimizer step: the engine and its siblings
-    "engine": 1,
-    "precision": 1,
-    "sync": 1,
-    "window": 1,
-    "stepping": 1,
-    "memory.oom": 1,
-    "memory.auto": 1,
-    "memory.peak": 1,
-    "memory.sizing": 1,
-    "batchnorm_window": 1,  # the BatchNorm handling the engine itself needs (momentum, warning)
-    # layer 2: tools built on the engine
-    "batchnorm": 2,
-    "cached": 2,  # exact batch-coupled losses (representation-gradient caching)
-    "check": 2,
-    "_check_probes": 2,
-    "_check_runs": 2,
-    "_check_diagnoses": 2,
-    "distributed": 2,
-    "local": 2,  # LocalAccumulation, re-exported by distributed
-    "memory.checkpointing": 2,
-    "memory.planner": 2,
-    "keras": 2,  # the Keras 3 adapter (imports keras inside functions only)
-    "_keras_loss": 2,
-    # on top: the application, imported by nothing
-    "cli": TOP,
-    "console": TOP,
-    "demo": TOP,
-    "__main__": TOP,
+# The folders are the floors (STYLE.md, the layout; each folder's README says what it may import):
+# a module imports its own folder and the floors below it, never a sibling folder on its own floor.
+FLOORS = {
+    "core": 0,  # the engine: cutting, the window runner, the step (torch only)
+    "memory": 1,  # tools on the engine: checkpointing, the planner
+    "losses": 1,  # exact batch-coupled and compound losses
+    "distributed": 1,  # process groups, local rounds
+    "verifier": 2,  # check(): runs the engine and the memory tools
+    "integrations": 3,  # Keras, transformers, Lightning: thin callers of the engine
+    "app": 4,  # trainer, CLI, report, demo: the [cli] extra; nothing imports it
 }
-PACKAGES_ON_TOP = ("train",)  # every module of these packages is on top, present and future
+TOP = 5  # the package's public face: __init__, __main__ and the short names (bigbatch.keras, ...)
+# Inside core/, the layers of STYLE.md's import rule: 0 pure (no model, no optimizer), 1 one step.
+CORE_LAYERS = {
+    "_tree": 0, "_warnings": 0, "_units": 0, "_rng": 0, "split": 0, "loss": 0, "_auto": 0,
+    "engine": 1, "_precision": 1, "_sync": 1, "_window": 1, "_stepping": 1, "oom": 1, "peak": 1,
+    "_sizing": 1, "_batchnorm": 1, "batchnorm": 2,
+}  # fmt: skip
 ALLOWED: dict[tuple[str, str], str] = {}  # (module, dependency): reason; empty, and kept so
 THIRD_PARTY_AT_IMPORT = {"torch"}  # rule 12: `import bigbatch` needs only torch
 
@@ -73,10 +48,12 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def layer(name: str) -> int:
-    if name.split(".")[0] in PACKAGES_ON_TOP:
-        return TOP
-    return LAYERS[name]
+def layer(name: str) -> tuple[int, int]:
+    """``(floor, layer inside the floor)`` of a module (``"core.engine"`` -> ``(0, 1)``)."""
+    folder, _, rest = name.partition(".")
+    if folder not in FLOORS:
+        return (TOP, 0)
+    return (FLOORS[folder], CORE_LAYERS.get(rest, 0) if folder == "core" else 0)
 
 
 def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -102,7 +79,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
 
 
 def own(target: str) -> str | None:
-    """``"memory.auto"`` for ``"bigbatch.memory.auto"``; ``None`` outside the package."""
+    """``"memory.auto"`` for ``"bigbatch.core._auto"``; ``None`` outside the package."""
     if target == "bigbatch":
         return ""
     return target.removeprefix("bigbatch.") if target.startswith("bigbatch.") else None
@@ -110,37 +87,40 @@ def own(target: str) -> str | None:
 
 def test_every_module_has_a_layer() -> None:
     unknown = [
-        n for n in modules() if n and n.split(".")[0] not in PACKAGES_ON_TOP and n not in LAYERS
+        n
+        for n in modules()
+        if n and n.startswith("core.") and n.removeprefix("core.") not in CORE_LAYERS
     ]
-    assert not unknown, (
-        f"no layer for {unknown}: assign each a layer in tests/test_layers.py LAYERS (0 pure, "
-        "1 one optimizer step, 2 tools on the engine, 3 the application) per STYLE.md's import rule."
+    folders = {n.split(".")[0] for n, path in modules().items() if path.name == "__init__.py" and n}
+    assert not unknown and folders <= set(FLOORS), (
+        f"no layer for {unknown or sorted(folders - set(FLOORS))}: give each core module a layer "
+        "(CORE_LAYERS) and each folder a floor (FLOORS) in tests/test_layers.py."
     )
+
+
+def test_every_folder_has_a_readme() -> None:
+    missing = [f for f in FLOORS if not (PACKAGE / f / "README.md").is_file()]
+    assert not missing, f"{missing} have no README.md (its job, what it may import)"
 
 
 @pytest.mark.parametrize("name", [n for n in modules() if n])
 def test_imports_point_downward(name: str) -> None:
     all_modules = modules()
-    if name.split(".")[0] not in PACKAGES_ON_TOP and name not in LAYERS:
-        pytest.skip("no layer yet: test_every_module_has_a_layer says which")
     mine, wrong = layer(name), []
     for target, line, _ in imports(name, all_modules[name], set(all_modules)):
         dep = own(target)
-        if (
-            dep is None
-            or (name, dep) in ALLOWED
-            or dep.split(".")[0] == name.split(".")[0] == "train"
-        ):
+        if dep is None or (name, dep) in ALLOWED or dep not in all_modules and dep != "":
             continue
         if dep == "":
-            wrong.append(
-                f"line {line}: imports the package root `bigbatch`; import the module itself"
-            )
-        elif dep in all_modules and (layer(dep) > mine or (layer(dep) == TOP and mine < TOP)):
-            wrong.append(f"line {line}: imports {dep} (layer {layer(dep)})")
-        elif layer(dep) == TOP and name not in ("cli", "console", "__main__"):
-            wrong.append(f"line {line}: imports {dep}, part of the application nothing imports")
-    assert not wrong, f"{name} (layer {mine}) imports upward:\n" + "\n".join(dict.fromkeys(wrong))
+            if mine[0] < TOP:
+                wrong.append(f"line {line}: imports the package root `bigbatch`; import the module")
+            continue
+        theirs, same_folder = layer(dep), dep.split(".")[0] == name.split(".")[0]
+        if theirs > mine or (theirs[0] == mine[0] and not same_folder and mine[0] < TOP):
+            wrong.append(f"line {line}: imports {dep} (floor {theirs[0]}, layer {theirs[1]})")
+    assert not wrong, f"{name} (floor {mine[0]}) imports upward or sideways:\n" + "\n".join(
+        dict.fromkeys(wrong)
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in modules() if n])
@@ -181,11 +161,12 @@ def test_no_module_imports_a_private_name_of_another(name: str) -> None:
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     fake = tmp_path / "split.py"
     fake.write_text(
-        "import torch\nfrom bigbatch.engine import Accumulator\n\ndef f():\n    from . import cli\n"
+        "import torch\nfrom bigbatch.core.engine import Accumulator\n\ndef f():\n"
+        "    from bigbatch.app import cli\n"
     )
-    found = imports("split", fake, {"engine", "cli", "split"})
+    found = imports("core.split", fake, {"core.engine", "app.cli", "core.split"})
     assert [(own(t), line) for t, line, _ in found if own(t) is not None] == [
-        ("engine", 2),
-        ("cli", 5),
+        ("core.engine", 2),
+        ("app.cli", 5),
     ]
-    assert layer("engine") > layer("split") and layer("train.loop") == TOP
+    assert layer("core.engine") > layer("core.split") and layer("app.loop")[0] == FLOORS["app"]

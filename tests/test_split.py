@@ -14,7 +14,7 @@ from models import mlp
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.split import split
+from bigbatch.core.split import split
 
 
 class _Tagged(torch.utils.data.Dataset):

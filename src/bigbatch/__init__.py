@@ -1,24 +1,40 @@
 """bigbatch: train with the batch size you want on the memory you have.
 
 Exact gradient accumulation for PyTorch: the optimizer steps equal those of full-batch training
-however the logical batch is cut into micro-batches.
+however the logical batch is cut into micro-batches. ``import bigbatch`` needs only torch; the
+trainer's names (``fit``, ``Task``, ``TrainConfig``) load the application on first use.
 """
 
-from bigbatch._warnings import BigBatchWarning
-from bigbatch.batchnorm import batchnorm
-from bigbatch.cached import cached_loss
-from bigbatch.check import CheckReport, NotExactError, check
-from bigbatch.engine import Accumulator, StepResult
-from bigbatch.loss import LossFn, sample_cross_entropy, sample_mse, token_cross_entropy
+from typing import Any
+
+from bigbatch.core._stepping import NonFiniteError
+from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.batchnorm import batchnorm
+from bigbatch.core.engine import Accumulator, StepResult
+from bigbatch.core.loss import LossFn, sample_cross_entropy, sample_mse, token_cross_entropy
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
+from bigbatch.core.peak import PeakMemory, measure_peak
+from bigbatch.core.split import split
+from bigbatch.losses.cached import cached_loss
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing
-from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
-from bigbatch.memory.peak import PeakMemory, measure_peak
 from bigbatch.memory.planner import Plan, plan
-from bigbatch.split import split
-from bigbatch.stepping import NonFiniteError
-from bigbatch.train.config import TrainConfig
-from bigbatch.train.loop import fit
-from bigbatch.train.task import Task
+from bigbatch.verifier import CheckReport, NotExactError, check
+
+_APP = {
+    "fit": "bigbatch.app.loop",
+    "Task": "bigbatch.app.task",
+    "TrainConfig": "bigbatch.app.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The trainer's names, imported on first use (the core never imports the application)."""
+    if name in _APP:
+        import importlib
+
+        return getattr(importlib.import_module(_APP[name]), name)
+    raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")
+
 
 __all__ = [
     "Accumulator",

@@ -1,3 +1,3 @@
-from bigbatch.cli import run
+from bigbatch.app.cli import run
 
 run()

@@ -4,7 +4,7 @@ Two kinds of failure on rank 1 only: an injected ``torch.OutOfMemoryError`` for 
 over 3 samples (in the forward, or inside the backward), which fixes the sizes exactly; and a
 real allocator failure under ``RLIMIT_DATA`` set on rank 1 alone (rank 0 has no limit). Both
 ranks must finish, adopt the same micro-batch size, and match one full-batch step on the union
-(Note [auto micro-batch across ranks] in bigbatch.sync).
+(Note [auto micro-batch across ranks] in bigbatch.core._sync).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from seeds import seed_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
-from bigbatch.split import batch_size
+from bigbatch.core.split import batch_size
 
 pytestmark = pytest.mark.slow  # real gloo ranks
 

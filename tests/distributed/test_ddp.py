@@ -27,8 +27,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
-from bigbatch.loss import as_sum_and_count
-from bigbatch.split import batch_size
+from bigbatch.core.loss import as_sum_and_count
+from bigbatch.core.split import batch_size
 
 pytestmark = pytest.mark.slow  # real gloo ranks
 

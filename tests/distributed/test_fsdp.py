@@ -22,8 +22,8 @@ from reference import full_batch_step, max_relative_error
 from seeds import seed_for
 
 import bigbatch
-from bigbatch.loss import as_sum_and_count
-from bigbatch.split import batch_size, split
+from bigbatch.core.loss import as_sum_and_count
+from bigbatch.core.split import batch_size, split
 
 pytestmark = pytest.mark.slow  # real gloo ranks
 

@@ -1,4 +1,4 @@
-"""LocalAccumulation (bigbatch.local) on 2 real gloo ranks, and its errors.
+"""LocalAccumulation (bigbatch.distributed.local) on 2 real gloo ranks, and its errors.
 
 The ranks hold deliberately unequal shares (10 and 7 samples, or sizes that change every step).
 Checked against two references written here:
@@ -31,9 +31,9 @@ from seeds import seed_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
+from bigbatch.core.loss import as_sum_and_count
+from bigbatch.core.split import batch_size, split
 from bigbatch.distributed import LocalAccumulation
-from bigbatch.loss import as_sum_and_count
-from bigbatch.split import batch_size, split
 
 MICRO = 4
 VARYING = [(10, 7), (5, 9), (8, 3)]  # unequal shares whose sizes change every step

@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bigbatch import distributed
-from bigbatch.cli import main
+from bigbatch.app.cli import main
+from bigbatch.distributed import launch as distributed
 
 if __name__ == "__main__":
     counting = os.environ.get("COUNT_COLLECTIVES") == "1"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bigbatch._units import format_bytes, parse_bytes
-from bigbatch.memory.auto import AutoState, after_oom, after_success, size_for
+from bigbatch.core._auto import AutoState, after_oom, after_success, size_for
+from bigbatch.core._units import format_bytes, parse_bytes
 
 
 def test_first_window_whole_then_halves_until_it_fits():

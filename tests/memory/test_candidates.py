@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from bigbatch.memory.candidates import (
+from bigbatch.memory._candidates import (
     Candidate,
     decide,
     explain,

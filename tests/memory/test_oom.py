@@ -17,7 +17,7 @@ import torch
 from seeds import seed_for
 
 import bigbatch
-from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"

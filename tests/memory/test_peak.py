@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bigbatch
-from bigbatch.memory.peak import PeakProbe
+from bigbatch.core.peak import PeakProbe
 
 MiB = 2**20
 SLACK = 16 * MiB  # page granularity, Python objects, allocator bookkeeping

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 
 from bigbatch import MemoryBudgetExceeded
-from bigbatch.cli import main
+from bigbatch.app.cli import main
 from bigbatch.memory import planner
-from bigbatch.memory.candidates import noise_between, ranked
+from bigbatch.memory._candidates import noise_between, ranked
 from bigbatch.memory.planner import fit_memory, plan
 
 BATCH = 32
@@ -363,7 +363,7 @@ def test_cli_help_says_what_it_measures(capsys):
 def test_plan_gives_the_malloc_threshold_back(monkeypatch):
     """plan() fixes glibc's mmap threshold while it measures (Note [honest CPU peaks]) and puts
     it back when it returns (wiring: the calls glibc receives are recorded)."""
-    from bigbatch.memory import peak
+    from bigbatch.core import peak
 
     calls: list[int] = []
     monkeypatch.setattr(peak, "_mallopt_mmap_threshold", calls.append)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch.train.log import read_csv
+from bigbatch.app.log import read_csv
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

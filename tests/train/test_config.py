@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bigbatch.train.config import TrainConfig, load_toml, make_config, resolve_batch, scaled_lr
+from bigbatch.app.config import TrainConfig, load_toml, make_config, resolve_batch, scaled_lr
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import tasks
 import torch
 
 import bigbatch
-from bigbatch.train.log import read_csv
+from bigbatch.app.log import read_csv
 
 
 def test_token_loss_reports_tokens_per_second(tmp_path, capsys):

@@ -11,9 +11,9 @@ import tasks
 import torch
 
 import bigbatch
-from bigbatch.cli import main
-from bigbatch.train.config import make_config
-from bigbatch.train.resume import RunMismatchError
+from bigbatch.app.cli import main
+from bigbatch.app.config import make_config
+from bigbatch.app.resume import RunMismatchError
 
 
 def _train(tmp_path, name, **settings):

@@ -1,6 +1,6 @@
 """NaN and inf never reach the weights or a snapshot (Note [non-finite runs] in train.loop).
 
-The runs are the CLI's (``bigbatch.cli.main`` in this process: exit code and stderr as a user
+The runs are the CLI's (``bigbatch.app.cli.main`` in this process: exit code and stderr as a user
 sees them) on ``tasks.faulty``, whose loss is NaN at a micro-batch set by $NAN_AT, or on
 ``tasks.nan_data``, which holds a NaN sample. 50 samples, batch 10 cut 4+4+2 (3 micro-batches per
 step), 10 steps, snapshots after steps 3, 5, 6, 9 and 10: a NaN at micro-batch 14 is in step 5.
@@ -18,9 +18,9 @@ import tasks
 import torch
 
 import bigbatch
-from bigbatch.cli import main
-from bigbatch.train.log import read_csv
-from bigbatch.train.resume import read_snapshot
+from bigbatch.app.cli import main
+from bigbatch.app.log import read_csv
+from bigbatch.app.resume import read_snapshot
 
 
 def train(capsys, out, *extra, task="faulty"):
@@ -131,7 +131,7 @@ def test_apply_never_writes_nan_weights(tmp_path, capsys, monkeypatch):
 
 
 def test_steps_skipped_in_a_row_stop_the_run(tmp_path, capsys, monkeypatch):
-    from bigbatch.train.loop import MAX_SKIPPED_IN_A_ROW
+    from bigbatch.app.loop import MAX_SKIPPED_IN_A_ROW
 
     out = tmp_path / "run"
     monkeypatch.setenv("NAN_FROM", "4")  # every step from step 2 on

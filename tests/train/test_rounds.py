@@ -1,4 +1,4 @@
-"""``--local-steps`` (bigbatch.train.rounds, Note [local rounds]): the settings it is refused
+"""``--local-steps`` (bigbatch.app.rounds, Note [local rounds]): the settings it is refused
 with, where rounds end, and when a snapshot or an evaluation that falls inside a round is taken.
 
 The runs on two ranks under torchrun are in tests/distributed/test_train_local.py.
@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from bigbatch.cli import main
-from bigbatch.distributed import Ranks
-from bigbatch.train.config import TrainConfig
-from bigbatch.train.rounds import crossed, round_end, this_rank
+from bigbatch.app.cli import main
+from bigbatch.app.config import TrainConfig
+from bigbatch.app.rounds import crossed, round_end, this_rank
+from bigbatch.distributed.launch import Ranks
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
 
@@ -48,7 +48,7 @@ def test_bad_local_settings_are_named(settings, match):
 
 
 def test_local_settings_are_part_of_the_run_identity():
-    from bigbatch.train.config import resumable_changes
+    from bigbatch.app.config import resumable_changes
 
     assert {"local_steps", "outer_lr", "outer_momentum", "outer_nesterov"}.isdisjoint(
         resumable_changes()

@@ -1,4 +1,4 @@
-"""One run folder, one writer (Note [one writer] in bigbatch.train.folder), with real processes.
+"""One run folder, one writer (Note [one writer] in bigbatch.app.folder), with real processes.
 
 A first ``bigbatch train`` stops itself (SIGSTOP) at a known micro-batch while it holds the run
 folder; a second process on the same ``--out`` must exit at once with one line naming the

@@ -16,7 +16,7 @@ import sys
 import pytest
 import runs
 
-from bigbatch.train.log import read_csv
+from bigbatch.app.log import read_csv
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import tasks
 import torch
 
 import bigbatch
-from bigbatch.cli import main
-from bigbatch.train.log import read_csv
+from bigbatch.app.cli import main
+from bigbatch.app.log import read_csv
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bigbatch.train.task import TaskError, canonical_path, check_task, load_task
+from bigbatch.app.task import TaskError, canonical_path, check_task, load_task
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from bigbatch.cli import main
+from bigbatch.app.cli import main
 
 _real_save = torch.save
 _stop_at = int(os.environ["STOP_IN_WRITE"])

@@ -19,9 +19,9 @@ Note [safety margin]
     pages). So a configuration fits only when its peak is within the budget less ``margin``
     (10% by default): the choice keeps at least that much headroom.
 
-Note [ties and headroom] (in ``bigbatch.memory.candidates``) decides between the fitting ones.
+Note [ties and headroom] (in ``bigbatch.memory._candidates``) decides between the fitting ones.
 
-Note [honest CPU peaks] (in ``bigbatch.memory.peak``)
+Note [honest CPU peaks] (in ``bigbatch.core.peak``)
     On the CPU the planner measures inside ``small_mmap_threshold()``, and first runs one untimed
     micro-batch per checkpointing option so that one-time allocations (thread pools, kernel
     caches, checkpointing's machinery) are not charged to the first configuration measured.
@@ -42,10 +42,14 @@ from typing import Any
 
 import torch
 
-from bigbatch._units import parse_bytes
-from bigbatch.engine import Accumulator
-from bigbatch.loss import LossFn
-from bigbatch.memory.candidates import (
+from bigbatch.core._units import parse_bytes
+from bigbatch.core.engine import Accumulator
+from bigbatch.core.loss import LossFn
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
+from bigbatch.core.peak import measure_peak, resolve_device, small_mmap_threshold
+from bigbatch.core.split import Batch, split
+from bigbatch.core.split import batch_size as count_samples
+from bigbatch.memory._candidates import (
     POLICIES,
     Candidate,
     Option,
@@ -60,10 +64,6 @@ from bigbatch.memory.candidates import (
     with_savings,
 )
 from bigbatch.memory.checkpointing import enable_checkpointing, find_blocks
-from bigbatch.memory.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.memory.peak import measure_peak, resolve_device, small_mmap_threshold
-from bigbatch.split import Batch, split
-from bigbatch.split import batch_size as count_samples
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""

@@ -1,0 +1,442 @@
+"""``TrainConfig``: the trainer's settings, one frozen dataclass = CLI flags = TOML keys.
+
+Every field is a ``bigbatch train`` flag (``micro_batch_size`` -> ``--micro-batch-size``) and a
+key of a ``--config`` TOML file; the CLI overrides the file, the file overrides the defaults.
+Each field carries its help text, its allowed values (imported from the module that owns them)
+and, where the type alone does not say it, how a flag's text is read (``setting(...)``): the
+command line, the TOML reader and the checks are all made from this one list, so adding a
+setting is one field here.
+
+Note [batch arithmetic]
+    ``batch_size`` is the effective batch, the samples one optimizer step averages over.
+    ``micro_batch_size`` (m) and ``gradient_accumulation_steps`` (k) say how it is cut. Any two
+    of the three determine the third: ``batch_size = m * k``; ``m = ceil(batch_size / k)``;
+    ``k = ceil(batch_size / m)`` (the last micro-batch may be smaller, which stays exact). When
+    all three are given they must agree. With ``micro_batch_size="auto"`` bigbatch picks m
+    (and so k) itself, so ``gradient_accumulation_steps`` must not be given. Nothing given:
+    ``batch_size=32`` in one piece.
+
+Note [learning-rate scaling]
+    ``lr`` is the learning rate at ``reference_batch_size``. With ``lr_scaling="linear"`` the
+    rate used is ``lr * batch_size / reference_batch_size`` (Goyal et al., 2017: SGD);
+    ``"sqrt"`` uses ``lr * sqrt(batch_size / reference_batch_size)`` (often better for Adam);
+    ``"none"`` (the default) uses ``lr`` as given. Accumulation itself never changes the rate:
+    the step at batch 256 cut 8 x 32 is the step at batch 256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from bigbatch.core._precision import PRECISIONS
+from bigbatch.core._stepping import NONFINITE
+from bigbatch.core._units import parse_bytes
+from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
+from bigbatch.distributed.launch import DEVICES
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("constant", "cosine")
+BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
+RESUMES = (False, True, "auto")
+OUTER = ("outer_lr", "outer_momentum", "outer_nesterov")  # used only with local_steps > 1
+DEFAULT_BATCH_SIZE = 32
+MAX_SEED = 2**63 - 1
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer or auto") from None
+
+
+def _resume_flag(text: str) -> bool | str:
+    if text == "auto":
+        return "auto"
+    raise ValueError(f"{text!r}: write --resume, --resume auto or --no-resume")
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    resumable: bool = False,
+) -> Any:
+    """A ``TrainConfig`` field with what the command line and the checks need to know about it.
+
+    Args:
+        default: the default value.
+        help: one line for ``bigbatch train --help`` (the default is appended).
+        choices: the allowed values, when there is a list.
+        parse: reads a flag's text when the field's type alone does not say how.
+        resumable: may differ between a run and its resume (it does not change the result).
+    """
+    meta = {"help": help, "choices": choices, "parse": parse, "resumable": resumable}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``bigbatch train`` / ``bigbatch.fit`` can be told (see the module notes).
+
+    Each field's help is in its ``setting(...)`` below and in ``bigbatch train --help``.
+    """
+
+    task: str | None = setting(
+        None, "module:function (or file.py:function) returning a bigbatch.Task"
+    )
+    batch_size: int | None = setting(
+        None, "effective batch: samples per optimizer step, over all ranks (default 32)"
+    )
+    micro_batch_size: int | str | None = setting(
+        None, "samples per forward/backward, or auto: the largest that fits", parse=_int_or_auto
+    )
+    gradient_accumulation_steps: int | None = setting(None, "micro-batches per optimizer step")
+    gradient_checkpointing: bool = setting(
+        False, "recompute the model's repeated blocks in backward (less memory, ~1 more forward)"
+    )
+    precision: str = setting("fp32", "autocast precision", choices=PRECISIONS)
+    batchnorm: str | None = setting(
+        "keep",
+        "BatchNorm under accumulation (a micro-batch's statistics are not the full batch's): "
+        "keep: leave the model, warn; micro: per-micro-batch statistics, running stats moved "
+        "once per step; freeze: use the running stats (exact, for fine-tuning); groupnorm: "
+        "swap in GroupNorm (exact)",
+        choices=BATCHNORMS,
+    )
+    max_grad_norm: float | None = setting(None, "clip the gradient's 2-norm (default: no clipping)")
+    nonfinite: str = setting(
+        "raise",
+        "a step whose loss or gradient is NaN/inf: raise (stop, keeping the last good "
+        "snapshot), skip it, or apply it",
+        choices=NONFINITE,
+    )
+    lr: float = setting(1e-3, "learning rate at --reference-batch-size")
+    lr_scaling: str = setting("none", "scale --lr with batch/reference", choices=LR_SCALINGS)
+    reference_batch_size: int | None = setting(None, "the batch size --lr was tuned for")
+    lr_schedule: str = setting(
+        "constant", "after warm-up: constant or cosine to 0", choices=LR_SCHEDULES
+    )
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
+    steps: int | None = setting(None, "optimizer steps to run (or give --epochs)")
+    epochs: int | None = setting(None, "passes over the data (default 1 when --steps is not given)")
+    memory_budget: str | int | None = setting(
+        None, "cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)", parse=str
+    )
+    seed: int = setting(0, "seeds the model, dropout and the data order")
+    out: str = setting("runs/bigbatch", "run folder", resumable=True)
+    save_every: int = setting(
+        0, "resume snapshot every N steps (0: each epoch's end and the run's)", resumable=True
+    )
+    keep_snapshots: int = setting(
+        2, "snapshots kept in the run folder (the newest N; at least 1)", resumable=True
+    )
+    resume: bool | str = setting(
+        False,
+        "continue the run in --out from its last snapshot; auto: resume if there is one, "
+        "else start",
+        choices=RESUMES,
+        parse=_resume_flag,
+        resumable=True,
+    )
+    eval_every: int = setting(0, "evaluate every N steps (0: only at the end)", resumable=True)
+    device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
+    local_steps: int = setting(
+        1,
+        "under torchrun: optimizer steps (λ) each rank takes on its own share between two "
+        "exchanges. 1: the exact data-parallel step (DDP, one all-reduce per step). λ > 1: "
+        "local accumulation (Hermans et al. 2017), λ exact local steps per rank, then ONE "
+        "all-reduce of the ranks' updates normalised by λ: λ times fewer bytes and messages, "
+        "not the exact big-batch step; each rank keeps its own optimizer state; the log's "
+        "loss is rank 0's share, round_loss the round's over all ranks; snapshots, "
+        "evaluation and Ctrl-C wait for the round's end; not with FSDP",
+    )
+    outer_lr: float = setting(
+        1.0,
+        "with --local-steps λ > 1: the step taken along the ranks' averaged update, normalised "
+        "by λ: 1 is the paper's (one step's worth per round, about λ times slower per sample), "
+        "λ averages the ranks' models (local SGD, as PyTorch's post-local SGD model "
+        "averaging), 0.7·λ with --outer-momentum 0.9 --outer-nesterov is DiLoCo's",
+    )
+    outer_momentum: float = setting(
+        0.0,
+        "with --local-steps λ > 1: momentum of the outer step, in [0, 1): 0 is the paper's plain "
+        "rule and model averaging's, 0.9 DiLoCo's",
+    )
+    outer_nesterov: bool = setting(
+        False,
+        "with --local-steps λ > 1: Nesterov outer momentum (DiLoCo's; needs --outer-momentum)",
+    )
+    shuffle: bool = setting(True, "reshuffle the training data every epoch")
+    quiet: bool = setting(False, "no progress bar and no end-of-run table", resumable=True)
+
+    def __post_init__(self) -> None:
+        if self.batchnorm is None:  # the same run as "keep" (the resume identity compares these)
+            object.__setattr__(self, "batchnorm", "keep")
+        for f in fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices is not None:
+                _check_choice(f.name, value, choices)
+            elif int not in typing.get_args(_types()[f.name]) + (_types()[f.name],):
+                _check_type(f.name, value, _types()[f.name])  # integers: _check_numbers
+        _check_numbers(self)
+        _check_local(self)
+        resolve_batch(self)  # contradictions are reported when the config is made
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what a TOML file holds)."""
+        return dataclasses.asdict(self)
+
+
+def _check_numbers(config: TrainConfig) -> None:
+    for name in ("batch_size", "gradient_accumulation_steps", "steps", "epochs"):
+        _check_positive_int(name, getattr(config, name))
+    _check_positive_int("reference_batch_size", config.reference_batch_size)
+    for name in ("save_every", "eval_every", "warmup_steps"):
+        _check_positive_int(name, getattr(config, name), zero=True)
+    _check_positive_int("keep_snapshots", config.keep_snapshots)
+    _check_positive_int("seed", config.seed, zero=True)
+    if config.micro_batch_size != "auto":
+        _check_positive_int("micro_batch_size", config.micro_batch_size, auto=True)
+    if config.steps is not None and config.epochs is not None:
+        raise ValueError(
+            f"steps={config.steps} and epochs={config.epochs} are both given: choose one "
+            "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
+        )
+    _check_positive_finite("lr", config.lr, "(finite), e.g. lr=3e-4.")
+    if config.max_grad_norm is not None:
+        _check_positive_finite(
+            "max_grad_norm",
+            config.max_grad_norm,
+            "(finite, e.g. 1.0), or leave it out for no clipping.",
+        )
+    if not 0 <= config.seed <= MAX_SEED:
+        raise ValueError(f"seed={config.seed} is not allowed: use an integer from 0 to 2**63 - 1.")
+    parse_bytes(config.memory_budget)  # refuses what is not a finite, positive size
+    if config.lr_scaling != "none" and config.reference_batch_size is None:
+        raise ValueError(
+            f"lr_scaling={config.lr_scaling!r} needs reference_batch_size, the batch size lr "
+            "was tuned for: e.g. --reference-batch-size 256."
+        )
+
+
+def _check_local(config: TrainConfig) -> None:
+    """``local_steps`` and the outer settings (Note [local rounds] in ``train.rounds``)."""
+    steps = config.local_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"local_steps={steps!r} is not allowed: use a whole number >= 1, the optimizer steps "
+            "each rank takes between two exchanges (1, the default: the exact data-parallel step)."
+        )
+    _check_positive_finite(
+        "outer_lr",
+        config.outer_lr,
+        "(1: the paper's normalised update; the value of --local-steps: average the ranks' models).",
+    )
+    if not 0 <= config.outer_momentum < 1:
+        raise ValueError(
+            f"outer_momentum={config.outer_momentum!r} is not allowed: use a number in [0, 1) "
+            "(0: the plain outer rule; 0.9 with --outer-nesterov: DiLoCo's)."
+        )
+    if config.outer_nesterov and config.outer_momentum == 0:
+        raise ValueError(
+            "outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 (DiLoCo's), or "
+            "drop --outer-nesterov."
+        )
+    defaults = {f.name: f.default for f in fields(config)}
+    outer = [f"{k}={getattr(config, k)!r}" for k in OUTER if getattr(config, k) != defaults[k]]
+    if steps == 1 and outer:
+        raise ValueError(
+            f"{', '.join(outer)} has no effect with local_steps=1, the exact data-parallel step "
+            "(one all-reduce per step, no outer step): add --local-steps λ > 1 for local "
+            "accumulation, or drop it."
+        )
+
+
+def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
+    """``(batch_size, micro_batch_size, gradient_accumulation_steps)`` (Note [batch arithmetic]).
+
+    ``gradient_accumulation_steps`` is ``None`` with ``micro_batch_size="auto"``.
+
+    Raises:
+        ValueError: the given values contradict each other.
+
+    Example:
+        >>> resolve_batch(TrainConfig(batch_size=10, micro_batch_size=4))
+        (10, 4, 3)
+    """
+    k = config.gradient_accumulation_steps
+    if config.micro_batch_size == "auto":
+        if k is not None:
+            raise ValueError(
+                f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
+                f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
+            )
+        return (config.batch_size or DEFAULT_BATCH_SIZE), "auto", None
+    given_m = int(config.micro_batch_size) if config.micro_batch_size is not None else None
+    b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
+    m = min(given_m or math.ceil(b / (k or 1)), b)
+    if k is not None and math.ceil(b / m) != k:
+        if given_m is not None and config.batch_size is not None:
+            raise ValueError(
+                f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_steps={k} "
+                f"contradict each other: {b} samples at {m} per micro-batch take "
+                f"{math.ceil(b / m)} micro-batches. Give only two of the three."
+            )
+        raise ValueError(
+            f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-batches: "
+            f"at {m} samples per micro-batch it takes {math.ceil(b / m)} (only the last may be "
+            f"smaller). Use gradient_accumulation_steps={math.ceil(b / m)}, or give "
+            "micro_batch_size instead."
+        )
+    return b, m, math.ceil(b / m)
+
+
+def run_length(config: TrainConfig, dataset_size: int) -> tuple[int, int]:
+    """``(steps_per_epoch, total_steps)`` of a run over ``dataset_size`` samples.
+
+    Example:
+        >>> run_length(TrainConfig(batch_size=10, epochs=2), 25)
+        (3, 6)
+    """
+    batch_size = resolve_batch(config)[0]
+    steps_per_epoch = math.ceil(dataset_size / batch_size)
+    return steps_per_epoch, config.steps or (config.epochs or 1) * steps_per_epoch
+
+
+def scaled_lr(config: TrainConfig, batch_size: int) -> float:
+    """The learning rate used at ``batch_size`` (Note [learning-rate scaling]).
+
+    Example:
+        >>> scaled_lr(TrainConfig(lr=0.1, lr_scaling="linear", reference_batch_size=256), 1024)
+        0.4
+    """
+    if config.lr_scaling == "none":
+        return float(config.lr)
+    ratio = batch_size / int(config.reference_batch_size or batch_size)
+    return float(config.lr) * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def field_names() -> list[str]:
+    """The settings' names, in order (TOML keys; CLI flags with ``-`` for ``_``)."""
+    return [f.name for f in fields(TrainConfig)]
+
+
+def settings() -> list[dataclasses.Field]:
+    """The settings with their metadata (help, choices, parse, resumable), in order."""
+    return list(fields(TrainConfig))
+
+
+def setting_types() -> dict[str, Any]:
+    """Each setting's type annotation, resolved (``int | None``...)."""
+    return dict(_types())
+
+
+def resumable_changes() -> frozenset[str]:
+    """Settings that may change between a run and its resume (they do not change the result)."""
+    return frozenset(f.name for f in fields(TrainConfig) if f.metadata.get("resumable"))
+
+
+def make_config(
+    config: TrainConfig | dict[str, Any] | None = None, **overrides: Any
+) -> TrainConfig:
+    """A ``TrainConfig`` from a config, a dict of settings and/or keyword arguments.
+
+    Raises:
+        ValueError: a key is not a setting (the message lists the allowed ones), or a value is bad.
+        TypeError: a value of the wrong type (``shuffle = "false"`` in a TOML file).
+    """
+    base = config.to_dict() if isinstance(config, TrainConfig) else dict(config or {})
+    given = {**base, **overrides}
+    unknown = sorted(set(given) - set(field_names()))
+    if unknown:
+        raise ValueError(
+            f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(field_names())}."
+        )
+    return TrainConfig(**given)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file into a dict of settings (keys and types checked by ``make_config``).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is not valid TOML (the message names the file and the line).
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r} does not exist.") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {path!r} is not valid TOML: {exc}.") from None
+    except OSError as exc:
+        raise ValueError(f"config file {path!r} cannot be read: {exc.strerror}.") from None
+    return data
+
+
+def _types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+_EXAMPLES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Refuse a value whose type the annotation does not admit (a bool is not an int here)."""
+    allowed = typing.get_args(annotation) or (annotation,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is str and isinstance(value, str):
+            return
+    wanted = " or ".join(_EXAMPLES.get(k, "none") for k in allowed if k is not type(None))
+    raise TypeError(
+        f"{name}={value!r} is {_a(type(value).__name__)}: {name} takes {wanted}"
+        + (" (or is left out)." if type(None) in allowed else ".")
+    )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if not any(value == a and type(value) is type(a) for a in allowed):  # "1" is not 1, 1 not True
+        shown = ", ".join(repr(a) for a in allowed if a is not None)
+        raise ValueError(f"{name}={value!r} is not allowed: use one of {shown}.")
+
+
+def _check_positive_finite(name: str, value: float, advice: str) -> None:
+    if not (0 < value < math.inf):
+        raise ValueError(f"{name}={value!r} is not allowed: use a positive number {advice}")
+
+
+def _check_positive_int(name: str, value: Any, zero: bool = False, auto: bool = False) -> None:
+    if value is None and not zero:
+        return
+    low = 0 if zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a non-negative integer" if zero else "a positive integer"
+        what += ' or "auto"' if auto else ""
+        raise ValueError(f"{name}={value!r} is not allowed: use {what}.")

@@ -1,0 +1,113 @@
+"""The run folder: one run writes it at a time.
+
+Note [one writer]
+    Two ``bigbatch train`` processes on the same ``--out`` would interleave ``metrics.csv``, and a
+    second one starting while the first writes a snapshot would delete the first one's temporary
+    file. So a run holds an exclusive OS lock (``fcntl.flock``) on ``DIR/.lock`` for its whole
+    life. The kernel releases it when the process ends, however it ends (a SIGKILLed run leaves
+    no stale lock). A second process finds the lock held, reads the holder's PID from the file,
+    and stops at once, before it has changed anything in the folder. Only the lock holder
+    removes stale temporary files. Under torchrun, rank 0 holds the lock and tells the other
+    ranks whether it got it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from types import TracebackType
+
+from bigbatch.distributed import launch as distributed
+
+LOCK = ".lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process is running in this run folder."""
+
+
+class RunFolder:
+    """The run folder ``out``, locked for the life of the ``with`` block (Note [one writer]).
+
+    Args:
+        out: the folder (created if missing).
+        ranks: this process's place in the job; rank 0 locks, the others wait for its answer.
+
+    Raises:
+        RunFolderBusy: another process holds the folder (the message names its PID).
+        OSError: the folder cannot be created or written (a file, read-only, no space).
+    """
+
+    def __init__(self, out: str, ranks: distributed.Ranks) -> None:
+        self.out = out
+        self.ranks = ranks
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunFolder:
+        problem = None
+        if self.ranks.is_main:
+            try:
+                self._lock()
+            except (RunFolderBusy, OSError) as exc:
+                problem = exc
+        answers = distributed.all_gather_object(_describe(problem))
+        if problem is not None:
+            raise problem
+        if answers[0] is not None:  # rank 0 could not take the folder: every rank stops
+            raise RunFolderBusy(answers[0])
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (removing it would race)
+            self._fd = None
+
+    def path(self, name: str) -> str:
+        """``out/name``."""
+        return os.path.join(self.out, name)
+
+    def _lock(self) -> None:
+        import fcntl
+
+        _make_folder(self.out)
+        fd = os.open(self.path(LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderBusy(
+                f"run folder {self.out!r} is in use by another bigbatch run (process {holder}): "
+                "wait for it to end, or choose another --out."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+
+def _make_folder(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "is a file, not a folder: choose another --out", out
+        ) from None
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot be used as the run folder ({exc.strerror})", out
+        ) from None
+    if not os.access(out, os.W_OK):
+        raise PermissionError(errno.EACCES, "is not writable: choose another --out", out)
+
+
+def _describe(problem: BaseException | None) -> str | None:
+    if problem is None:
+        return None
+    if isinstance(problem, OSError) and problem.filename is not None:
+        return f"{problem.filename}: {problem.strerror}"
+    return str(problem)

@@ -1,0 +1,165 @@
+"""``bigbatch train --local-steps λ``: rounds of λ local steps per rank, one exchange each.
+
+What ``fit`` does differently when ``local_steps > 1``, in one place (Note [local rounds]); with
+``local_steps=1`` (the default) none of it runs and the trainer takes the exact data-parallel
+step on a DDP model.
+
+Note [local rounds]
+    With λ > 1 the trainer keeps the PLAIN module on each rank (no DDP) and wraps its
+    ``Accumulator`` in ``bigbatch.distributed.local.LocalAccumulation``: each rank takes λ exact optimizer
+    steps on its own share of each global batch with no communication, then ONE all-reduce
+    averages the ranks' updates normalised by λ and the outer rule (``outer_lr``,
+    ``outer_momentum``, ``outer_nesterov``) applies them to the round's start θ_start (Note
+    [accumulated gradient normalisation] in ``bigbatch.distributed.local``). Rounds are counted from the
+    run's first step: one ends after every λ-th step and at the run's last step (a short last
+    round, normalised by its own length), so at the end every rank holds the same model. Only
+    between rounds do the ranks hold the same model, so:
+
+    * the log (rank 0): a step's ``loss``, ``grad_norm``, ``count`` and ``tokens_per_s`` are
+      rank 0's own share (a global figure every step would cost an all-reduce per step, the
+      traffic λ > 1 exists to save); ``samples`` and ``samples_per_s`` count the whole global
+      batch. At a round's last step ``round_loss`` and ``round_count`` give the whole round
+      over every rank: Σ loss sum / Σ count over its λ steps.
+    * snapshots, evaluation and the check for SIGINT / SIGTERM happen at round ends only; one
+      that falls due inside a round (``--save-every``, ``--eval-every``, an epoch's end, a
+      signal) is taken at that round's end, so a signal lets the round finish (up to λ - 1 more
+      steps). The signal check is then one small all-reduce per round, not per step.
+    * a snapshot holds the model (θ_start), ``LocalAccumulation.state_dict()`` (θ_start, the
+      outer momentum) and, gathered from every rank, each rank's inner optimizer and engine
+      state (they differ per rank; the file grows by one optimizer state per rank). A run
+      killed mid-round resumes from the round's start with every rank's own optimizer, engine
+      and random state and ends bitwise equal to an uninterrupted run on the CPU. It resumes
+      only on the same number of ranks.
+    * refused up front, before the run folder is touched: λ > 1 in one process (nothing to
+      average), and a task whose model is already wrapped in DDP or sharded with FSDP (each
+      rank must step a whole replica on its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigbatch.app.config import TrainConfig
+from bigbatch.app.task import Task
+from bigbatch.core._sync import wrapper_kind
+from bigbatch.core.engine import Accumulator, StepResult
+from bigbatch.core.split import Batch
+from bigbatch.distributed import launch as distributed
+from bigbatch.distributed.local import LocalAccumulation
+
+_WRAPPED = {"ddp": "wrapped in DistributedDataParallel", "fsdp": "sharded with FSDP"}
+
+
+def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
+    """Refuse ``local_steps > 1`` where it has no meaning (Note [local rounds]).
+
+    Raises:
+        ValueError: one process.
+        TypeError: the task's model is already wrapped in DDP or sharded with FSDP.
+    """
+    steps = config.local_steps
+    if steps == 1:
+        return
+    if ranks.world_size == 1:
+        raise ValueError(
+            f"--local-steps {steps} needs several ranks and this is one process: there is "
+            "nothing to average. Launch with `torchrun --nproc_per_node N -m bigbatch train "
+            "...`, or drop --local-steps."
+        )
+    kind = wrapper_kind(model)
+    if kind != "plain":
+        raise TypeError(
+            f"--local-steps {steps} steps a whole plain replica of the model on each rank, and "
+            f"the task's model is {_WRAPPED[kind]}: return the plain module from the task "
+            "(bigbatch keeps one replica per rank), or use --local-steps 1."
+            + (
+                " FSDP cannot take local steps: every forward all-gathers."
+                if kind == "fsdp"
+                else ""
+            )
+        )
+
+
+def make_local(acc: Accumulator, config: TrainConfig) -> LocalAccumulation | None:
+    """The ``LocalAccumulation`` around ``acc`` (its plain model), or ``None`` when λ = 1.
+
+    A collective: every rank takes rank 0's parameters and buffers (one broadcast).
+    """
+    if config.local_steps == 1:
+        return None
+    return LocalAccumulation.from_accumulator(
+        acc,
+        config.local_steps,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+        nesterov=config.outer_nesterov,
+    )
+
+
+def train_step(
+    local: LocalAccumulation, batch: Batch, task: Task, last: bool
+) -> tuple[StepResult, dict[str, Any]]:
+    """One local step of this rank; the outer step after every λ-th, and after the run's
+    ``last`` step. Returns the inner step's result and the round's columns of the log."""
+    result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
+    outer = result.outer
+    if outer is None and last:
+        outer = local.outer_step()  # a short last round: every rank ends with the same model
+    row = {} if outer is None else {"round_loss": outer.loss, "round_count": outer.count}
+    return result.step, row
+
+
+def round_end(step: int, local_steps: int, total_steps: int) -> int:
+    """The steps of the round that ``step`` ends, or 0 when it ends none (1 when λ = 1).
+
+    Example:
+        >>> [round_end(s, 4, 10) for s in range(1, 11)]
+        [0, 0, 0, 4, 0, 0, 0, 4, 0, 2]
+    """
+    if step % local_steps == 0:
+        return local_steps
+    return step % local_steps if step == total_steps else 0
+
+
+def crossed(step: int, steps: int, every: int) -> bool:
+    """Whether a multiple of ``every`` (0: never) is among the ``steps`` steps ending at ``step``.
+
+    Example:
+        >>> crossed(8, 4, 3), crossed(4, 4, 5), crossed(6, 1, 3)
+        (True, False, True)
+    """
+    return bool(every) and step // every > (step - steps) // every
+
+
+def capture(local: LocalAccumulation, acc: Accumulator, is_main: bool) -> dict[str, Any] | None:
+    """The snapshot's part of the local rounds, on rank 0 (``None`` elsewhere). A collective.
+
+    Every rank's inner optimizer and engine state are gathered (they differ per rank).
+    """
+    inner = distributed.all_gather_object((acc.optimizer.state_dict(), acc.state_dict()))
+    if not is_main:
+        return None
+    # rank 0's own live tensors (not the gathered copy): torch.save stores tensors shared with
+    # the snapshot's ``optimizer`` field once
+    inner[0] = (acc.optimizer.state_dict(), acc.state_dict())
+    return {
+        "outer": local.state_dict(),
+        "optimizers": [optimizer for optimizer, _ in inner],
+        "engines": [engine for _, engine in inner],
+    }
+
+
+def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, dict]:
+    """This rank's inner optimizer and engine state from ``capture``'s record.
+
+    Raises:
+        ValueError: the snapshot was written by another number of ranks.
+    """
+    written = len(saved["optimizers"])
+    if written != ranks.world_size:
+        raise ValueError(
+            f"the snapshot was written by {written} ranks under --local-steps, and each rank "
+            f"keeps its own optimizer state: resume on {written} ranks (torchrun "
+            f"--nproc_per_node {written}), not {ranks.world_size}."
+        )
+    return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]

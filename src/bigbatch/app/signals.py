@@ -1,0 +1,72 @@
+"""Stopping a run cleanly: SIGINT (Ctrl-C) and SIGTERM (schedulers, ``kill``) during training.
+
+Note [clean stop]
+    The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
+    finishes it, writes a snapshot, prints one line saying how to resume and exits with
+    128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the code a shell expects. A
+    second SIGINT (or SIGTERM) stops at once (``KeyboardInterrupt``), losing only the steps
+    since the last snapshot. Under torchrun the ranks agree after each step, with one small
+    all-reduce, on whether any of them was signalled, so they all stop after the same step.
+    Under ``--local-steps`` λ > 1 they agree only at a round's end (the ranks hold the same model
+    only there), so the run finishes the round in flight, up to λ - 1 more steps, before its
+    snapshot (Note [local rounds] in ``train.rounds``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+
+from bigbatch.distributed import launch as distributed
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a snapshot; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While the ``with`` block runs, the first SIGINT / SIGTERM is noted, not raised (Note above)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")  # where the ranks' agreement runs (NCCL: cuda)
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum:  # the second one: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def requested(self) -> int:
+        """The signal to stop on (0: none), the same on every rank."""
+        if not distributed.in_group():
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag)

@@ -1,0 +1,220 @@
+"""How a window is cut: a micro-batch sizing policy, chosen once when the ``Accumulator`` is built.
+
+Two policies behind one small interface (``size_for`` / ``after_oom`` / ``after_success`` and
+``state_dict``), so the engine never branches on ``"auto"``:
+
+* ``FixedSize(8)``: every window is cut at 8 samples; an out-of-memory error is raised to the
+  caller (``retries`` is ``False``) after the window is discarded.
+* ``AutoSize()``: Note [auto micro-batch] in ``bigbatch.core._auto``: the first window runs whole,
+  an out-of-memory error shrinks the size and the same window is redone, later windows probe
+  back up. Its decisions are the pure functions of ``bigbatch.core._auto``; this object only
+  holds their ``AutoState``.
+
+``WindowMeter`` measures one attempt of a window: it enforces ``memory_budget`` after every
+micro-batch (``MemoryBudgetExceeded``, which auto mode treats like an out-of-memory error) and
+gives the attempt's peak, so a step that was redone reports the peak of the attempt that
+succeeded, not of the one that ran out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from bigbatch.core import _auto as auto
+from bigbatch.core._units import format_bytes
+from bigbatch.core.oom import MemoryBudgetExceeded
+from bigbatch.core.peak import PeakMemory, PeakProbe, fix_mmap_threshold
+from bigbatch.core.split import check_micro_batch_size
+
+
+class Sizing(Protocol):
+    """A micro-batch sizing policy (see the module docstring)."""
+
+    retries: bool  # redo a window that ran out of memory at a smaller size
+
+    def size_for(self, n_samples: int) -> int:
+        """Samples per micro-batch for a window of ``n_samples``."""
+        ...
+
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+        """The window ran out of memory at ``failed_size`` (only called when ``retries``);
+        ``measured``: over the memory budget, not an allocator failure."""
+        ...
+
+    def after_success(self, used_size: int) -> None:
+        """A window completed at ``used_size``."""
+        ...
+
+    @property
+    def adopted(self) -> int | None:
+        """The size the next full window is cut at; ``None`` while unknown (auto, first window)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must be saved to take the same decisions after a restart."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s result."""
+        ...
+
+
+class FixedSize:
+    """Every window cut at ``size`` samples (the last micro-batch may be smaller)."""
+
+    retries = False
+
+    def __init__(self, size: int) -> None:
+        self.size = check_micro_batch_size(size)
+
+    def size_for(self, n_samples: int) -> int:
+        return min(self.size, n_samples)
+
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+        raise AssertionError("a fixed micro-batch size never retries")  # pragma: no cover
+
+    def after_success(self, used_size: int) -> None:
+        pass
+
+    @property
+    def adopted(self) -> int:
+        return self.size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": "fixed", "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_policy(state, "fixed")
+        if state["size"] != self.size:
+            raise ValueError(
+                f"the state holds micro_batch_size={state['size']}, this Accumulator uses "
+                f"{self.size}: build it with micro_batch_size={state['size']} to load it."
+            )
+
+
+class AutoSize:
+    """The largest micro-batch that fits, found and kept up to date (Note [auto micro-batch])."""
+
+    retries = True
+
+    def __init__(self) -> None:
+        self.state = auto.AutoState()
+
+    def size_for(self, n_samples: int) -> int:
+        return auto.size_for(self.state, n_samples)
+
+    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+        self.state = auto.after_oom(self.state, failed_size, measured)
+
+    def after_success(self, used_size: int) -> None:
+        self.state = auto.after_success(self.state, used_size)
+
+    @property
+    def adopted(self) -> int | None:
+        return self.state.size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": "auto", **dataclasses.asdict(self.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_policy(state, "auto")
+        self.state = auto.AutoState(**{k: v for k, v in state.items() if k != "policy"})
+
+
+def make_sizing(micro_batch_size: object) -> FixedSize | AutoSize:
+    """``AutoSize()`` for ``"auto"``, else ``FixedSize(micro_batch_size)``.
+
+    Raises:
+        TypeError, ValueError: neither a positive integer nor ``"auto"`` (the message says so).
+    """
+    if micro_batch_size == "auto":
+        return AutoSize()
+    return FixedSize(micro_batch_size)  # type: ignore[arg-type]  # checked by FixedSize
+
+
+def _check_policy(state: dict[str, Any], expected: str) -> None:
+    found = state.get("policy")
+    if found != expected:
+        size = '"auto"' if found == "auto" else state.get("size")
+        raise ValueError(
+            f"the state was saved with a {found} micro-batch size, this Accumulator uses a "
+            f"{expected} one: build it with micro_batch_size={size} to load it."
+        )
+
+
+class WindowMeter:
+    """Peak memory of one attempt of a window, checked against ``budget`` after every micro-batch.
+
+    Measuring costs a reset of the peak counter per attempt (on the CPU: a ``malloc_trim`` and a
+    write to ``/proc/self/clear_refs``), so it only runs with a budget or when ``always``.
+
+    Args:
+        device: where the window runs.
+        budget: bytes a window may add; ``None`` for no budget.
+        always: auto mode: measure even without a budget (to report the adopted attempt's
+            peak), and when a budget is below ``gradient_bytes`` say so at the first overrun
+            instead of shrinking to one sample first.
+        gradient_bytes: what the gradients of the trained parameters take: the part of every
+            window no micro-batch size can shrink.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        budget: int | None,
+        always: bool = False,
+        gradient_bytes: int = 0,
+    ) -> None:
+        self.budget = budget
+        self.auto = always
+        self.gradient_bytes = gradient_bytes
+        self.active = budget is not None or always
+        self._probe = PeakProbe(device) if self.active else None
+        self._record: PeakMemory | None = None
+        if budget is not None and device.type == "cpu":
+            fix_mmap_threshold()  # Note [honest CPU peaks]: a failed attempt's pages leave
+
+    def start(self) -> None:
+        """Begin measuring an attempt."""
+        if self._probe is not None:
+            self._record = self._probe.reset()
+
+    def check(self, micro_batch_size: int) -> None:
+        """Raise ``MemoryBudgetExceeded`` when the attempt went over the budget."""
+        if self.budget is None or self._probe is None or self._record is None:
+            return
+        used = self._probe.peak_bytes(self._record)
+        if used > self.budget and self.auto and self.gradient_bytes >= self.budget:
+            raise ValueError(
+                f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
+                f"the gradients alone take {format_bytes(self.gradient_bytes)}, in every window "
+                f"whatever its micro-batch (this attempt used {format_bytes(used)}; the "
+                f"trained parameters ({format_bytes(self.gradient_bytes)}) and the optimizer state, in "
+                "use before the step, are not counted). Raise the budget (memory_budget= / "
+                "--memory-budget) above the gradients plus one sample's activations, train fewer "
+                "parameters, or use a lower precision."
+            )
+        if used > self.budget:
+            raise MemoryBudgetExceeded(
+                f"micro_batch_size={micro_batch_size} used {format_bytes(used)}, over "
+                f'memory_budget={format_bytes(self.budget)}; use micro_batch_size="auto" '
+                "(--micro-batch-size auto), a smaller micro-batch or a larger budget.",
+                micro_batch_size=micro_batch_size,
+                used_bytes=used,
+                budget_bytes=self.budget,
+            )
+
+    def peak_bytes(self) -> int | None:
+        """The attempt's peak above its start, or ``None`` when not measured."""
+        if self._probe is None or self._record is None:
+            return None
+        return self._probe.finish(self._record).peak_bytes
+
+
+def gradient_bytes(optimizer: Any) -> int:
+    """Bytes the gradients of ``optimizer``'s trainable parameters take."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return sum(p.numel() * p.element_size() for p in params)

@@ -1,0 +1,276 @@
+"""Gradient-synchronisation control per micro-batch, and the window's global count.
+
+The only ``torch.distributed`` calls the engine makes live here. One small object is chosen
+once per model by ``make_sync`` (the single place that looks at the model's wrapper type):
+
+* ``LocalSync``: a plain module; nothing to synchronise.
+* ``DDPSync``: ``DistributedDataParallel``; every micro-batch but the window's last runs
+  forward *and* backward under ``no_sync()`` so gradients are all-reduced once per step.
+* ``FSDPSync``: ``fully_shard`` (FSDP2, ``set_requires_gradient_sync``) or the older
+  ``FullyShardedDataParallel`` wrapper (``no_sync()``).
+
+Note [global normalisation]
+    DDP and FSDP *average* gradients over ranks: after the sync each rank holds
+    ``(1/W) Σ_r ∇loss_sum_r``. The exact gradient of the global mean is
+    ``Σ_r ∇loss_sum_r / Σ_r count_r``, so the engine multiplies by ``W / Σ_r count_r``, with the
+    counts summed over ranks by one small all-reduce per optimizer step. Ranks may hold
+    different numbers of tokens or samples.
+
+Note [micro-batches per rank]
+    With DDP, ranks may run different numbers of micro-batches per window (10 samples cut
+    4 + 4 + 2 on one rank, 7 cut 4 + 3 on another): forwards under ``no_sync()`` talk to no
+    other rank and each rank syncs once, on its last. Two exceptions need the SAME number of
+    micro-batches on every rank, or a rank waits forever in a collective: FSDP (every forward
+    all-gathers the parameters) and DDP with module buffers and ``broadcast_buffers=True``
+    (every forward broadcasts them, e.g. BatchNorm statistics). An equal per-rank batch, which
+    ``bigbatch.distributed.launch`` gives, is enough.
+
+Note [auto micro-batch across ranks]
+    With ``micro_batch_size="auto"`` an out-of-memory error on ONE rank must not leave another
+    waiting in a collective (the deadlock Composer hit: one rank dies in DDP's backward while
+    the other sits in the bucket all-reduce). So in distributed auto mode (DDP only):
+
+    1. every micro-batch of ``train_step``, the last included, runs under ``no_sync()``
+       (``defers_sync``): no rank communicates while any rank may still run out of memory;
+    2. after the window, each rank, finished or failed, joins ONE small all-reduce (MAX) of
+       ``-failed_size`` (``agree_on_oom``): if any rank failed, every rank learns the smallest
+       failed size, discards its window, adopts the same smaller micro-batch and redoes the
+       window; nobody is left behind;
+    3. otherwise ``step`` all-reduces the accumulated gradients once, in place (``reduce_grads``:
+       no extra memory; a parameter without a gradient on some rank takes part with zeros, so
+       every rank makes the same calls), and averages them like DDP does.
+
+    The low-level path (``micro_batch(last=True)`` + ``step``) is not retried and syncs on
+    ``last=True`` as usual. The price: DDP's bucketing overlap and any registered communication
+    hook are bypassed in auto mode (one all-reduce per parameter tensor, all in flight at once).
+    An out-of-memory error inside that all-reduce or in the optimizer step is not retried (the
+    engine never retries the step). FSDP cannot be made safe this way (each forward all-gathers,
+    so a rank failing mid-forward strands the others), and DDP broadcasting module buffers each
+    forward has the same problem: both are refused in distributed auto mode with the fix in the
+    message. Only out-of-memory errors are agreed on: any other error on one rank is raised there
+    and the other ranks wait in the agreement all-reduce until the launcher (torchrun) stops them.
+
+Note [several forwards]
+    A loop may run the forwards of several micro-batches before their backwards (accelerate
+    tests this pattern). DDP decides in the *forward* whether the next backward all-reduces, so
+    the forward under ``micro_batch(last=True)`` would make the FIRST backward that follows sync,
+    with only its own micro-batch's gradient (23% off, measured). The engine notices the pattern
+    (a ``micro_batch()`` context left without a backward inside it): from then on the window's
+    forwards all run under ``no_sync()`` and ``step`` all-reduces the gradients once
+    (``reduce_grads``, ``deferred``), so the sync belongs to no particular backward. FSDP decides
+    in the backward itself (``set_requires_gradient_sync`` / ``no_sync`` are read when the
+    gradients are reduced), so a backward outside the context syncs: exact, with one
+    reduce-scatter per micro-batch.
+
+Note [FSDP and no_sync memory]
+    Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
+    window's last micro-batch: up to the full model's gradient size per rank, which is what
+    sharding was meant to avoid. To keep only sharded gradients, sync every micro-batch through
+    the low-level path (``with acc.micro_batch(last=True):`` for each one): still exact (the
+    reduce-scatters of the micro-batches sum to the same gradient), k times the traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class GradSync(Protocol):
+    """How gradients are synchronised across ranks, chosen once per model by ``make_sync``."""
+
+    world_size: int
+    defers_sync: bool  # train_step never syncs in a backward: step() calls reduce_grads
+    can_defer: bool  # reduce_grads is possible (Note [several forwards])
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
+        ...
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum ``values`` over ranks (identity on one process)."""
+        ...
+
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
+        """The smallest micro-batch size that ran out of memory on any rank, or ``None``, and
+        whether every such failure was a budget reading (no allocator failed anywhere).
+
+        ``failed_size`` is this rank's (``None`` when its window completed). A collective in
+        distributed auto mode (Note [auto micro-batch across ranks]); else the arguments.
+        """
+        ...
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        """All-reduce and average the gradients of ``params`` now (a deferred window's sync)."""
+        ...
+
+
+class LocalSync:
+    """A model on one process: no synchronisation."""
+
+    world_size = 1
+    defers_sync = False
+    can_defer = False
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        yield
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
+        return failed_size, measured
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        pass
+
+
+class _RankSync:
+    """Shared by the distributed variants: the rank group and the sum all-reduce."""
+
+    can_defer = False
+
+    def __init__(self, group: object | None = None, auto: bool = False) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]  # None: the world
+        self.auto = auto and self.world_size > 1  # Note [auto micro-batch across ranks]
+        self.defers_sync = self.auto
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
+        return values
+
+    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
+        if not self.auto:
+            return failed_size, measured
+        inf = float("inf")
+        allocator_failed = float(failed_size is not None and not measured)
+        local = [-(failed_size or inf), allocator_failed]
+        agreed = torch.tensor(local, dtype=torch.float64, device=self._device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        neg_failed, any_allocator = agreed.tolist()
+        return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        raise NotImplementedError  # pragma: no cover - only DDP defers
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class DDPSync(_RankSync):
+    """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch.
+
+    In distributed auto mode ``train_step`` runs every micro-batch without it, the ranks agree on
+    out-of-memory errors and ``step`` all-reduces once (Note [auto micro-batch across ranks]); the
+    low-level path keeps syncing on ``last=True`` unless the forwards run before the backwards
+    (Note [several forwards]).
+    """
+
+    can_defer = True
+
+    def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
+        super().__init__(getattr(model, "process_group", None), auto)
+        self.model = model
+        if self.auto and model.broadcast_buffers and any(True for _ in model.buffers()):
+            raise ValueError(
+                'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '
+                "its buffers in every forward: a rank out of memory mid-forward would leave the "
+                "others waiting in the broadcast. Wrap it with "
+                "DistributedDataParallel(model, broadcast_buffers=False), or use a fixed "
+                "micro_batch_size."
+            )
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if last else self.model.no_sync()  # type: ignore[operator]
+
+    def reduce_grads(self, params: list[torch.Tensor]) -> None:
+        for p in params:  # every rank all-reduces every parameter, in the same order
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]  # type: ignore[arg-type]
+        for work in works:
+            work.wait()  # type: ignore[union-attr]  # async_op=True returns a Work
+        torch._foreach_div_(grads, self.world_size)  # type: ignore[arg-type]  # averaged, as DDP does
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+class FSDPSync(_RankSync):
+    """FSDP2 (``fully_shard``) or FSDP1: reduce-scatter only on the window's last micro-batch."""
+
+    def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
+        super().__init__(None, auto)
+        self.model = model
+        if self.auto:
+            raise ValueError(
+                f'micro_batch_size="auto" is not supported with FSDP on {self.world_size} ranks: '
+                "every forward all-gathers the parameters, so a rank out of memory mid-forward "
+                "would leave the others waiting. Use a fixed micro_batch_size "
+                "(Note [auto micro-batch across ranks] in bigbatch.core._sync)."
+            )
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        elif last:
+            yield
+        else:
+            with self.model.no_sync():  # type: ignore[operator]
+                yield
+
+
+def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
+    """Pick the gradient-sync control for ``model`` (the one wrapper-type test in bigbatch).
+
+    Args:
+        model: a plain module, a ``DistributedDataParallel`` or an FSDP model.
+        auto: the engine sizes micro-batches itself (``micro_batch_size="auto"``).
+
+    Raises:
+        ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
+    """
+    kind = wrapper_kind(model)
+    if kind == "ddp":
+        return DDPSync(model, auto)
+    if kind == "fsdp":
+        return FSDPSync(model, auto)
+    return LocalSync()
+
+
+def wrapper_kind(model: torch.nn.Module) -> str:
+    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1) or ``"plain"``: the one place in
+    bigbatch that looks at a model's distributed wrapper type."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    return "fsdp" if _is_fsdp(model) else "plain"
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    if isinstance(model, FullyShardedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return False
+    return isinstance(model, FSDPModule)

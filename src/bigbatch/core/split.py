@@ -1,0 +1,98 @@
+"""How a logical batch is cut into micro-batches.
+
+Pure functions, no model: ``batch_size(batch)`` checks that every tensor agrees on the first
+dimension and returns it; ``split(batch, micro_batch_size)`` cuts along that dimension into
+consecutive views, the last one possibly smaller (10 samples at 4 give 4 + 4 + 2).
+
+What is cut: every tensor (along its first dimension) and every per-sample column that is not a
+tensor, i.e. a list or tuple of exactly ``n`` non-container values (the ids or strings
+``default_collate`` gathers into a list). Anything else (a number, a string, a list of another
+length) is a per-batch value and every micro-batch gets it whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigbatch.core._tree import rows, tensor_leaves
+
+Batch = Any
+"""A tensor, or a nested tuple / list / dict / mapping of tensors sharing the first dimension."""
+
+
+def batch_size(batch: Batch) -> int:
+    """Return the number of samples in ``batch`` (the shared first dimension of its tensors).
+
+    Raises:
+        TypeError: ``batch`` holds no tensor, or a 0-dimensional one.
+        ValueError: the tensors disagree on the first dimension, or the batch is empty.
+    """
+    sizes: dict[str, int] = {}
+    for path, tensor in tensor_leaves(batch):
+        if tensor.dim() == 0:
+            raise TypeError(
+                f"batch: {path} is a 0-dimensional tensor; every tensor in a batch needs a first "
+                "(sample) dimension. Put per-batch constants outside the batch or give them shape [N]."
+            )
+        sizes[path] = tensor.shape[0]
+    if not sizes:
+        raise TypeError(
+            f"batch: found no tensor in a {type(batch).__name__}; pass a tensor or a tuple / list / "
+            "dict of tensors whose first dimension is the sample dimension."
+        )
+    distinct = sorted(set(sizes.values()))
+    if len(distinct) > 1:
+        listing = ", ".join(f"{p} has {n}" for p, n in sizes.items())
+        raise ValueError(
+            f"batch: tensors disagree on the first (sample) dimension ({listing}); every tensor "
+            "must hold one row per sample."
+        )
+    n = distinct[0]
+    if n == 0:
+        raise ValueError("batch: the batch is empty (first dimension 0); pass at least one sample.")
+    return n
+
+
+def micro_batch_sizes(n: int, micro_batch_size: int) -> list[int]:
+    """Sizes of the micro-batches that ``split`` makes: ``[m, m, ..., n % m]``.
+
+    >>> micro_batch_sizes(10, 4)
+    [4, 4, 2]
+    """
+    check_micro_batch_size(micro_batch_size)
+    full, rest = divmod(n, micro_batch_size)
+    return [micro_batch_size] * full + ([rest] if rest else [])
+
+
+def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    """Cut ``batch`` into consecutive micro-batches of ``micro_batch_size`` samples (views, no copy).
+
+    Per-sample columns that are not tensors are cut with the rows; other non-tensor values are
+    passed to every micro-batch whole (see the module docstring).
+
+    >>> import torch
+    >>> [t.shape[0] for t in split(torch.zeros(10, 3), 4)]
+    [4, 4, 2]
+    """
+    n = batch_size(batch)
+    pieces = []
+    start = 0
+    for size in micro_batch_sizes(n, micro_batch_size):
+        pieces.append(rows(batch, start, start + size, n))
+        start += size
+    return pieces
+
+
+def check_micro_batch_size(micro_batch_size: object) -> int:
+    """Return ``micro_batch_size`` if it is a positive int, else raise naming what is allowed."""
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise TypeError(
+            f"micro_batch_size={micro_batch_size!r} is not allowed: use a positive integer or "
+            '"auto" (e.g. micro_batch_size=8).'
+        )
+    if micro_batch_size <= 0:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is not allowed: use a positive integer or "
+            '"auto" (e.g. micro_batch_size=8).'
+        )
+    return micro_batch_size

@@ -1,0 +1,480 @@
+"""Local accumulation across ranks: λ exact local optimizer steps, then one all-reduce.
+
+Layer 2, built on the engine. ``LocalAccumulation`` is for several ranks on a slow network: each
+rank takes ``local_steps`` ordinary, exact ``Accumulator`` steps on its own share with no
+communication, then the ranks combine what they learned with ONE all-reduce. It is the
+synchronous form of Accumulated Gradient Normalization (Hermans, Spanakis and Möckel, ACML 2017,
+arXiv:1710.02368). Re-exported as ``bigbatch.distributed.launch.LocalAccumulation``.
+
+Note [accumulated gradient normalisation]
+    A round starts with every rank at the same parameters ``θ_start``. Rank ``r`` takes ``λ``
+    inner optimizer steps on its own data (each an exact micro-batched ``Accumulator`` step of a
+    plain module: no gradient all-reduce) and ends at ``θ_r``. Its accumulated update,
+    normalised by the number of steps as in the paper,
+
+        Δ_r = (θ_r − θ_start) / λ
+
+    is for plain SGD ``−η`` times the mean of the ``λ`` gradients it stepped on: the paper's
+    normalised accumulated gradient, on the scale of ONE step. The ranks' updates are averaged,
+    weighted by the samples or tokens ``c_r`` each consumed in the round,
+
+        Δ = Σ_r c_r Δ_r / Σ_r c_r,
+
+    in one all-reduce of a flat bucket, and the outer rule applies ``Δ`` to ``θ_start``: it is
+    ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)`` stepping on the
+    pseudo-gradient ``−Δ`` (plain: ``θ_start + outer_lr·Δ``; with momentum, the outer rule that
+    later local-SGD work such as DiLoCo uses). Every rank continues from the new ``θ_start``.
+
+    Why count weights: with ``λ = 1``, the plain rule and ``outer_lr = 1`` this IS the exact
+    data-parallel step for SGD, unequal shares included. ``Δ_r = −η g_r`` where ``g_r`` is the
+    mean gradient of rank r's share, and ``Σ c_r g_r / Σ c_r`` is the gradient of the global
+    mean, which is what the ``Accumulator`` on a DDP model steps on (Note [global
+    normalisation] in ``bigbatch.core._sync``). It stays exact for updates that are linear in the
+    gradient (SGD with momentum, Nesterov, weight decay) when each rank's share has the same
+    size every step (constant weights); Adam's update is not linear in the gradient, so with
+    Adam ``λ = 1`` is a different algorithm (use DDP for the exact step).
+
+    The other scales, for comparison: ``outer_lr = λ`` makes ``θ_start`` the count-weighted
+    average of the ranks' parameters (local SGD; PyTorch's post-local SGD averages the same,
+    unweighted). The paper's parameter server ADDS each worker's normalised update as it
+    arrives, so W workers move it by W updates per round: with equal shares that sum is
+    ``outer_lr = W`` here. DiLoCo's outer Nesterov step (learning rate 0.7 on the unnormalised
+    ``θ_start − mean θ_r``) is ``outer_lr = 0.7 λ, outer_momentum = 0.9, nesterov = True``.
+
+Note [buffers at the outer step]
+    Buffers (BatchNorm running statistics) are folded into the same all-reduce, so after every
+    outer step all ranks hold the same model and rank 0's file is every rank's state: floating
+    buffers become the count-weighted mean of the ranks' values (a running mean becomes the
+    pooled mean; a running variance the mean of the ranks' variances, leaving out the spread
+    between their means), integer buffers (``num_batches_tracked``) the mean over ranks,
+    rounded. Inner optimizer state (momentum, Adam moments) is NOT averaged: it stays local, as
+    in the paper and in DiLoCo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bigbatch.core._sync import wrapper_kind
+from bigbatch.core.engine import Accumulator, CountFn, StepResult
+from bigbatch.core.loss import LossFn
+from bigbatch.core.split import Batch
+
+STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class OuterStepResult:
+    """What one outer step (the round's all-reduce) did.
+
+    Attributes:
+        loss: mean loss over every inner step of the round on every rank,
+            ``Σ loss_sum / Σ count``.
+        count: samples (or tokens) the round consumed, summed over the ranks.
+        local_steps: inner steps the round took (``local_steps``, or fewer when ended early).
+        update_norm: 2-norm of the averaged normalised update ``Δ`` (before the outer rule).
+    """
+
+    loss: float
+    count: float
+    local_steps: int
+    update_norm: float
+
+
+@dataclass(frozen=True)
+class LocalStepResult:
+    """One inner step, and the outer step when it ended the round.
+
+    Attributes:
+        step: this rank's inner ``StepResult`` (its loss and count are this rank's share only).
+        outer: the round's ``OuterStepResult`` after every ``local_steps``-th step, else ``None``.
+    """
+
+    step: StepResult
+    outer: OuterStepResult | None = None
+
+
+@dataclass
+class _Round:
+    """Where this rank is in the round: inner steps taken, and their count and loss sums."""
+
+    steps: int = 0
+    count: float = 0.0
+    loss_sum: float = 0.0
+
+
+class LocalAccumulation:
+    """λ exact local optimizer steps per rank, then one count-weighted all-reduce of the updates.
+
+    Each rank trains its own replica of a PLAIN module (not DDP) with an ``Accumulator``: exact
+    micro-batched steps, no communication. After every ``local_steps`` steps the ranks' updates
+    ``(θ_r − θ_start) / λ`` are averaged, weighted by each rank's samples or tokens in the round
+    (so unequal shares are exact at ``λ = 1``), in one all-reduce over a flat bucket, and applied
+    to ``θ_start`` by the outer rule (Note [accumulated gradient normalisation]). Buffers are
+    averaged in the same bucket (Note [buffers at the outer step]); the inner optimizer's state
+    stays local. The ranks start from rank 0's parameters and buffers (one broadcast here, as
+    DDP does). Every rank must take the same number of steps: the outer step is a collective.
+
+    Args:
+        model: the plain module (not ``DistributedDataParallel``/FSDP), built alike on every rank.
+        inner_optimizer: the optimizer of the local steps, over ``model``'s parameters.
+        local_steps: λ, inner optimizer steps per all-reduce (1 = one exchange per step).
+        micro_batch_size: samples per micro-batch of the inner ``Accumulator`` (or ``"auto"``;
+            each rank then sizes its own, with no collective). For a scheduler, clipping or
+            precision build the ``Accumulator`` yourself: ``LocalAccumulation.from_accumulator``.
+        outer_lr: scale of the averaged normalised update (1 with ``λ = 1``: the exact step).
+        outer_momentum: momentum of the outer rule, in [0, 1) (0: the paper's plain form).
+        nesterov: Nesterov momentum for the outer rule (needs ``outer_momentum > 0``).
+        group: the process group (default: the whole job).
+
+    Raises:
+        ValueError: ``local_steps`` is not a whole number >= 1, a bad outer setting, or the
+            optimizer holds parameters that are not ``model``'s.
+        TypeError: ``model`` is wrapped in DDP or FSDP.
+        RuntimeError: one process (no process group, or a group of one rank).
+
+    Example:
+        >>> local = LocalAccumulation(model, torch.optim.AdamW(model.parameters()),  # doctest: +SKIP
+        ...                           local_steps=8, micro_batch_size=16)
+        >>> for batch in my_share_of_each_global_batch:  # doctest: +SKIP
+        ...     result = local.train_step(batch, loss_fn)
+        ...     if result.outer is not None and distributed.is_main_process():
+        ...         print(result.outer.loss)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        local_steps: int,
+        *,
+        micro_batch_size: int | str = 32,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        group: Any = None,
+    ) -> None:
+        check_local_steps(local_steps)
+        accumulator = Accumulator(model, inner_optimizer, micro_batch_size=micro_batch_size)
+        self._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
+
+    @classmethod
+    def from_accumulator(
+        cls,
+        accumulator: Accumulator,
+        local_steps: int,
+        *,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        group: Any = None,
+    ) -> LocalAccumulation:
+        """Wrap an ``Accumulator`` you built (scheduler, clipping, precision, memory budget).
+
+        Its model must be the plain module; the scheduler steps once per INNER step.
+
+        Example:
+            >>> acc = Accumulator(model, opt, micro_batch_size=8, max_grad_norm=1.0)  # doctest: +SKIP
+            >>> local = LocalAccumulation.from_accumulator(acc, local_steps=4)  # doctest: +SKIP
+        """
+        check_local_steps(local_steps)
+        local = cls.__new__(cls)
+        local._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
+        return local
+
+    def _setup(
+        self,
+        accumulator: Accumulator,
+        local_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        group: Any,
+    ) -> None:
+        _check_outer(outer_lr, outer_momentum, nesterov)
+        _check_plain(accumulator)
+        _check_owned(accumulator.model, accumulator.optimizer)
+        self.world_size = _world_size(group, local_steps)
+        self.accumulator = accumulator
+        self.local_steps = local_steps
+        self.group = group
+        model = accumulator.model
+        self._names, self._params = _trainable(model)
+        self._buffers = [b for _, b in model.named_buffers()]
+        self._dtype = _bucket_dtype(self._params + self._buffers)
+        self._broadcast_from_rank0()
+        self._start = [p.detach().clone() for p in self._params]
+        self.outer_optimizer = torch.optim.SGD(
+            self._start, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+        )
+        self.outer_steps = 0
+        self._round = _Round()
+
+    # ------------------------------------------------------------------ training
+    @property
+    def at_boundary(self) -> bool:
+        """``True`` between rounds: every rank holds the same model (snapshots go here)."""
+        return self._round.steps == 0
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, count_fn: CountFn | None = None
+    ) -> LocalStepResult:
+        """One exact inner step on this rank's ``batch``; the outer step after every λ-th.
+
+        Args:
+            batch: this rank's share of the global batch (any size; shares may differ).
+            loss_fn: ``loss_fn(model, micro_batch)``, as for ``Accumulator.train_step``.
+            count_fn: optional ``count_fn(micro_batch)``, as for ``Accumulator.train_step``
+                (what the loss will count, e.g. tokens; this rank's micro-batches only).
+
+        Returns:
+            The inner ``StepResult`` and, when this step ended the round, the outer step's.
+
+        Raises:
+            As ``Accumulator.train_step``; a failed inner step changes nothing here either.
+        """
+        return self._after_inner(self.accumulator.train_step(batch, loss_fn, count_fn=count_fn))
+
+    def step(self) -> LocalStepResult:
+        """The inner step of your own loop (after ``local.accumulator.backward(...)`` calls).
+
+        Example:
+            >>> for i, mb in enumerate(micro_batches):  # doctest: +SKIP
+            ...     with local.accumulator.micro_batch(last=i == len(micro_batches) - 1):
+            ...         local.accumulator.backward(*my_loss(model, mb))
+            >>> local.step()  # doctest: +SKIP
+        """
+        return self._after_inner(self.accumulator.step())
+
+    def _after_inner(self, result: StepResult) -> LocalStepResult:
+        r = self._round
+        r.steps += 1
+        r.count += result.count
+        r.loss_sum += result.loss * result.count
+        outer = self.outer_step() if r.steps == self.local_steps else None
+        return LocalStepResult(result, outer)
+
+    @torch.no_grad()
+    def outer_step(self) -> OuterStepResult:
+        """End the round now: average the normalised updates (ONE all-reduce) and apply them.
+
+        ``train_step`` calls it after every ``local_steps``-th step; call it yourself to end a
+        shorter round (at the end of training, so every rank holds the same model). A round of
+        ``k`` steps is normalised by ``k``. A collective: every rank must call it together.
+
+        Raises:
+            RuntimeError: no inner step was taken in this round.
+        """
+        k = self._round.steps
+        if k == 0:
+            raise RuntimeError(
+                "outer_step() called at the start of a round: take at least one inner step "
+                "(train_step or step) first; the ranks already hold the same model."
+            )
+        bucket = self._pack()
+        dist.all_reduce(bucket, group=self.group)  # the one collective of the round
+        count, loss_sum = bucket[-2:].tolist()
+        n = sum(p.numel() for p in self._params)
+        update = bucket[:n].mul_(-1.0 / (count * k))  # the pseudo-gradient −Δ
+        update_norm = float(torch.linalg.vector_norm(update))
+        self._apply(update, bucket[n:-2], count)
+        self.outer_steps += 1
+        self._round = _Round()
+        return OuterStepResult(loss_sum / count, count, k, update_norm)
+
+    def _pack(self) -> torch.Tensor:
+        """[c·(θ − θ_start) | c·float buffers | integer buffers | c, loss_sum], one flat tensor."""
+        c = self._round.count
+        sizes = [t.numel() for t in self._params + self._buffers]
+        bucket = torch.empty(sum(sizes) + 2, dtype=self._dtype, device=self._device())
+        views = bucket[:-2].split(sizes)
+        for view, p, s in zip(views[: len(self._params)], self._params, self._start, strict=True):
+            view.copy_(p.reshape(-1)).sub_(s.reshape(-1)).mul_(c)
+        for view, b in zip(views[len(self._params) :], self._buffers, strict=True):
+            view.copy_(b.reshape(-1))
+            if b.is_floating_point():
+                view.mul_(c)
+        bucket[-2:] = torch.tensor([c, self._round.loss_sum], dtype=self._dtype)
+        return bucket
+
+    def _apply(self, update: torch.Tensor, buffers: torch.Tensor, count: float) -> None:
+        sizes = [p.numel() for p in self._params]
+        for s, g in zip(self._start, update.split(sizes), strict=True):
+            s.grad = g.view_as(s).to(s.dtype)
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        for p, s in zip(self._params, self._start, strict=True):
+            p.copy_(s)
+        sizes = [b.numel() for b in self._buffers]
+        for b, v in zip(self._buffers, buffers.split(sizes), strict=True):
+            mean = v / count if b.is_floating_point() else (v / self.world_size).round()
+            b.copy_(mean.view_as(b))
+
+    def _broadcast_from_rank0(self) -> None:
+        tensors = self._params + self._buffers
+        if not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(self._dtype) for t in tensors])
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(flat, src=src, group=self.group)
+        with torch.no_grad():
+            for t, v in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(v.view_as(t))
+
+    def _device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    # ------------------------------------------------------------------ snapshots
+    def state_dict(self) -> dict[str, Any]:
+        """θ_start, the outer rule's state and the round position, taken between rounds.
+
+        The inner optimizer's state is not in it (it differs per rank: snapshot it per rank).
+
+        Raises:
+            RuntimeError: in the middle of a round (the ranks hold different parameters).
+        """
+        if not self.at_boundary:
+            raise RuntimeError(
+                f"state_dict() in the middle of a round ({self._round.steps} of "
+                f"local_steps={self.local_steps} inner steps taken): the ranks hold different "
+                "parameters until the outer step, so rank 0's snapshot could not resume the "
+                "others. Take it when local.at_boundary is True, or call local.outer_step() first."
+            )
+        return {
+            "format": STATE_FORMAT,
+            "local_steps": self.local_steps,
+            "outer_steps": self.outer_steps,
+            "round_step": self._round.steps,
+            "start": {n: s.clone() for n, s in zip(self._names, self._start, strict=True)},
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: θ_start (copied into the model too) and the outer state.
+
+        Any round in progress is dropped; load the inner optimizer's own state separately.
+
+        Raises:
+            ValueError: the snapshot is of another format, another ``local_steps`` or model.
+        """
+        _check_snapshot(state, self.local_steps, self._names, self._start)
+        for name, p, s in zip(self._names, self._params, self._start, strict=True):
+            s.copy_(state["start"][name])
+            p.copy_(s)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.outer_steps = int(state["outer_steps"])
+        self._round = _Round()
+
+
+# ---------------------------------------------------------------------- checks and helpers
+def check_local_steps(local_steps: object) -> None:
+    """Refuse a ``local_steps`` that is not a whole number >= 1.
+
+    Raises:
+        ValueError: with the value and what is allowed.
+
+    Example:
+        >>> check_local_steps(4)
+    """
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(
+            f"local_steps={local_steps!r} is not allowed: use a whole number >= 1, the inner "
+            "optimizer steps per all-reduce (1 = one exchange per step, the exact "
+            "data-parallel step with SGD)."
+        )
+
+
+def _check_outer(outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
+    if not outer_lr > 0:
+        raise ValueError(
+            f"outer_lr={outer_lr!r} is not allowed: use a positive number (1.0: Δ as is)."
+        )
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(
+            f"outer_momentum={outer_momentum!r} is not allowed: use a number in [0, 1) "
+            "(0: the paper's plain outer rule; 0.9 with nesterov=True: DiLoCo's)."
+        )
+    if nesterov and outer_momentum == 0:
+        raise ValueError(
+            "nesterov=True needs momentum: pass outer_momentum > 0 (e.g. 0.9), or nesterov=False."
+        )
+
+
+def _check_plain(accumulator: Accumulator) -> None:
+    if wrapper_kind(accumulator.model) == "ddp":
+        raise TypeError(
+            "LocalAccumulation needs the plain module, not a DistributedDataParallel: DDP "
+            "all-reduces the gradients in every backward, so the inner steps would not be local "
+            "(and the ranks' parameters would never differ). Pass ddp.module; LocalAccumulation "
+            "averages the updates itself, once per local_steps optimizer steps."
+        )
+    if wrapper_kind(accumulator.model) == "fsdp":
+        raise TypeError(
+            "LocalAccumulation does not support FSDP: a sharded model all-gathers its parameters "
+            "in every forward, so its inner steps would talk to the other ranks, and a rank must "
+            "hold a whole replica to step on its own. Pass the plain module if it fits on one "
+            "device; otherwise use Accumulator on the FSDP model (one reduce-scatter per step)."
+        )
+
+
+def _check_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    owned = {id(p) for p in model.parameters()}
+    foreign = sum(id(p) not in owned for g in optimizer.param_groups for p in g["params"])
+    if foreign:
+        raise ValueError(
+            f"the inner optimizer holds {foreign} tensor(s) that are not parameters of the model: "
+            "build it over model.parameters() (the plain module, not a copy of it)."
+        )
+
+
+def _world_size(group: Any, local_steps: int) -> int:
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        raise RuntimeError(
+            f"LocalAccumulation(local_steps={local_steps}) needs several ranks and this is one "
+            "process, so there is nothing to average and local_steps has no meaning: use "
+            "bigbatch.Accumulator, or launch with `torchrun --nproc_per_node N`."
+        )
+    return world
+
+
+def _trainable(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def _bucket_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The widest floating dtype among ``tensors``, at least float32 (counts must stay exact)."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _check_snapshot(
+    state: dict[str, Any], local_steps: int, names: list[str], start: list[torch.Tensor]
+) -> None:
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"not a LocalAccumulation state of format {STATE_FORMAT}: pass what "
+            "LocalAccumulation.state_dict() returned."
+        )
+    if state["local_steps"] != local_steps:
+        raise ValueError(
+            f"the snapshot was taken with local_steps={state['local_steps']} and this "
+            f"LocalAccumulation has local_steps={local_steps}: resume with the same value."
+        )
+    saved = {n: tuple(t.shape) for n, t in state["start"].items()}
+    mine = {n: tuple(s.shape) for n, s in zip(names, start, strict=True)}
+    if saved != mine:
+        differ = sorted(set(saved.items()) ^ set(mine.items()))[:3]
+        raise ValueError(
+            f"the snapshot's parameters do not match this model's (e.g. {differ}): resume with "
+            "the model the snapshot was taken from."
+        )

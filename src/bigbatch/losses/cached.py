@@ -1,0 +1,500 @@
+"""``cached_loss``: exact big batches for losses that couple the samples of a batch.
+
+A contrastive loss (CLIP, SimCLR, InfoNCE, in-batch negatives) scores every sample against every
+other sample of the batch, so cut into micro-batches it sees only a micro-batch's negatives:
+plain accumulation of micro-batches of 32 trains with a batch of 32. Such a loss depends on the
+batch only through small per-sample representations ``r_i = f(x_i)``; ``cached_loss`` splits it
+into ``encode_fn(model, micro_batch) -> r`` and ``batch_loss_fn(reps, batch) -> loss`` and gets
+the big batch's gradient exactly at the memory of one micro-batch plus the representations
+(representation-gradient caching: Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size
+under Memory Limited Setup").
+
+Note [representation caching]
+    ``Accumulator.train_step`` calls ``CachedLoss.prepare`` once per attempt at a window
+    (``bigbatch.core.loss.WindowLoss``), then the per-piece loss it returns for each micro-batch:
+
+    1. pass 1, in ``prepare``: each micro-batch is encoded under ``torch.no_grad()`` (no
+       activations kept) after recording the random state, so dropout can be replayed;
+    2. the whole batch's representations (every rank's, ``gather=True``) become leaves that
+       require grad; ``batch_loss_fn`` runs once and ``torch.autograd.grad`` gives ``∂S/∂r``
+       for every sample (``S`` = the loss sum), and ``∂S/∂p`` for a parameter ``p`` that the
+       loss uses directly (a learnable temperature: found in the loss's autograd graph) or a
+       0-dim ``encode_fn`` output (one value for the whole batch, e.g. ``logit_scale.exp()``);
+    3. pass 2, one micro-batch per call: re-encode with a graph under the recorded random state
+       and return a loss whose gradient is ``⟨∂S/∂r_j, r_j⟩`` (Note [surrogate loss]).
+
+    The model's buffers are put back after pass 1, so pass 2 starts from the same state and a
+    BatchNorm's running statistics move once per micro-batch, not twice. The random state after
+    the window is the one after pass 1 and the batch loss, whatever pass 2 draws.
+
+Note [surrogate loss]
+    Micro-batch ``j`` of ``n_j`` samples returns ``(loss_sum_j, count_j)`` with
+    ``count_j = C · n_j / N`` (``C`` the batch loss's count, ``N`` the samples it covered) and
+    ``loss_sum_j = s_j - s_j.detach() + L · count_j`` where ``s_j = Σ ⟨∂S/∂r_j, r_j⟩`` and
+    ``L = S / C``. Its gradient is that of ``s_j``; its value adds up to ``L · C``. The engine's
+    arithmetic is unchanged: ``Σ_j ∇loss_sum_j / Σ_j count_j = ∇S / C = ∇L``, the reported loss is
+    ``L``, and clipping, ``no_sync``, the scaler and the global count all-reduce work as for any
+    loss. The direct-parameter and 0-dim terms join the window's last micro-batch (the one DDP
+    syncs), each weighted ``1/W`` when ``W`` ranks computed the same gathered loss (DDP
+    averages, the engine multiplies by ``W``).
+
+Note [across ranks]
+    With ``gather=True`` and a process group of ``W > 1`` ranks (the DDP model's, else the
+    default one), every rank's representations (and, when ``batch_loss_fn`` takes it, every
+    tensor of its batch) are all-gathered along the sample dimension, in rank order, padded to the
+    largest share so that shares may differ. Every rank computes the same batch loss and
+    back-propagates only its own rows. Before gathering, the ranks exchange their status: when
+    one failed in pass 1 (out of memory, say) the others raise too, an out-of-memory error when it
+    was one, so ``micro_batch_size="auto"`` redoes the window on every rank instead of leaving
+    them waiting in the gather. Called as a plain ``loss_fn(model, batch)`` (evaluation,
+    ``bigbatch.verifier._check``) it never gathers: it computes the loss over the batch it is given.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bigbatch.core import _rng
+from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core.loss import LossFn, LossOutput, check_count, check_scalar_loss
+from bigbatch.core.oom import is_out_of_memory
+from bigbatch.core.split import Batch, batch_size
+
+EncodeFn = Callable[[nn.Module, Batch], Any]
+"""``encode_fn(model, micro_batch) -> reps``: a tensor or a tuple / list / dict of tensors."""
+
+BatchLossFn = Callable[..., LossOutput]
+"""``batch_loss_fn(reps, batch)`` (or ``batch_loss_fn(reps)``) -> a mean or ``(loss_sum, count)``."""
+
+Leaves = list[tuple[str, torch.Tensor]]
+
+
+def cached_loss(encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool = True) -> CachedLoss:
+    """A loss over the whole batch's representations, accumulated exactly in micro-batches.
+
+    Use it for losses in which each sample's loss depends on the other samples of the batch
+    through per-sample representations: contrastive losses with in-batch negatives (CLIP,
+    SimCLR, InfoNCE, sentence embeddings). Pass the result to ``Accumulator.train_step`` (or as a
+    ``Task``'s ``loss_fn``) like any ``loss_fn``: the step equals the full-batch step (float64: to
+    rounding), dropout included, for about one extra forward per micro-batch (Note
+    [representation caching]). Called as ``loss_fn(model, batch)`` it computes the plain loss
+    over ``batch`` in one piece.
+
+    Args:
+        encode_fn: ``encode_fn(model, micro_batch)`` returning the micro-batch's representations:
+            a tensor or a tuple / list / dict of tensors whose first dimension is the sample
+            dimension; a 0-dim tensor is one value for the whole batch (e.g. a learnable
+            temperature ``model.logit_scale.exp()``).
+        batch_loss_fn: ``batch_loss_fn(reps, batch)`` returning the loss of the WHOLE logical
+            batch from its representations (the same structure, all samples concatenated) as a
+            mean over the samples or a ``(loss_sum, count)`` pair; ``batch`` holds per-sample
+            inputs it may need (labels). It may use parameters directly (a temperature). A
+            ``batch_loss_fn(reps)`` with one argument gets no batch (nothing is gathered for it).
+        gather: under ``torch.distributed``, compute the loss over every rank's representations
+            (negatives span the global batch; shares may differ per rank). ``False``: each rank's
+            loss covers its own share.
+
+    Returns:
+        A ``CachedLoss`` (a ``loss_fn`` and a ``bigbatch.core.loss.WindowLoss``).
+
+    Raises:
+        TypeError: ``encode_fn`` or ``batch_loss_fn`` is not callable, or ``gather`` not a bool.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> from bigbatch import Accumulator
+        >>> model = torch.nn.Linear(4, 3)
+        >>> def info_nce(reps, batch):  # each query against every document of the batch
+        ...     q, d = reps
+        ...     return F.cross_entropy(q @ d.T / 0.05, torch.arange(len(q)))
+        >>> loss_fn = cached_loss(lambda m, mb: (m(mb[0]), m(mb[1])), info_nce)
+        >>> acc = Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=4)
+        >>> acc.train_step((torch.randn(10, 4), torch.randn(10, 4)), loss_fn).micro_batches
+        3
+    """
+    for name, fn in (("encode_fn", encode_fn), ("batch_loss_fn", batch_loss_fn)):
+        if not callable(fn):
+            raise TypeError(
+                f"{name}={fn!r} is not callable: pass a function, e.g. "
+                "cached_loss(lambda model, mb: model(mb), my_batch_loss)."
+            )
+    if not isinstance(gather, bool):
+        raise TypeError(f"gather={gather!r} is not allowed: use True or False.")
+    return CachedLoss(encode_fn, batch_loss_fn, gather)
+
+
+class CachedLoss:
+    """The object ``cached_loss`` returns: a ``loss_fn`` that sees the whole window first.
+
+    ``prepare(model, batch, pieces)`` (called by ``Accumulator.train_step``, or by your own loop
+    with the micro-batches you cut) runs pass 1 and the batch loss and returns the ``loss_fn``
+    for the pieces' pass 2; see Note [representation caching].
+    """
+
+    def __init__(self, encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool) -> None:
+        self.encode_fn = encode_fn
+        self.batch_loss_fn = batch_loss_fn
+        self.gather = gather
+        self.takes_batch = _takes_batch(batch_loss_fn)
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The plain loss over ``batch`` in one piece (no gathering), as ``(loss_sum, count)``."""
+        n = batch_size(batch)
+        reps = self.encode_fn(model, batch)
+        _split_leaves(reps, n, "the batch")
+        return self._loss(reps, batch, n)
+
+    def prepare(self, model: nn.Module, batch: Batch, pieces: list[Batch]) -> LossFn:
+        """Pass 1 and the batch loss for one window; returns the ``loss_fn`` of its pieces.
+
+        Args:
+            model: the model as the engine calls it (plain, DDP or FSDP).
+            batch: this rank's share of the logical batch.
+            pieces: ``batch`` cut into micro-batches (``bigbatch.core.split``), in order.
+
+        Returns:
+            ``loss_fn(model, piece)`` for each of ``pieces``, in order (Note [surrogate loss]).
+
+        Raises:
+            ValueError, TypeError: bad representations or batch loss (the messages say which).
+        """
+        ranks = _ranks(model, self.gather)
+        if len(pieces) == 1 and ranks is None:
+            return self  # one piece is the whole batch: the plain loss is exact, one forward
+        device = _device_of(model)
+        try:
+            encoded = _encode_pieces(self.encode_fn, model, pieces, device)
+        except Exception as exc:
+            if ranks is not None:  # the other ranks must not wait in the gather for us
+                _share(ranks, {"failed": repr(exc)[:300], "oom": is_out_of_memory(exc)})
+            raise
+        rows, whole, offset = encoded.rows, batch, 0
+        if ranks is not None:
+            rows, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
+        reps = [t.detach().requires_grad_() for t in rows]
+        scalars = [t.detach().requires_grad_(t.is_floating_point()) for t in encoded.per_batch]
+        n_total = len(reps[0])
+        with torch.enable_grad():
+            reps_tree = _rebuild(encoded.template, reps, scalars)
+            loss_sum, count = self._loss(reps_tree, whole, n_total)
+        window = _Window(
+            states=encoded.states,
+            end_state=_rng.capture(device),  # after pass 1 and the batch loss
+            paths=encoded.paths,
+            starts=[sum(encoded.sizes[:j]) for j in range(len(pieces))],
+            sizes=encoded.sizes,
+            grads=_gradients(loss_sum, reps, scalars, offset, sum(encoded.sizes)),
+            loss=loss_sum.detach() / count,
+            counts=[count * (n / n_total) for n in encoded.sizes],
+            weight=1.0 / ranks.size if ranks is not None else 1.0,
+        )
+        return _PieceLoss(self.encode_fn, pieces, window)
+
+    def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+        out = self.batch_loss_fn(reps, batch) if self.takes_batch else self.batch_loss_fn(reps)
+        return _sum_and_count(out, n)
+
+
+@dataclass
+class _Encoded:
+    """Pass 1 of a window: the representations without a graph, and how to replay them."""
+
+    template: Any  # the first micro-batch's reps: the structure to rebuild
+    paths: list[str]  # of the per-sample tensors, then the 0-dim ones
+    rows: list[torch.Tensor]  # per-sample tensors, the micro-batches concatenated
+    per_batch: list[torch.Tensor]  # 0-dim outputs (one value for the whole batch)
+    sizes: list[int]  # samples per micro-batch
+    states: list[Any]  # the random state before each micro-batch's encode
+
+
+@dataclass
+class _Gradients:
+    rows: list[torch.Tensor | None]  # ∂S/∂r of this rank's samples; None: the loss ignores r
+    per_batch: list[torch.Tensor | None]  # ∂S/∂(0-dim output)
+    params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
+
+
+@dataclass
+class _Window:
+    """What pass 2 needs of one window (Note [surrogate loss])."""
+
+    states: list[Any]  # random state before each micro-batch's encode
+    end_state: Any  # random state to leave behind
+    paths: list[str]  # the representations, as pass 1 saw them
+    starts: list[int]  # first row of each micro-batch in this rank's batch
+    sizes: list[int]  # samples per micro-batch
+    grads: _Gradients
+    loss: torch.Tensor  # L = S / C
+    counts: list[Any]  # C · n_j / N per micro-batch
+    weight: float  # of the whole-batch terms: 1 / ranks computing the same loss
+
+
+class _PieceLoss:
+    """Pass 2: the ``loss_fn`` of one window's micro-batches (Note [surrogate loss])."""
+
+    def __init__(self, encode_fn: EncodeFn, pieces: list[Batch], window: _Window) -> None:
+        self.encode_fn, self.pieces, self.window = encode_fn, pieces, window
+
+    def __call__(self, model: nn.Module, piece: Batch) -> tuple[torch.Tensor, Any]:
+        w, j = self.window, self._index(piece)
+        device = _device_of(model)
+        _rng.restore(w.states[j], device)  # the dropout masks of pass 1
+        reps = self.encode_fn(model, piece)
+        _rng.restore(w.end_state, device)
+        rows, per_batch = _split_leaves(reps, w.sizes[j], f"micro-batch {j}", w.paths)
+        terms = []
+        for (path, r), g in zip(rows, w.grads.rows, strict=True):
+            if not r.requires_grad:
+                raise ValueError(_NO_GRAD.format(path=path, shape=tuple(r.shape)))
+            if g is not None:
+                terms.append(_dot(r, g[w.starts[j] : w.starts[j] + w.sizes[j]]))
+        if j == len(self.pieces) - 1:  # the piece DDP syncs: the whole-batch terms join it
+            outputs = [(t, g) for (_, t), g in zip(per_batch, w.grads.per_batch, strict=True)]
+            for t, g in [*outputs, *w.grads.params]:
+                if g is not None and t.requires_grad:
+                    terms.append(_dot(t, g) * w.weight)
+        if not terms:  # the loss ignores this micro-batch: a zero that keeps the graph
+            terms.append(rows[0][1].sum() * 0)
+        surrogate = sum(terms[1:], terms[0])
+        return surrogate - surrogate.detach() + w.loss * w.counts[j], w.counts[j]
+
+    def _index(self, piece: Batch) -> int:
+        for j, p in enumerate(self.pieces):
+            if p is piece:
+                return j
+        raise ValueError(
+            "this loss_fn belongs to the micro-batches given to CachedLoss.prepare: call it with "
+            "those, or call the cached_loss itself for the plain loss of a batch."
+        )
+
+
+_NO_GRAD = (
+    "encode_fn's {path} (shape {shape}) does not require grad, so no gradient reaches the model "
+    "through it: every per-sample representation must be computed from trainable parameters "
+    "with gradients on (not under torch.no_grad(), not .detach()ed, not an input passed "
+    "through). Take per-sample inputs such as labels from batch_loss_fn's batch argument."
+)
+
+
+def _encode_pieces(
+    encode_fn: EncodeFn, model: nn.Module, pieces: list[Batch], device: torch.device
+) -> _Encoded:
+    """Pass 1: encode each micro-batch without a graph, recording the random state before it."""
+    buffers = [b.detach().clone() for b in model.buffers()]
+    states: list[Any] = []
+    parts: list[tuple[Leaves, Leaves]] = []
+    sizes: list[int] = []
+    template = None
+    try:
+        with torch.no_grad():
+            for j, piece in enumerate(pieces):
+                states.append(_rng.capture(device))
+                reps = encode_fn(model, piece)
+                sizes.append(batch_size(piece))
+                paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
+                parts.append(_split_leaves(reps, sizes[-1], f"micro-batch {j}", paths))
+                template = reps if template is None else template
+    finally:  # also after a failure: a redone window starts from the same buffers
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)  # pass 2 starts where pass 1 did (Note [representation caching])
+    first_rows, first_batch = parts[0]
+    for path, t in first_rows:
+        if not t.is_floating_point():
+            raise ValueError(_NO_GRAD.format(path=path, shape=tuple(t.shape)))
+    rows = [torch.cat([p[0][k][1] for p in parts]) for k in range(len(first_rows))]
+    paths = [p for p, _ in first_rows + first_batch]
+    return _Encoded(template, paths, rows, [t for _, t in first_batch], sizes, states)
+
+
+def _split_leaves(
+    reps: Any, n: int, where: str, paths: list[str] | None = None
+) -> tuple[Leaves, Leaves]:
+    """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each."""
+    rows: Leaves = []
+    per_batch: Leaves = []
+    for path, t in tensor_leaves(reps):
+        named = "reps" + path[len("batch") :]
+        (per_batch if t.dim() == 0 else rows).append((named, t))
+    if not rows:
+        raise TypeError(
+            f"encode_fn returned {type(reps).__name__} with no per-sample tensor for {where}: return "
+            "a tensor, or a tuple / dict of tensors whose first dimension is the sample dimension."
+        )
+    if any(t.shape[0] != n for _, t in rows):
+        listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
+        raise ValueError(
+            f"encode_fn's outputs disagree on the sample dimension for {where} of {n} samples "
+            f"({listing}): every representation needs one row per sample. Return one value for "
+            "the whole batch (e.g. a temperature) as a 0-dim tensor."
+        )
+    names = [p for p, _ in rows + per_batch]
+    if paths is not None and names != paths:
+        raise ValueError(
+            f"encode_fn returned {names} for {where} but {paths} for micro-batch 0: return the "
+            "same structure for every micro-batch."
+        )
+    return rows, per_batch
+
+
+def _rebuild(template: Any, rows: list[torch.Tensor], per_batch: list[torch.Tensor]) -> Any:
+    """The representations in ``template``'s structure, from ``rows`` and ``per_batch`` tensors."""
+    rows_it, batch_it = iter(rows), iter(per_batch)
+    return map_tensors(lambda t: next(batch_it) if t.dim() == 0 else next(rows_it), template)
+
+
+def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples."""
+    if isinstance(out, torch.Tensor):
+        check_scalar_loss(out, "batch_loss_fn's return value")
+        return out.reshape(()) * n, float(n)
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        check_scalar_loss(out[0], "batch_loss_fn's loss_sum")
+        return out[0].reshape(()), check_count(out[1], "batch_loss_fn's count")
+    raise TypeError(
+        f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over the "
+        "batch's samples) or a pair (loss_sum, count)."
+    )
+
+
+def _gradients(
+    loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor], offset: int,
+    rows: int,
+) -> _Gradients:  # fmt: skip
+    """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's), ``∂S/∂(0-dim
+    outputs)`` and ``∂S/∂p`` for parameters the loss uses directly."""
+    if not loss_sum.requires_grad:
+        raise ValueError(
+            "batch_loss_fn's loss does not depend on the representations (it does not require "
+            "grad): compute it from the reps it is given, with gradients on."
+        )
+    leaves = [*reps, *(t for t in scalars if t.requires_grad)]
+    params = _direct_params(loss_sum, leaves)
+    grads = torch.autograd.grad(loss_sum, [*leaves, *params], allow_unused=True)
+    by_leaf = {id(t): g for t, g in zip(leaves, grads, strict=False)}
+    return _Gradients(
+        rows=[
+            g if g is None or len(g) == rows else g[offset : offset + rows].clone()
+            for g in grads[: len(reps)]
+        ],
+        per_batch=[by_leaf.get(id(t)) for t in scalars],
+        params=[(p, g) for p, g in zip(params, grads[len(leaves) :], strict=True) if g is not None],
+    )
+
+
+def _direct_params(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors requiring grad that ``loss`` uses directly, other than ``leaves`` (its graph's
+    ``AccumulateGrad`` nodes), in a fixed order: e.g. a learnable temperature."""
+    known = {id(t) for t in leaves}
+    found: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if variable is not None:
+            if id(variable) not in known:
+                found.append(variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _dot(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``Σ t · g`` in at least float32 (a half-precision sum over a batch loses too much)."""
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    return (t.to(dtype) * g.to(dtype)).sum()
+
+
+# ---------------------------------------------------------------------------- across ranks
+@dataclass(frozen=True)
+class _Ranks:
+    group: Any  # None: the default group
+    size: int
+    rank: int
+
+
+def _ranks(model: nn.Module, gather: bool) -> _Ranks | None:
+    """The ranks to gather over (the DDP model's group, else the default one); None: no gather."""
+    if not gather or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = getattr(model, "process_group", None)
+    size = dist.get_world_size(group)
+    return _Ranks(group, size, dist.get_rank(group)) if size > 1 else None
+
+
+def _share(ranks: _Ranks, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``mine``; raise here when another rank failed in pass 1 (Note [across ranks])."""
+    everyone: list[Any] = [None] * ranks.size
+    dist.all_gather_object(everyone, mine, group=ranks.group)
+    failed = [(r, m) for r, m in enumerate(everyone) if "failed" in m]
+    if failed and "failed" not in mine:  # a rank that failed raises its own error
+        rank, info = failed[0]
+        what = (
+            f"rank {rank} failed encoding its micro-batches ({info['failed']}); this rank stops "
+            "its window too."
+        )
+        raise torch.OutOfMemoryError(what) if info["oom"] else RuntimeError(what)
+    return everyone
+
+
+def _gather(
+    ranks: _Ranks, encoded: _Encoded, batch: Batch | None
+) -> tuple[list[torch.Tensor], Batch, int]:
+    """Every rank's representations (and batch), concatenated in rank order, and our offset."""
+    leaves = [*zip(encoded.paths, encoded.rows, strict=False)]  # the per-sample ones
+    leaves += list(tensor_leaves(batch)) if batch is not None else []
+    shapes = [(path, str(t.dtype), list(t.shape[1:])) for path, t in leaves]
+    everyone = _share(ranks, {"rows": len(encoded.rows[0]), "shapes": shapes})
+    for r, other in enumerate(everyone):
+        if other["shapes"] != shapes:
+            path, dtype, shape = next(
+                (a for a, b in zip(shapes, other["shapes"], strict=False) if a != b), shapes[-1]
+            )
+            raise ValueError(
+                f"gather=True: {path} is {dtype} of shape [n, {str(shape)[1:-1]}] on rank "
+                f"{ranks.rank}, not on rank {r}: every rank's tensors must agree past the sample "
+                "dimension (pad to one length), or write batch_loss_fn(reps) to not gather the batch."
+            )
+    sizes = [other["rows"] for other in everyone]
+    rows = [_gather_rows(t, sizes, ranks) for t in encoded.rows]
+    if batch is not None:
+        batch = map_tensors(lambda t: _gather_rows(t, sizes, ranks), batch)
+    return rows, batch, sum(sizes[: ranks.rank])
+
+
+def _gather_rows(t: torch.Tensor, sizes: list[int], ranks: _Ranks) -> torch.Tensor:
+    """All-gather ``t`` along dim 0 when ranks hold different numbers of rows (padded, trimmed)."""
+    most = max(sizes)
+    padded = t.new_zeros((most, *t.shape[1:]))
+    padded[: len(t)] = t
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded, group=ranks.group)
+    return torch.cat([o[:n] for o, n in zip(out, sizes, strict=True)])
+
+
+# ---------------------------------------------------------------------------- small helpers
+def _takes_batch(fn: Callable[..., Any]) -> bool:
+    """Does ``fn`` take a second positional argument (the batch)?"""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: pass the batch
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in positional for p in params) >= 2
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -1,1 +1,0 @@
-"""The trainer: tasks, settings, the loop, resume files, logs and the report."""

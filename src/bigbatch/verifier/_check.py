@@ -1,0 +1,239 @@
+"""``check(model, batch, loss_fn)``: is accumulation exact for *this* model and loss?
+
+On float64 deep copies (the user's model, its running statistics and the global RNG are left
+as they were), with the same seed for both runs, it computes the full-batch gradient of the mean
+loss and the gradient that ``Accumulator.train_step`` really accumulates (Σ loss_sum / Σ count),
+and compares them per parameter, within the rounding of the precision the copy really computes
+in (Note [float32 islands] in ``_check_probes``). When they differ it diagnoses why: non-finite
+inputs, weights, outputs or losses; modules whose output for one sample depends on the other samples
+(found by replaying every module, not by class name: Note [replay without caches]); a loss that
+returns a mean as if it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens);
+a batch-coupled loss (in-batch negatives); dropout drawn per micro-batch; or non-determinism.
+When blocks of the model are checkpointed (``enable_checkpointing``) it also checks that the
+gradient is the same without.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from bigbatch.core._batchnorm import label
+from bigbatch.core._tree import map_tensors
+from bigbatch.core.loss import LossFn
+from bigbatch.core.split import Batch, batch_size
+from bigbatch.memory.checkpointing import checkpointed_blocks
+from bigbatch.verifier._diagnoses import Diagnosis, diagnose, nonfinite
+from bigbatch.verifier._probes import LOSS_FN, ROUNDING, Precision
+from bigbatch.verifier._runs import Grads, accumulated_grads, differences, full_run
+
+__all__ = ["CheckReport", "Diagnosis", "NotExactError", "check", "diagnose"]
+
+
+@dataclass
+class CheckReport:
+    """The result of ``check``.
+
+    Attributes:
+        exact: every parameter's relative difference is within ``tolerance``.
+        differences: per parameter, ``‖g_acc − g_full‖ / ‖g_full‖`` (see ``differences``);
+            NaN when a gradient is not finite.
+        batch_size, micro_batch_size: the batch compared and how it was cut.
+        tolerance: the relative difference counted as rounding: the ``tolerance`` asked for,
+            raised to the rounding of ``compute_dtype`` when that is below float64.
+        diagnoses: why it is not exact (empty when exact).
+        compute_dtype: the lowest precision the float64 copy really computed in: float64, or
+            float32 (or a half type) where the model or loss casts down (Note [float32 islands]).
+        low_precision_in: where it computed in ``compute_dtype`` (modules, or ``loss_fn``);
+            empty when that is float64.
+    """
+
+    exact: bool
+    differences: dict[str, float]
+    batch_size: int
+    micro_batch_size: int
+    tolerance: float
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    compute_dtype: torch.dtype = torch.float64
+    low_precision_in: tuple[str, ...] = ()
+
+    @property
+    def max_difference(self) -> float:
+        """The largest per-parameter relative difference (NaN if any is NaN)."""
+        values = list(self.differences.values())
+        return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+
+    def worst(self, k: int = 10) -> list[tuple[str, float]]:
+        """The ``k`` parameters with the largest relative difference, largest (or NaN) first."""
+        return sorted(
+            self.differences.items(), key=lambda kv: -math.inf if math.isnan(kv[1]) else -kv[1]
+        )[:k]
+
+    def summary(self) -> str:
+        """One paragraph: the verdict, the precision it holds to, and each diagnosis."""
+        head = (
+            f"{'exact' if self.exact else 'NOT exact'}: max relative difference "
+            f"{self.max_difference:.2e} (batch {self.batch_size}, micro-batches of "
+            f"{self.micro_batch_size})"
+        )
+        lines = [head]
+        if self.compute_dtype != torch.float64:
+            dtype = str(self.compute_dtype).removeprefix("torch.")
+            lines.append(
+                f"- tolerance {self.tolerance:.0e}: the float64 copy computes partly in {dtype} "
+                f"(in {_by_class(self.low_precision_in)}: low_precision_in names them), so "
+                f"differences up to {dtype} rounding are not counted"
+            )
+        return "\n".join([*lines, *(f"- {d.kind}: {d.message}" for d in self.diagnoses)])
+
+
+def _by_class(labels: tuple[str, ...]) -> str:
+    """``'a.norm' (RMSNorm)``, ``'b.norm' (RMSNorm)``, ``loss_fn`` -> ``RMSNorm ×2, loss_fn``."""
+    counts = Counter(label.rpartition(" (")[2].rstrip(")") for label in labels)
+    return ", ".join(name if k == 1 else f"{name} ×{k}" for name, k in counts.items())
+
+
+class NotExactError(AssertionError):
+    """Accumulated and full-batch gradients differ; ``.report`` holds the ``CheckReport``."""
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.summary())
+        self.report = report
+
+
+def check(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    micro_batch_size: int | None = None,
+    *,
+    tolerance: float = 1e-10,
+    seed: int = 0,
+    raise_on_failure: bool = False,
+) -> CheckReport:
+    """Compare the accumulated gradient with the full-batch gradient on one batch, in float64.
+
+    Works on any ``nn.Module``, transformers models included (their key/value caches are never
+    replayed; their float32 islands set the tolerance, and the report says so).
+
+    Args:
+        model: the model, in the mode (train / eval) it trains in; it is not changed.
+        batch: one logical batch (at least 2 samples).
+        loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator``.
+        micro_batch_size: samples per micro-batch; default about a third of the batch
+            (uneven: 10 samples give 4 + 4 + 2).
+        tolerance: relative difference counted as rounding in float64; raised to ``ROUNDING``
+            of a lower precision the copy computes in (``CheckReport.compute_dtype``).
+        seed: the seed both runs start from (dropout masks, other randomness).
+        raise_on_failure: raise ``NotExactError`` instead of returning a report that is not exact.
+
+    Returns:
+        The ``CheckReport``.
+
+    Raises:
+        ValueError: the batch has fewer than 2 samples, ``micro_batch_size`` is not positive or
+            covers it all, the model has no trainable parameter, or no gradient reaches one
+            from the loss.
+        NotExactError: not exact and ``raise_on_failure`` is set.
+
+    Example:
+        >>> m = torch.nn.Linear(3, 1)
+        >>> mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+        >>> check(m, (torch.randn(10, 3), torch.randn(10, 1)), mse).exact
+        True
+    """
+    n, size = _sizes(batch, micro_batch_size)
+    _check_trainable(model)
+    batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
+    full = full_run(model, batch, loss_fn, seed, observe=True)
+    precision = full.precision
+    tolerance = max(tolerance, ROUNDING.get(precision.dtype, 0.0))
+    acc, acc_loss = (
+        accumulated_grads(model, batch, loss_fn, size, seed) if full.finite else ({}, math.nan)
+    )
+    diffs = differences(acc, full.grads) if full.finite else {k: math.nan for k in full.grads}
+    report = CheckReport(
+        exact=all(d <= tolerance for d in diffs.values()),
+        differences=diffs,
+        batch_size=n,
+        micro_batch_size=size,
+        tolerance=tolerance,
+        compute_dtype=precision.dtype,
+        low_precision_in=_where(model, precision),
+    )
+    found = nonfinite(model, batch, loss_fn, size, seed, full, acc, acc_loss)
+    if found is not None:
+        report.exact, report.diagnoses = False, [found]
+    elif not report.exact:
+        report.diagnoses = diagnose(model, batch, loss_fn, size, seed, tolerance, full.grads)
+    if checkpointed_blocks(model) and found is None:
+        _check_checkpointing(model, batch, loss_fn, seed, full.grads, report)
+    if raise_on_failure and not report.exact:
+        raise NotExactError(report)
+    return report
+
+
+def _sizes(batch: Batch, micro_batch_size: int | None) -> tuple[int, int]:
+    n = batch_size(batch)
+    if n < 2:
+        raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
+    if micro_batch_size is not None and (
+        isinstance(micro_batch_size, bool)
+        or not isinstance(micro_batch_size, int)
+        or micro_batch_size < 1
+    ):
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size!r} is not allowed: use a positive integer "
+            "smaller than the batch, or None for about a third of it."
+        )
+    size = micro_batch_size or max(1, (n + 2) // 3)
+    if size >= n:
+        raise ValueError(
+            f"micro_batch_size={size} covers the whole batch of {n} samples, so there is nothing "
+            "to compare: use a smaller micro_batch_size or a larger batch."
+        )
+    return n, size
+
+
+def _check_trainable(model: nn.Module) -> None:
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        held = (
+            f"all {len(params)} of its parameters have requires_grad=False"
+            if params
+            else "it has no parameters"
+        )
+        raise ValueError(
+            f"check needs a model with trainable parameters, and {type(model).__name__} has none "
+            f"({held}): pass the module that holds the weights you train, or call "
+            "requires_grad_(True) on the ones to train."
+        )
+
+
+def _where(model: nn.Module, precision: Precision) -> tuple[str, ...]:
+    return tuple(
+        where if where == LOSS_FN else label(where, model.get_submodule(where))
+        for where in precision.where
+    )
+
+
+def _check_checkpointing(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, full: Grads, report: CheckReport
+) -> None:
+    plain = full_run(model, batch, loss_fn, seed, checkpointing=False).grads
+    worst = max(differences(full, plain).values(), default=0.0)
+    if worst > report.tolerance:
+        report.exact = False
+        report.diagnoses.append(
+            Diagnosis(
+                "checkpointing",
+                tuple(checkpointed_blocks(model)),
+                f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
+                "recomputed forward of these blocks is not the first one (state changed by the "
+                "forward, or randomness outside torch's RNG).",
+            )
+        )

@@ -1,0 +1,369 @@
+"""Why accumulated and full-batch gradients differ: the diagnoses of ``check``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate, chain
+
+import torch
+from torch import nn
+
+from bigbatch.core._batchnorm import label
+from bigbatch.core._tree import tensor_leaves
+from bigbatch.core.loss import LossFn, WindowLoss
+from bigbatch.core.split import Batch, batch_size, micro_batch_sizes, split
+from bigbatch.verifier._probes import first_nonfinite_output, probe_coupling
+from bigbatch.verifier._runs import (
+    FullRun,
+    Grads,
+    call_seeded,
+    copy_float64,
+    differences,
+    full_run,
+    rows,
+    seeded,
+    sum_and_count,
+)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One reason accumulation is not exact.
+
+    Attributes:
+        kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
+            ``"batch-coupled-loss"``, ``"dropout"``, ``"non-deterministic"``, ``"unprobed"`` (no
+            cause found, and these modules could not be replayed) or ``"checkpointing"``.
+        modules: the modules (names in the model) or parameters responsible, if any.
+        message: what happens and what to do.
+    """
+
+    kind: str
+    modules: tuple[str, ...]
+    message: str
+
+
+def diagnose(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    size: int,
+    seed: int,
+    tolerance: float,
+    full: Grads,
+) -> list[Diagnosis]:
+    """Why the accumulated gradient differs from ``full``: every cause found.
+
+    Args:
+        model: the user's model (not changed: every probe works on a float64 copy).
+        batch: the float64 batch compared.
+        loss_fn: as given to ``check``.
+        size: the micro-batch size compared.
+        seed: the seed of every run.
+        tolerance: the relative difference counted as rounding (Note [float32 islands]).
+        full: the full batch's gradients.
+
+    Returns:
+        The diagnoses, most specific first; empty when no cause is found.
+    """
+    found = []
+    again = full_run(model, batch, loss_fn, seed).grads
+    if max(differences(again, full).values(), default=0.0) > tolerance:
+        found.append(NON_DETERMINISTIC)
+    work = copy_float64(model)
+    rtol = max(1e-9, tolerance)
+    probe = probe_coupling(
+        work, lambda: loss_fn(work, batch), batch_size(batch), lambda: seeded(seed), rtol
+    )
+    if probe.coupled:
+        found.append(_batch_statistics(model, probe.coupled))
+    suspect = bool(probe.coupled or probe.unprobed)
+    found.extend(_loss_diagnoses(model, batch, loss_fn, seed, rtol, suspect))
+    if not found:
+        found.extend(_dropout(model))
+    if not found and probe.unprobed:
+        found.append(
+            Diagnosis(
+                "unprobed",
+                tuple(probe.unprobed),
+                f"no cause found, and {_labels(model, probe.unprobed)} could not be probed for "
+                "batch statistics: called again on their recorded inputs they raised or gave "
+                "another result (state that each call changes). Look for such state in them.",
+            )
+        )
+    return found
+
+
+NON_DETERMINISTIC = Diagnosis(
+    "non-deterministic",
+    (),
+    "two full-batch runs from the same seed give different gradients: the model or loss uses "
+    "randomness or non-deterministic kernels outside torch's seeded RNG.",
+)
+
+
+def _batch_statistics(model: nn.Module, coupled: list[str]) -> Diagnosis:
+    return Diagnosis(
+        "batch-statistics",
+        tuple(coupled),
+        f"{_labels(model, coupled)} change one sample's output when other samples change (batch "
+        "statistics in training mode): each micro-batch sees its own statistics. Use "
+        'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch '
+        "semantics.",
+    )
+
+
+def _dropout(model: nn.Module) -> list[Diagnosis]:
+    dropout = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+    ]
+    if not dropout:
+        return []
+    return [
+        Diagnosis(
+            "dropout",
+            tuple(dropout),
+            f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ "
+            "from the full batch's (fused kernels draw in another order): each step is an "
+            "equally valid sample, not the same numbers. Put those modules in eval() to check "
+            "the rest.",
+        )
+    ]
+
+
+def _labels(model: nn.Module, names: list[str]) -> str:
+    return ", ".join(label(name, model.get_submodule(name)) for name in names)
+
+
+def _loss_diagnoses(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, rtol: float, suspect: bool
+) -> list[Diagnosis]:
+    """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
+
+    When modules of the model couple the samples or change state with every call (``suspect``;
+    BatchNorm does not count, the eval() copy runs it on running statistics), halves do not add
+    up whatever the loss does, so the loss is blamed only for a pattern it alone explains. A
+    window loss (``cached_loss``) is coupled by design and exact through the window.
+    """
+    if isinstance(loss_fn, WindowLoss):
+        return []
+    n = batch_size(batch)
+    work = copy_float64(model).eval()  # probes the loss alone: no dropout, running statistics
+    bounds = [(0, n // 2), (n // 2, n)]
+    with torch.no_grad():
+        whole = sum_and_count(work, batch, loss_fn, seed)
+        parts = [sum_and_count(work, rows(batch, a, b), loss_fn, seed) for a, b in bounds]
+    per_sample = [torch.ones(n, dtype=torch.float64), *labelled_tokens(batch)]
+    weights = [[float(k[a:b].sum()) for a, b in bounds] for k in per_sample]
+    kind = loss_kind(whole, parts, weights, rtol)
+    if kind is None or (suspect and kind == "batch-coupled-loss"):
+        return []
+    return [Diagnosis(kind, (), LOSS_MESSAGES[kind])]
+
+
+def loss_kind(
+    whole: tuple[float, float],
+    parts: list[tuple[float, float]],
+    weights: list[list[float]],
+    rtol: float,
+) -> str | None:
+    """What is wrong with a loss, from its ``(loss_sum, count)`` on a batch and on its parts.
+
+    Args:
+        whole: ``(loss_sum, count)`` on the whole batch.
+        parts: ``(loss_sum, count)`` on each part (the parts cut the batch).
+        weights: candidate item counts of each part that a mean might be over: samples first,
+            then the labelled tokens of each labels tensor (``labelled_tokens``).
+        rtol: relative difference counted as rounding.
+
+    Returns:
+        ``None`` when sums and counts add up (exact), ``"mean-as-sum"`` when ``loss_sum / count``
+        is a mean over the parts' own counts or samples, ``"token-mean"`` when ``loss_sum /
+        count`` is a mean over labelled tokens the count does not count, else
+        ``"batch-coupled-loss"``.
+
+    Example:
+        >>> loss_kind((6.0, 3.0), [(2.0, 1.0), (4.0, 2.0)], [[1.0, 2.0]], 1e-9) is None
+        True
+    """
+
+    def adds_up(total: float, pieces: list[float]) -> bool:
+        return abs(total - sum(pieces)) <= rtol * max(1.0, abs(total), *(abs(p) for p in pieces))
+
+    (s, c), sums, counts = whole, [p[0] for p in parts], [p[1] for p in parts]
+    if adds_up(s, sums) and adds_up(c, counts):
+        return None
+    means = [ps / pc for ps, pc in parts]
+    as_sum = [counts, weights[0]]  # the mean returned as loss_sum, over its count or samples
+    if any(adds_up(s * sum(w), [ps * k for ps, k in zip(sums, w, strict=True)]) for w in as_sum):
+        return "mean-as-sum"
+    for w in weights[1:]:
+        if adds_up(s / c * sum(w), [m * k for m, k in zip(means, w, strict=True)]):
+            return "token-mean"
+    return "batch-coupled-loss"
+
+
+def labelled_tokens(batch: Batch, ignore_index: int = -100) -> list[torch.Tensor]:
+    """Per sample, the labelled positions of every integer tensor that marks some with -100.
+
+    Each such tensor gives two candidates: all its labelled positions, and those after the
+    first (a causal LM's shifted labels, as transformers and ``token_cross_entropy(shift=True)``
+    count them).
+    """
+    found = []
+    for _, t in tensor_leaves(batch):
+        if t.dim() >= 2 and not t.is_floating_point() and bool((t == ignore_index).any()):
+            real = (t != ignore_index).flatten(1)
+            found += [real.sum(1).double(), real[:, 1:].sum(1).double()]
+    return found
+
+
+LOSS_MESSAGES = {
+    "mean-as-sum": "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
+    "micro-batch means are added up: return the sum over the items it counts, (losses.sum(), "
+    "count) (for tokens: bigbatch.token_cross_entropy(logits, labels), or a transformers "
+    "model's out.loss * count), or a mean over samples alone.",
+    "token-mean": "loss_fn returns a mean over tokens (the labelled positions of the labels), "
+    "and a scalar is read as a mean over samples, so a micro-batch of short sequences weighs as "
+    "much as one of long ones: return (loss_sum, token_count), e.g. "
+    "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
+    "transformers model's labels= loss.",
+    "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
+    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. If it depends "
+    "on them only through per-sample representations (embeddings), write it as "
+    "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
+    "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
+    "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
+}
+
+
+def nonfinite(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    size: int,
+    seed: int,
+    full: FullRun,
+    acc: Grads,
+    acc_loss: float,
+) -> Diagnosis | None:
+    """Where the NaN or inf comes from, when a loss or gradient is not finite.
+
+    In order: the inputs, the model's weights, the first module whose output is not finite,
+    the loss, the backward; and when only the accumulated gradient is not finite, the first
+    micro-batch whose loss is not.
+
+    Args:
+        model, batch, loss_fn, size, seed: as given to ``diagnose``.
+        full: the full-batch run.
+        acc, acc_loss: the accumulated gradients and window loss (empty and NaN when the full
+            batch's were not finite).
+
+    Returns:
+        A ``"non-finite"`` diagnosis, or ``None`` when everything is finite.
+    """
+    if (
+        full.finite
+        and math.isfinite(acc_loss)
+        and all(bool(torch.isfinite(g).all()) for g in acc.values())
+    ):
+        return None
+    found = _nonfinite_data(model, batch)
+    if found is not None:
+        return found
+    if full.finite:
+        return _nonfinite_micro_batch(model, batch, loss_fn, size, seed)
+    work = copy_float64(model)
+    first = first_nonfinite_output(work, lambda: call_seeded(loss_fn, work, batch, seed))
+    if first is not None:
+        return Diagnosis(
+            "non-finite",
+            (first,),
+            f"non-finite outputs: {label(first, model.get_submodule(first))} is the first module "
+            "whose output holds NaN or inf, from finite inputs and weights (an overflow, a log "
+            "or division by zero, ...): fix that computation.",
+        )
+    if not math.isfinite(full.loss):
+        return Diagnosis(
+            "non-finite",
+            (),
+            f"non-finite loss: loss_fn returns a loss of {full.loss} from finite model outputs "
+            "(a log of 0, a division by a zero count, ...): fix loss_fn.",
+        )
+    bad = [name for name, g in full.grads.items() if not bool(torch.isfinite(g).all())]
+    return Diagnosis(
+        "non-finite",
+        tuple(bad),
+        f"non-finite gradients ({', '.join(bad[:5])}) from a finite loss: a backward that "
+        "divides by zero (the square root or norm of 0, ...): add an epsilon there.",
+    )
+
+
+def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
+    """Non-finite values in the batch's floating tensors, or in the model's weights."""
+    inputs = [
+        _count_nonfinite(path, t)
+        for path, t in tensor_leaves(batch)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if inputs:
+        return Diagnosis(
+            "non-finite",
+            (),
+            f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
+            "clean the data (drop those samples, or torch.nan_to_num) before training.",
+        )
+    state = chain(model.named_parameters(), model.named_buffers())
+    weights = [
+        name for name, t in state if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if weights:
+        return Diagnosis(
+            "non-finite",
+            tuple(weights),
+            f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights "
+            "or initialise them again.",
+        )
+    return None
+
+
+def _count_nonfinite(path: str, t: torch.Tensor) -> str:
+    """``batch[0] holds 2 NaN and 1 inf in samples 3, 7``."""
+    bad = ~torch.isfinite(t)
+    samples = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist() if t.dim() else []
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    kinds = " and ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "inf")) if k)
+    shown = ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else "")
+    noun = "sample" if len(samples) == 1 else "samples"
+    return f"{path} holds {kinds}" + (f" in {noun} {shown}" if samples else "")
+
+
+def _nonfinite_micro_batch(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, size: int, seed: int
+) -> Diagnosis:
+    """The first micro-batch whose loss is not finite when the full batch's is."""
+    work = copy_float64(model)
+    ends = list(accumulate(micro_batch_sizes(batch_size(batch), size)))
+    for i, (micro, end) in enumerate(zip(split(batch, size), ends, strict=True)):
+        with torch.no_grad():
+            loss_sum, count = sum_and_count(work, micro, loss_fn, seed)
+        if not (math.isfinite(loss_sum) and math.isfinite(count)):
+            start = end - batch_size(micro)
+            return Diagnosis(
+                "non-finite",
+                (),
+                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: loss_sum "
+                f"{loss_sum}, count {count}) although the whole batch's is finite: a mean over "
+                "zero items (all padding?) is NaN. Return (loss_sum, count) with a sum, which is "
+                "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels).",
+            )
+    return Diagnosis(
+        "non-finite",
+        (),
+        "the accumulated gradient or loss is not finite although the full batch's and every "
+        "micro-batch's loss are: a backward that divides by zero on some micro-batch (the "
+        "square root or norm of 0, ...): add an epsilon there.",
+    )
