@@ -63,6 +63,16 @@ def run() -> None:
     """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
     from bigbatch.distributed import launch as distributed
 
+    try:
+        import rich  # noqa: F401  (the application's one required extra)
+    except ImportError:
+        print(
+            "bigbatch: the command line needs its extra: pip install \"bigbatch[cli]\" "
+            "(the library itself, import bigbatch, needs only torch).",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
     distributed.exit_process(main())
 
 
