@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,10 @@ class GradSync(Protocol):
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum ``values`` over ranks (identity on one process)."""
+        ...
+
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``values`` over ranks (identity on one process)."""
         ...
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
@@ -123,6 +127,9 @@ class LocalSync:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         return failed_size, measured
 
@@ -142,8 +149,14 @@ class _RankSync:
         self.defers_sync = self.auto
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
+        values = values.to(self._device(), torch.float64, copy=True)
+        dist.all_reduce(values, op=op, group=self.group)  # type: ignore[arg-type]
         return values
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
@@ -151,10 +164,8 @@ class _RankSync:
             return failed_size, measured
         inf = float("inf")
         allocator_failed = float(failed_size is not None and not measured)
-        local = [-(failed_size or inf), allocator_failed]
-        agreed = torch.tensor(local, dtype=torch.float64, device=self._device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
-        neg_failed, any_allocator = agreed.tolist()
+        local = torch.tensor([-(failed_size or inf), allocator_failed], dtype=torch.float64)
+        neg_failed, any_allocator = self.all_reduce_max(local).tolist()
         return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
@@ -217,6 +228,9 @@ class FSDPSync(_RankSync):
                 "would leave the others waiting. Use a fixed micro_batch_size "
                 "(Note [auto micro-batch across ranks] in bigbatch.core._sync)."
             )
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:

@@ -1,8 +1,14 @@
-"""The window being accumulated, and what a failed or redone window must give back.
+"""The window runner: the one place that runs a window and survives running out of memory.
 
-``Window`` is the running state between two optimizer steps, kept on the device (no host sync per
-micro-batch). ``Backup`` holds what the forwards of a window change outside the gradients, so a
-window that fails, or is redone at a smaller micro-batch, leaves no trace.
+A *window* is the logical batch of one optimizer step. ``Runner.run(batch, attempt)`` cuts it
+(``Cut``: by samples, or by tokens in ``bigbatch.core._tokens``), sizes the cut (``Sizing``:
+fixed, ``"auto"``, a memory budget), saves what the window's forwards change (``Backup``), and
+calls ``attempt(pieces)``, which runs the micro-batches (the engine's loop, the Keras step, ...).
+A real out-of-memory error discards the window, puts everything back, agrees with the other
+ranks on a smaller size and redoes it; any other error puts everything back and propagates.
+``Window`` is the running record of the micro-batches seen so far, per loss term.
+``prepass`` runs a no-gradient pass over the pieces before the window (counts, statistics,
+``cached_loss``'s representations) and ``replay`` gives the main pass the same random draws.
 
 Note [window buffers]
     Forwards in training mode mutate module buffers: BatchNorm's running statistics and
@@ -15,86 +21,130 @@ Note [window buffers]
     window copies every buffer, later windows only the buffers seen changing before (BatchNorm
     statistics always). A buffer that changes for the first time in a later window that then
     fails is not restored; no model known to us does that.
+
+Note [passes before the window]
+    Some windows need a value of the whole window before the first backward: the counts of a
+    loss of several terms (each term is divided by its own total: Note [named terms]), batch
+    statistics (``stats_fn``), every sample's representation (``cached_loss``). ``prepass`` runs
+    ``fn`` on every piece under ``torch.no_grad()`` (no activations kept), recording the random
+    state before each piece and putting the buffers back afterwards, so the main pass starts
+    from the same state, moves BatchNorm statistics once, and ``replay(states[i])`` gives piece
+    ``i`` the dropout masks it drew in the pre-pass. On several ranks a pre-pass is followed by a
+    collective (the totals, the gathered representations), so its outcome is agreed first
+    (``agree``): if one rank failed, every rank raises, an out-of-memory error when it was one, and
+    the runner redoes the window everywhere instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+import gc
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from bigbatch.core import _rng
 from bigbatch.core._batchnorm import batchnorm_layers
+from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
-from bigbatch.core.loss import check_count
+from bigbatch.core.loss import Term, check_count
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
+from bigbatch.core.split import batch_size, micro_batch_sizes, split
+
+T = TypeVar("T")
+
+
+@dataclass
+class Piece:
+    """One micro-batch of a cut window.
+
+    Attributes:
+        batch: the micro-batch, as ``loss_fn`` sees it.
+        samples: its samples (real rows; pad rows of a compile bucket are not counted).
+        rows: its rows' positions in the window's batch (``None``: consecutive, in order).
+        tokens: real tokens (token cuts), else ``None``.
+        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
+    """
+
+    batch: Any
+    samples: int
+    rows: torch.Tensor | None = None
+    tokens: int | None = None
+    padded_tokens: int | None = None
+
+
+class Cut(Protocol):
+    """How a window is cut at a size: by samples (``SampleCut``) or by tokens."""
+
+    def units(self, batch: Any) -> int:
+        """The size at which the whole window is one piece (what ``Sizing`` searches below)."""
+        ...
+
+    def __call__(self, batch: Any, size: int) -> list[Piece]:
+        """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
+        ...
+
+
+class SampleCut:
+    """Consecutive micro-batches of ``size`` samples (10 at 4: 4 + 4 + 2)."""
+
+    def units(self, batch: Any) -> int:
+        return batch_size(batch)
+
+    def __call__(self, batch: Any, size: int) -> list[Piece]:
+        sizes = micro_batch_sizes(batch_size(batch), size)
+        return [Piece(p, n) for p, n in zip(split(batch, size), sizes, strict=True)]
 
 
 @dataclass
 class Window:
-    """The running state of the window being accumulated.
+    """The running record of the window being accumulated (kept on the device: no host sync).
 
     Attributes:
         micro_batches: backward calls so far.
-        loss_sum: Σ loss_sum (float64, on the device).
-        count: Σ count.
-        bad_counts: how many tensor counts were negative or not finite (checked at step time).
-        scale: the constant every backward multiplies its loss by (Note [backward scale]);
-            ``None`` until the window's first backward chooses it.
+        sums, counts, weights: per loss term (Note [named terms]), the sums in float64.
+        bad_counts: tensor counts that were negative or not finite (checked at step time).
+        scales: the constant each term's sum is multiplied by in every backward (Note [backward
+            scale] in the engine); ``None`` until chosen.
+        follow: fp16 without counts known before the window: the scale follows the count seen
+            so far and the gradients are rescaled as counts arrive: ``"tensors"`` (counts that
+            are tensors: token losses), ``"all"`` (the low-level path) or ``""`` (never).
+        expected: each term's global count, known before the window (``count_fn``, a count pass).
         pending_forwards: forwards whose backward has not run yet (Note [several forwards]).
         deferred: the gradients are synchronised across ranks at step time, not in a backward.
-        samples_hint: ``(window samples, first micro-batch samples)`` when ``train_step`` knows
-            them (for the first backward's scale); ``(1, 1)`` otherwise.
+        samples: samples in the window on this rank (``train_step``), else ``None``.
     """
 
     micro_batches: int = 0
-    loss_sum: torch.Tensor | float = 0.0
-    count: torch.Tensor | float = 0.0
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
     bad_counts: torch.Tensor | float = 0.0
-    scale: torch.Tensor | float | None = None
+    scales: dict[str, Any] | None = None
+    follow: str = ""
+    expected: dict[str, Any] | None = None
     pending_forwards: int = 0
     deferred: bool = False
-    samples_hint: tuple[int, int] = (1, 1)
+    samples: int | None = None
 
-    def add(self, loss_sum: torch.Tensor, count: torch.Tensor | float) -> None:
-        """Record one micro-batch's loss sum and count."""
-        self.loss_sum = self.loss_sum + loss_sum.detach().reshape(()).to(torch.float64)
-        self.count = self.count + count
-        if isinstance(count, torch.Tensor):
-            self.bad_counts = self.bad_counts + (~torch.isfinite(count) | (count < 0)).to(
-                torch.float64
-            )
+    def add(self, terms: Mapping[str, Term]) -> None:
+        """Record one micro-batch's terms."""
+        for name, (loss_sum, count, weight) in terms.items():
+            s = loss_sum.detach().reshape(()).to(torch.float64)
+            self.sums[name] = self.sums[name] + s if name in self.sums else s
+            self.counts[name] = self.counts.get(name, 0.0) + count
+            self.weights[name] = weight
+            if isinstance(count, torch.Tensor):
+                bad = (~torch.isfinite(count) | (count < 0)).to(torch.float64)
+                self.bad_counts = self.bad_counts + bad
         self.micro_batches += 1
 
-
-def planned_scale(
-    counts: Sequence[Any] | None, samples: int, sync: GradSync, device: torch.device
-) -> torch.Tensor | float | None:
-    """The window's backward scale from what is known before it runs (Note [backward scale] in
-    ``bigbatch.core.engine``): ``1 / C`` with the counts of ``count_fn``, else ``1 / N`` on several
-    ranks, else ``None`` (one process: chosen at the first backward by ``first_scale``)."""
-    count: torch.Tensor | float = 0.0
-    for c in counts or ():
-        count = count + check_count(c, "count_fn's result")
-    if sync.world_size == 1:
-        return None if counts is None else 1.0 / clamp_count(count)
-    local = torch.tensor([float(samples), 0.0], dtype=torch.float64, device=device)
-    local[1] = count if counts is not None else 0.0
-    total = sync.all_reduce_sum(local)  # one small all-reduce, before the window
-    return 1.0 / total[1 if counts is not None else 0].clamp_min(1.0)
-
-
-def first_scale(
-    count: torch.Tensor | float, samples_hint: tuple[int, int], world_size: int
-) -> torch.Tensor | float:
-    """The scale chosen at a window's first backward when nothing was known before it: the
-    first count times the window's samples per first micro-batch sample on one process, 1 on
-    several ranks (Note [backward scale])."""
-    if world_size > 1:
-        return 1.0
-    samples, first = samples_hint
-    return 1.0 / clamp_count(count * (samples / first))
+    def seen(self, name: str, count: Any) -> Any:
+        """The count of term ``name`` so far with ``count`` added, at least 1 (no host sync)."""
+        return clamp_count(self.counts.get(name, 0.0) + count)
 
 
 def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
@@ -104,40 +154,56 @@ def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
     return max(float(count), 1.0)
 
 
-class MutableBuffers:
-    """The model's buffers that forwards may change (Note [window buffers])."""
+def total_counts(counts: Sequence[Any], what: str = "count_fn's result") -> dict[str, Any]:
+    """Each term's total over the pieces: ``count_fn`` gives a number or ``{name: count}``."""
+    totals: dict[str, Any] = {}
+    for c in counts:
+        for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
+            totals[name] = totals.get(name, 0.0) + check_count(value, f"{what} {name!r}")
+    return totals
 
-    def __init__(self, model: torch.nn.Module) -> None:
+
+# ---------------------------------------------------------------------------- what a window changes
+class MutableBuffers:
+    """The model's tensors that forwards may change (Note [window buffers]).
+
+    Args:
+        model: the module.
+        tensors: the candidates (default: ``model.buffers()``); Keras passes its variables.
+    """
+
+    def __init__(self, model: torch.nn.Module, tensors: Callable[[], list] | None = None) -> None:
         self.model = model
+        self.all = tensors or (lambda: list(model.buffers()))
         self._seen_changing: set[int] | None = None  # ids; None until the first window ends
 
     def candidates(self) -> list[torch.Tensor]:
-        """The buffers to copy before a window."""
-        buffers = list(self.model.buffers())
+        """The tensors to copy before a window."""
+        tensors = self.all()
         if self._seen_changing is None:
-            return buffers
+            return tensors
         always = {id(b) for _, m in batchnorm_layers(self.model) for b in m.buffers()}
-        return [b for b in buffers if id(b) in self._seen_changing or id(b) in always]
+        return [b for b in tensors if id(b) in self._seen_changing or id(b) in always]
 
     def learn(self, backup: Backup) -> None:
-        """After a completed window: remember the buffers whose contents changed."""
-        changed = {id(b) for b in self.model.buffers() if backup.versions.get(id(b)) != _version(b)}
+        """After a completed window: remember the tensors whose contents changed."""
+        changed = {id(b) for b in self.all() if backup.versions.get(id(b)) != _version(b)}
         self._seen_changing = changed | (self._seen_changing or set())
 
 
 class Backup:
-    """The random generators and the mutable buffers as they were before a window."""
+    """The random generators and the mutable tensors as they were before a window."""
 
     def __init__(self, buffers: MutableBuffers, device: torch.device) -> None:
         self.device = device
         self.rng = _rng.capture(device)
         self.buffers = buffers.candidates()
         self.values = [b.detach().clone() for b in self.buffers]
-        self._model = buffers.model
+        self._all = buffers.all
         self.versions = self._read_versions()
 
     def restore(self) -> None:
-        """Put the generators and the buffers back."""
+        """Put the generators and the tensors back."""
         _rng.restore(self.rng, self.device)
         with torch.no_grad():
             for buffer, value in zip(self.buffers, self.values, strict=True):
@@ -145,7 +211,7 @@ class Backup:
         self.versions = self._read_versions()  # our own copy_ is not the model changing them
 
     def _read_versions(self) -> dict[int, int | None]:
-        return {id(b): _version(b) for b in self._model.buffers()}
+        return {id(b): _version(b) for b in self._all()}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -153,3 +219,183 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
         return None
+
+
+# ---------------------------------------------------------------------------- passes before
+def prepass(
+    model: torch.nn.Module, pieces: Sequence[Piece], fn: Callable[[Piece], T], device: torch.device
+) -> tuple[list[T], list[_rng.RngState]]:
+    """``fn`` on every piece without gradients; the random state before each; buffers put back.
+
+    Note [passes before the window]. The random state afterwards is the one after the pass.
+    """
+    saved = [b.detach().clone() for b in model.buffers()]
+    states, outputs = [], []
+    try:
+        with torch.no_grad():
+            for piece in pieces:
+                states.append(_rng.capture(device))
+                outputs.append(fn(piece))
+    finally:  # also after a failure: a redone window starts from the same buffers
+        with torch.no_grad():
+            for b, value in zip(model.buffers(), saved, strict=True):
+                b.copy_(value)
+    return outputs, states
+
+
+@contextlib.contextmanager
+def replay(state: _rng.RngState | None, device: torch.device) -> Iterator[None]:
+    """Run a main-pass piece from the random state its pre-pass started from (``None``: as is)."""
+    if state is not None:
+        _rng.restore(state, device)
+    yield
+
+
+def agree(sync: GradSync, failure: BaseException | None) -> None:
+    """Every rank learns whether a pre-pass failed anywhere; raise on all ranks if one did.
+
+    Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
+    """
+    if sync.world_size == 1:
+        if failure is not None:
+            raise failure
+        return
+    flags = torch.tensor(
+        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))]
+    )
+    failed, oom = sync.all_reduce_max(flags).tolist()
+    if failure is not None:
+        raise failure
+    if failed:
+        what = "another rank failed before the window's collective; this rank stops it too"
+        raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
+
+
+# ---------------------------------------------------------------------------- the runner
+class Restart(Exception):
+    """Raised inside an attempt to redo the window at the same size (nothing failed): e.g. the
+    loss turned out to have several terms and the window needs a count pass first."""
+
+
+@dataclass
+class Ran(Generic[T]):
+    """What ``Runner.run`` returns: the attempt's value, the size it ran at, the windows redone
+    after running out of memory, and the adopted attempt's peak (``None`` when not measured)."""
+
+    value: T
+    size: int
+    oom_retries: int
+    peak_bytes: int | None
+
+
+class Runner:
+    """Runs windows: cut, size, back up, attempt, retry smaller after out-of-memory, restore.
+
+    Args:
+        model: the module whose buffers a window may change.
+        sizing: the micro-batch policy (``FixedSize`` / ``AutoSize``).
+        sync: the gradient-sync control (agrees on out-of-memory errors across ranks).
+        meter: the window's memory meter (the budget).
+        device: where the window runs.
+        cut: how a window is cut (``SampleCut()`` by default).
+        buffers: the tensors a window may change (``MutableBuffers(model)`` by default).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sizing: Sizing,
+        sync: GradSync,
+        meter: WindowMeter,
+        device: torch.device,
+        cut: Cut | None = None,
+        buffers: MutableBuffers | None = None,
+    ) -> None:
+        self.model, self.sizing, self.sync, self.meter, self.device = (
+            model, sizing, sync, meter, device
+        )  # fmt: skip
+        self.cut: Cut = cut or SampleCut()
+        self.buffers = buffers or MutableBuffers(model)
+
+    def run(
+        self,
+        batch: Any,
+        attempt: Callable[[list[Piece], int], None],
+        finish: Callable[[list[Piece], int], T],
+        discard: Callable[[], None],
+    ) -> Ran[T]:
+        """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size)``.
+
+        ``attempt`` runs the micro-batches; ``finish`` (the optimizer step) is never retried.
+        ``discard()`` drops a failed attempt's partial gradients and window record; the runner
+        then restores the buffers and the random state. Raises what ``attempt`` or ``finish``
+        raised, after discarding and restoring, unless it is an out-of-memory error of
+        ``attempt`` that the sizing policy retries.
+        """
+        units = self.cut.units(batch)
+        backup, retries = Backup(self.buffers, self.device), 0
+        while True:
+            size = self.sizing.size_for(units)
+            self.meter.start()
+            pieces = self.cut(batch, size)
+            failure = self._try(pieces, size, attempt, discard, backup)
+            if failure is None:  # a restart: the same size again
+                continue
+            failed, measured = self.sync.agree_on_oom(*failure)  # Note [auto micro-batch ...]
+            if failed is None:
+                break
+            # Retried outside the except block: the live exception would keep its tensors alive.
+            discard()
+            backup.restore()
+            release_memory(self.device)
+            self.sizing.after_oom(failed, measured)
+            retries += 1
+        peak = self.meter.peak_bytes()
+        try:
+            value = finish(pieces, size)
+        except BaseException:
+            discard()
+            backup.restore()
+            raise
+        self.sizing.after_success(size)
+        self.buffers.learn(backup)
+        return Ran(value, size, retries, peak)
+
+    def _try(
+        self,
+        pieces: list[Piece],
+        size: int,
+        attempt: Callable[[list[Piece], int], None],
+        discard: Callable[[], None],
+        backup: Backup,
+    ) -> tuple[int | None, bool] | None:
+        """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
+        try:
+            attempt(pieces, size)
+            return None, False
+        except Restart:
+            discard()
+            backup.restore()
+            return None
+        except BaseException as exc:
+            discard()
+            backup.restore()
+            if not (self.sizing.retries and is_out_of_memory(exc)):
+                raise
+            traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
+            return size, isinstance(exc, MemoryBudgetExceeded)
+
+    def check_memory(self, size: int) -> None:
+        """After each micro-batch: over the memory budget raises ``MemoryBudgetExceeded``."""
+        self.meter.check(size)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what a failed window left behind: collect garbage, empty the CUDA cache.
+
+    Called *after* leaving the ``except`` block: while the exception is alive its traceback pins
+    the failed step's tensors (pytorch/pytorch#18853).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,35 +1,33 @@
 """The accumulation engine: exactly one optimizer step per logical batch, however it is cut.
 
-``Accumulator.train_step(batch, loss_fn)`` cuts the batch into micro-batches, back-propagates
-each micro-batch's loss *sum*, and steps once; ``micro_batch`` / ``backward`` / ``step`` are the
-same parts for users who keep their own loop. See Note [window normalisation] in
-``bigbatch.core.loss``, Note [global normalisation] in ``bigbatch.core._sync``, Note [fp16 and accumulation]
-in ``bigbatch.core._precision``, Note [auto micro-batch] in ``bigbatch.core._auto`` and Note [window
-buffers] in ``bigbatch.core._window``.
+``Accumulator.train_step(batch, loss_fn)`` hands the window to the runner
+(``bigbatch.core._window``: cut, size, retry after out-of-memory, restore), back-propagates each
+micro-batch's loss *sum*, and steps once; ``micro_batch`` / ``backward`` / ``step`` are the same
+parts for users who keep their own loop. See Note [window normalisation] and Note [named terms]
+in ``bigbatch.core.loss``, Note [global normalisation] in ``bigbatch.core._sync``, Note [fp16 and
+accumulation] in ``bigbatch.core._precision`` and Note [auto micro-batch] in
+``bigbatch.core._auto``.
 
 Note [backward scale]
-    Every micro-batch of a window back-propagates ``loss_sum * s`` with ONE constant ``s`` per
-    window, the same on every rank, and ``step`` divides the gradients by ``s * Σ count`` (times
-    the number of ranks, whose average DDP / FSDP take). The step is exact whatever ``s`` is; ``s``
-    only sets the magnitude of what flows through the backward, which matters in fp16: the
-    loss scaler skips a step whose gradients overflow. The best ``s`` is ``1 / C``, C the window's
-    total count over all ranks: then every backward runs at the scale of the full batch's mean,
-    exactly what a plain fp16 full-batch loop back-propagates. So:
+    Every micro-batch back-propagates ``Σ_k w_k · loss_sum_k · s_k`` (one scale ``s_k`` per loss
+    term) and ``step`` multiplies the gradients by ``W / (C · s)`` (``W`` ranks, whose average
+    DDP / FSDP take; ``C`` the window's total count): the step is exact whatever ``s`` is, and
+    ``s`` only sets the magnitude of what flows through the backward, which matters in fp16 (the
+    loss scaler skips a step whose gradients overflow). The best ``s`` is ``1 / C``: every
+    backward then runs at the scale of the full batch's mean, what a plain fp16 loop runs. So:
 
-    * ``train_step(..., count_fn=f)``: C = Σ f(micro-batch), counted before the window runs (on
-      several ranks in fp16 summed by one small all-reduce, moved before the window): ``s = 1 / C``.
-      Give it for token losses in fp16, e.g.
-      ``count_fn=lambda mb: (mb["labels"][:, 1:] != -100).sum()``.
-    * ``train_step`` without ``count_fn``: ``s = 1 / N``, N the window's samples over all ranks,
-      known before the window: exactly ``1 / C`` for a per-sample loss (a mean, or a pair counting
-      samples). For a token loss on one process ``s`` is refined at the first micro-batch to
-      ``1 / (N · c_1 / n_1)`` (its tokens per sample); on several ranks it stays ``1 / N``, so
-      each backward carries sums per sample, tokens-per-sample times a mean.
-    * On several ranks in fp32 and bf16 (whose range is float32's) ``s = 1``: no collective is
-      spent on a scale that cannot overflow (it matters on slow links).
-    * The low-level path (``backward`` / ``step``, no look-ahead): ``s = 1 / c_1`` (the first
-      micro-batch's count) on one process, ``1`` (raw sums) on several ranks, where no first
-      count is known to all. In fp16 on several ranks prefer ``train_step`` with ``count_fn``.
+    * counts known before the window (``count_fn``, a count pass): ``s_k = 1 / C_k`` exactly,
+      on several ranks the global ``C_k`` (one small all-reduce before the window). A loss of
+      several terms needs this (Note [named terms]): its first window without ``count_fn``
+      restarts with a count pass, and so do the windows after it.
+    * otherwise, one term: ``s = 1 / N`` (the window's samples; exactly ``1 / C`` for a mean over
+      samples); in fp16 ``s = 1 / Ĉ`` with ``Ĉ`` the batch's labelled tokens when the batch says
+      (a mapping with ``labels``: ``labels != -100``); and in fp16 a loss whose counts are not
+      its samples switches to *following* the count: ``s = 1 / (count seen so far)``, the
+      gradients rescaled as counts arrive, and on several ranks the global count agreed at each
+      rank's last micro-batch (whose backward synchronises), so no rank back-propagates sums of
+      another magnitude than the full batch's mean.
+    * fp32 / bf16 on several ranks: ``s = 1`` (float32's range cannot overflow; no collective).
 
 Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
@@ -42,10 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,13 +67,22 @@ from bigbatch.core._stepping import (
 )
 from bigbatch.core._sync import make_sync
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import Backup, MutableBuffers, Window, first_scale, planned_scale
-from bigbatch.core.loss import LossFn, WindowLoss, as_sum_and_count, check_count, check_scalar_loss
-from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.core.split import Batch, batch_size, micro_batch_sizes, split
+from bigbatch.core._window import (
+    Piece,
+    Restart,
+    Runner,
+    Window,
+    agree,
+    clamp_count,
+    prepass,
+    replay,
+    total_counts,
+)
+from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
+from bigbatch.core.split import Batch
 
-CountFn = Callable[[Any], "torch.Tensor | int | float"]
-"""``count_fn(micro_batch)``: how many items the loss of that micro-batch will count."""
+CountFn = Callable[[Any], Any]
+"""``count_fn(micro_batch)``: the count the loss will return for it (``{name: count}`` for terms)."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +90,13 @@ class StepResult:
     """What one optimizer step did.
 
     Attributes:
-        loss: the window's true mean loss, ``Σ loss_sum / Σ count`` (over all ranks).
-        count: the window's total count (samples, or tokens for a token loss), over all ranks.
+        loss: the window's true loss, ``Σ loss_sum / Σ count`` over all ranks (for named terms
+            ``Σ_k w_k Σ loss_sum_k / Σ count_k``).
+        count: the window's total count over all ranks (samples, or tokens for a token loss; the
+            first term's for named terms).
         micro_batches: micro-batches accumulated on this rank.
-        micro_batch_size: samples per micro-batch (the last may be smaller); ``None`` when the
-            caller cut the batch itself (``backward`` / ``step``).
+        micro_batch_size: samples per micro-batch (the last may be smaller), or the token budget
+            of a token cut; ``None`` when the caller cut the batch itself (``backward``/``step``).
         grad_norm: total 2-norm of the normalised gradient, before clipping.
         skipped: ``True`` when the optimizer did not step: fp16 found inf/NaN gradients, or
             ``nonfinite="skip"`` met a non-finite loss or gradient. The scheduler did not step.
@@ -96,6 +105,9 @@ class StepResult:
         nonfinite: the loss or the gradient norm was NaN or infinite.
         peak_bytes: memory the successful attempt of the window added at its peak (measured
             with ``micro_batch_size="auto"`` or a ``memory_budget``; else ``None``).
+        terms: each named term's value ``Σ loss_sum_k / Σ count_k`` (one ``"loss"`` otherwise).
+        tokens: real tokens in the window on this rank (token cuts), else ``None``.
+        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
     """
 
     loss: float
@@ -108,6 +120,9 @@ class StepResult:
     samples: int | None = None
     nonfinite: bool = False
     peak_bytes: int | None = None
+    terms: dict[str, float] = field(default_factory=dict)
+    tokens: int | None = None
+    padded_tokens: int | None = None
 
 
 class Accumulator:
@@ -158,22 +173,22 @@ class Accumulator:
         *,
         nonfinite: str = "raise",
     ) -> None:
-        self._sizing = make_sizing(micro_batch_size)
+        sizing = make_sizing(micro_batch_size)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.nonfinite = check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.scheduler = check_scheduler(scheduler, optimizer)
         self.micro_batch_size = micro_batch_size
-        self.device = _device_of(model)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
-        self._meter = WindowMeter(
-            self.device, parse_bytes(memory_budget), self._sizing.retries, gradient_bytes(optimizer)
-        )
-        self._sync = make_sync(model, auto=self._sizing.retries)
-        self._buffers = MutableBuffers(model)
+        budget = parse_bytes(memory_budget)
+        meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
+        self._sync = make_sync(model, auto=sizing.retries)
+        self._runner = Runner(model, sizing, self._sync, meter, self.device)
         self._window = Window()
-        self._in_micro_batch = False
+        self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
+        self._count_pass = False  # the loss has several terms: count them before each window
         self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
 
     @property
@@ -184,7 +199,7 @@ class Accumulator:
     @property
     def current_micro_batch_size(self) -> int | None:
         """The micro-batch the next full window is cut at (``None``: auto before its first window)."""
-        return self._sizing.adopted
+        return self._runner.sizing.adopted
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -200,15 +215,21 @@ class Accumulator:
                 f"state_dict() called in the middle of a window ({self._window.micro_batches} "
                 "micro-batch(es) await a step()): save between optimizer steps."
             )
-        return {"sizing": self._sizing.state_dict(), "scaler": self._precision.state_dict()}
+        return {"sizing": self._runner.sizing.state_dict(), "scaler": self._precision.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (same micro-batch policy and precision).
 
         Raises:
-            ValueError: the state was saved with another micro-batch policy or precision.
+            ValueError: not an engine state, or saved with another micro-batch policy or
+                precision (the message names the field).
         """
-        self._sizing.load_state_dict(dict(state["sizing"]))
+        if not isinstance(state, Mapping) or not {"sizing", "scaler"} <= set(state):
+            raise ValueError(
+                f"load_state_dict() got {type(state).__name__} without the keys 'sizing' and "
+                "'scaler': pass what Accumulator.state_dict() returned."
+            )
+        self._runner.sizing.load_state_dict(dict(state["sizing"]))
         self._precision.load_state_dict(state["scaler"])
 
     # ------------------------------------------------------------------ the high-level path
@@ -219,11 +240,13 @@ class Accumulator:
 
         Args:
             batch: a tensor or nested tuple / list / dict of tensors sharing the first dimension
-                (per-sample lists of non-tensors are cut with the rows, see ``bigbatch.core.split``).
-            loss_fn: ``loss_fn(model, micro_batch)`` returning a scalar mean or ``(loss_sum, count)``.
+                (per-sample lists of non-tensors are cut with the rows, see ``bigbatch.split``).
+            loss_fn: ``loss_fn(model, micro_batch)`` returning a scalar mean, ``(loss_sum,
+                count)``, or named terms ``{name: (loss_sum, count[, weight])}``.
             count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
-                (e.g. its non-padding tokens); lets fp16 back-propagate at the full batch's
-                scale (Note [backward scale]). The step itself is exact without it.
+                (e.g. its non-padding tokens; ``{name: count}`` for named terms): the backward
+                then runs at the full batch's scale with no count pass (Note [backward scale]).
+                The step is exact without it.
 
         Returns:
             The ``StepResult`` of the step.
@@ -239,73 +262,91 @@ class Accumulator:
                 micro-batch).
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
-        n = batch_size(batch)
         self._check_empty_window()
-        backup, retries = Backup(self._buffers, self.device), 0
-        while True:
-            size = self._sizing.size_for(n)
-            failure = self._attempt(batch, size, loss_fn, count_fn, backup)
-            failed, measured = self._sync.agree_on_oom(*failure)  # Note [auto micro-batch ...]
-            if failed is None:
-                break
-            # Retry outside the except block: the live exception would keep its tensors alive.
-            self._discard_window(backup)
-            release_memory(self.device)
-            self._sizing.after_oom(failed, measured)
-            retries += 1
-        peak = self._meter.peak_bytes()
-        result = self._step(backup)
-        self._sizing.after_success(size)
-        self._buffers.learn(backup)
+        run = functools.partial(self._accumulate, batch, loss_fn=loss_fn, count_fn=count_fn)
+        ran = self._runner.run(batch, run, self._finish, self._discard_window)
         return dataclasses.replace(
-            result, micro_batch_size=size, oom_retries=retries, samples=n, peak_bytes=peak
+            ran.value,
+            micro_batch_size=ran.size,
+            oom_retries=ran.oom_retries,
+            peak_bytes=ran.peak_bytes,
         )
 
-    def _attempt(
-        self, batch: Batch, size: int, loss_fn: LossFn, count_fn: CountFn | None, backup: Backup
-    ) -> tuple[int | None, bool]:
-        """Accumulate the window at ``size``. Returns ``(size, measured)`` if it ran out of memory
-        in auto mode (``measured``: over the budget, not an allocator failure), else ``(None, _)``."""
-        try:
-            self._accumulate_window(batch, size, loss_fn, count_fn)
-        except BaseException as exc:
-            self._discard_window(backup)
-            if not (self._sizing.retries and is_out_of_memory(exc)):
-                raise
-            traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
-            return size, isinstance(exc, MemoryBudgetExceeded)
-        return None, False
+    def _finish(self, pieces: list[Piece], size: int) -> StepResult:
+        result = self._apply(self._window)
+        tokens = [p.tokens for p in pieces]
+        if None in tokens:
+            return result
+        padded = sum(p.padded_tokens or 0 for p in pieces)
+        return dataclasses.replace(result, tokens=sum(tokens), padded_tokens=padded)  # type: ignore[arg-type]
 
-    def _accumulate_window(
-        self, batch: Batch, size: int, loss_fn: LossFn, count_fn: CountFn | None
+    def _accumulate(
+        self, batch: Batch, pieces: list[Piece], size: int, *, loss_fn: Any, count_fn: Any
     ) -> None:
-        pieces = split(batch, size)
-        sizes = micro_batch_sizes(batch_size(batch), size)  # those of `pieces`, without a re-walk
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
             warn_batch_coupled(self.model)
             self._warned = True
-        self._meter.start()
-        self._window.scale = self._plan_scale(pieces, sizes, count_fn)
+        samples = sum(p.samples for p in pieces)
+        if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+            with self._sync.micro_batch(False), self._precision.autocast():  # no backward
+                loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces])
+        counts, states = self._counts(pieces, loss_fn, count_fn)
+        self._plan(batch, counts, samples)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]
-        with window(self.model, sum(sizes)):
-            if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
-                with self._sync.micro_batch(False), self._precision.autocast():  # no backward
-                    loss_fn = loss_fn.prepare(self.model, batch, pieces)
+        with window(self.model, samples):
             for i, piece in enumerate(pieces):
-                with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
-                    self.backward(*as_sum_and_count(loss_fn(self.model, piece), sizes[i]))
-                self._meter.check(size)
+                with replay(states[i] if states else None, self.device):
+                    with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
+                        self._backward(as_terms(loss_fn(self.model, piece.batch), piece.samples))
+                self._runner.check_memory(size)
         self._window.deferred = self._window.deferred or self._sync.defers_sync
+        self._window.samples = samples
 
-    def _plan_scale(
-        self, pieces: Sequence[Batch], sizes: Sequence[int], count_fn: CountFn | None
-    ) -> torch.Tensor | float | None:
-        """The window's backward scale, from what is known before it runs (Note [backward scale])."""
-        counts = None if count_fn is None else [count_fn(p) for p in pieces]
-        if self._sync.world_size > 1 and self._precision.scaler is None:
-            return 1.0  # fp32 / bf16 do not overflow: no collective for it (slow links)
-        self._window.samples_hint = (sum(sizes), sizes[0])
-        return planned_scale(counts, sum(sizes), self._sync, self.device)
+    def _counts(
+        self, pieces: list[Piece], loss_fn: Any, count_fn: Any
+    ) -> tuple[list[Any] | None, list[Any] | None]:
+        """Each piece's counts before the window: ``count_fn``'s, or a count pass's (Note [named
+        terms]); ``None`` when neither is needed. Also the random states the pass started from."""
+        if count_fn is not None:
+            return [count_fn(p.batch) for p in pieces], None
+        if not self._count_pass:
+            return None, None
+
+        def count(piece: Piece) -> dict[str, Any]:
+            with self._precision.autocast():
+                terms = as_terms(loss_fn(self.model, piece.batch), piece.samples)
+            return {name: t.count for name, t in terms.items()}
+
+        failure, outputs, states = None, None, None
+        try:
+            outputs, states = prepass(self.model, pieces, count, self.device)
+        except Exception as exc:  # the other ranks must not wait in the totals for us
+            failure = exc
+        agree(self._sync, failure)
+        return outputs, states
+
+    def _plan(self, batch: Batch, counts: list[Any] | None, samples: int) -> None:
+        """The window's scales before it runs (Note [backward scale])."""
+        w, fp16 = self._window, self._precision.scaler is not None
+        if counts is not None:
+            w.expected = self._global(total_counts(counts), samples)[0]
+            w.scales = {k: 1.0 / clamp_count(c) for k, c in w.expected.items()}
+        elif self._sync.world_size > 1 and not fp16:
+            w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
+        else:
+            labelled = _labelled_tokens(batch) if fp16 else None
+            local = {"loss": labelled} if labelled is not None else {}
+            totals, n = self._global(local, samples)
+            w.scales = {"loss": 1.0 / clamp_count(totals.get("loss", n))}
+            w.follow = "tensors" if labelled is None and fp16 else ""  # token losses (_follow)
+
+    def _global(self, local: dict[str, Any], samples: int) -> tuple[dict[str, Any], float]:
+        """``local`` counts and the samples summed over ranks (one all-reduce; none on one)."""
+        if self._sync.world_size == 1:
+            return local, float(samples)
+        values = [*local.values(), float(samples)]
+        total = self._sync.all_reduce_sum(_stack(values, self.device))
+        return dict(zip(local, total[:-1], strict=True)), float(total[-1])
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -323,12 +364,12 @@ class Accumulator:
             >>> acc.step()  # doctest: +SKIP
         """
         w, backwards_before = self._window, self._window.micro_batches
-        self._in_micro_batch = True
+        self._last = last
         try:
             with self._sync.micro_batch(last and not w.deferred), self._precision.autocast():
                 yield
         finally:
-            self._in_micro_batch = False
+            self._last = None
         if w is self._window and w.micro_batches == backwards_before:  # its backward comes later
             w.pending_forwards += 1
             w.deferred = w.deferred or (not last and self._sync.can_defer)
@@ -345,21 +386,54 @@ class Accumulator:
             RuntimeError: precision is bf16 / fp16 and the forward ran outside ``micro_batch()``.
         """
         check_scalar_loss(loss_sum, "loss_sum")
-        count = check_count(count, "count")
+        self._backward({"loss": Term(loss_sum, check_count(count, "count"))})
+
+    def _backward(self, terms: dict[str, Term]) -> None:
         w = self._window
-        if not self._in_micro_batch and w.pending_forwards:
+        if self._last is None and w.pending_forwards:
             w.pending_forwards -= (
                 1  # the backward of a forward run earlier (Note [several forwards])
             )
-        elif not self._in_micro_batch and self._precision.autocast_dtype is not None:
+        elif self._last is None and self._precision.autocast_dtype is not None:
             raise RuntimeError(
                 f"precision={self.precision!r} needs the forward under autocast: run it inside "
                 "`with acc.micro_batch(last=...):` (and backward() there or after it)."
             )
-        if w.scale is None:
-            w.scale = self._first_scale(count)
-        self._precision.backward(loss_sum * w.scale)
-        w.add(loss_sum, count)
+        if w.scales is None:  # the low-level path: nothing known before the window
+            w.scales = {"loss": 1.0}
+            w.follow = "all" if self._precision.scaler is not None else ""
+        if set(terms) != set(w.scales):
+            self._need_counts(terms)
+        count = terms["loss"].count if "loss" in terms else None
+        if w.follow == "all" or w.follow and isinstance(count, torch.Tensor):
+            self._follow(count)
+        loss = sum(t.weight * t.loss_sum * w.scales[k] for k, t in terms.items())
+        self._precision.backward(loss)  # type: ignore[arg-type]
+        w.add(terms)
+
+    def _need_counts(self, terms: Mapping[str, Term]) -> None:
+        """Several terms and no counts known before the window (Note [named terms])."""
+        if self._last is not None and not self._window.micro_batches and not self._count_pass:
+            self._count_pass = True  # train_step: this window and the next ones count first
+            raise Restart
+        raise ValueError(
+            f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
+            f"are for {sorted(self._window.scales or {})}: a loss of several terms needs each "
+            "term's count before the first backward. Return the same terms for every micro-batch, "
+            "give count_fn returning {name: count}, or use train_step (it counts first)."
+        )
+
+    def _follow(self, count: Any) -> None:
+        """fp16 without counts known before: scale by 1 / (count seen so far), rescaling the
+        gradients already accumulated; on several ranks agreed at the syncing backward."""
+        w = self._window
+        seen = w.seen("loss", count)
+        if self._last and self._sync.world_size > 1 and not w.deferred:  # DDP syncs next
+            seen = self._sync.all_reduce_sum(torch.as_tensor(seen, dtype=torch.float64))
+        scale = 1.0 / seen
+        if w.micro_batches:
+            scale_grads_(self._params_with_grad(), scale / w.scales["loss"])  # type: ignore[index]
+        w.scales["loss"] = scale  # type: ignore[index]
 
     def accumulate_grads(
         self,
@@ -370,27 +444,34 @@ class Accumulator:
         """Add gradients computed elsewhere to the window, as if a micro-batch had produced them.
 
         Args:
-            grads: gradients of a loss SUM over ``count`` items: ``{parameter: gradient}``, or a
-                list in the order of the optimizer's parameters (``None`` for none).
+            grads: gradients of a loss SUM over ``count`` items: ``{parameter: gradient}`` for
+                parameters of the optimizer, or a list in the order of the optimizer's parameters
+                (``None`` for none).
             count: the items that sum covers (samples, tokens).
-            loss_sum: the sum's value, for the reported loss.
+            loss_sum: the sum's value, for the reported loss (a number or a one-element tensor).
 
         Raises:
-            ValueError: a gradient whose shape is not its parameter's; FSDP (sharded gradients).
+            ValueError, TypeError: a gradient whose shape is not its parameter's, a parameter
+                the optimizer does not hold, a bad count or loss_sum; FSDP (sharded gradients).
+                A refused call changes nothing.
         """
         if self._sync.world_size > 1 and not self._sync.can_defer:
             raise ValueError(
                 "accumulate_grads() cannot add gradients to an FSDP model (they are sharded): "
                 "express them as a loss and call backward() instead."
             )
-        pairs = pair_grads(self.optimizer, grads)  # checked before anything changes
+        pairs = pair_grads(self.optimizer, grads)  # every check before anything changes
         count = check_count(count, "count")
+        value = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
+        check_scalar_loss(value, "loss_sum")
         w = self._window
-        if w.scale is None:
-            w.scale = self._first_scale(count)
-        add_grads_(pairs, w.scale)
+        if w.scales is None:
+            w.scales = {"loss": 1.0}
+        if set(w.scales) != {"loss"}:
+            self._need_counts({"loss": Term(value, count)})
+        add_grads_(pairs, w.scales["loss"])
         w.deferred = w.deferred or self._sync.can_defer  # DDP saw no backward: sync at step
-        w.add(torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device), count)
+        w.add({"loss": Term(value, count)})
 
     def step(self) -> StepResult:
         """Normalise the window's gradients, clip, step the optimizer and scheduler, zero grads.
@@ -401,41 +482,43 @@ class Accumulator:
             NonFiniteError: the loss or gradient is NaN / infinite and ``nonfinite="raise"``.
             In each case the window is discarded and nothing else changed.
         """
-        return self._step(None)
-
-    def _step(self, backup: Backup | None) -> StepResult:
-        w = self._window
-        if w.micro_batches == 0:
+        if self._window.micro_batches == 0:
             raise RuntimeError(
                 "step() called with nothing accumulated: call backward(loss_sum, count) for at "
                 "least one micro-batch first (or use train_step(batch, loss_fn))."
             )
         try:
-            return self._apply(w)
+            return self._apply(self._window)
         except BaseException:
-            self._discard_window(backup)
+            self._discard_window()
             raise
 
     def _apply(self, w: Window) -> StepResult:
-        loss_total, count_total, bad = self._window_totals(w)  # the one host sync per step
-        check_window_totals(count_total, bad)
-        loss = loss_total / count_total
-        finite_loss = math.isfinite(loss)
+        totals = self._totals(w)  # the one host sync per step
+        counts = {k: totals[1][k] for k in w.sums}
+        check_window_totals(sum(counts.values()), totals[2])
+        _check_expected(w.expected, counts)
+        terms = {k: totals[0][k] / c if c else 0.0 for k, c in counts.items()}
+        loss = sum(w.weights[k] * v for k, v in terms.items())
+        first = next(iter(counts))
         fp16 = self._precision.scaler is not None  # non-finite windows are the scaler's to skip
-        if not finite_loss and self.nonfinite == "raise" and not fp16:
+        if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
             raise NonFiniteError(
-                f"the window's loss is {loss} (count {count_total:g}); " + NONFINITE_FIX
+                f"the window's loss is {loss} (count {counts[first]:g}); " + NONFINITE_FIX
             )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if w.deferred:
-            self._sync.reduce_grads(params)  # Note [several forwards]
+        scale = float(w.scales[first])  # type: ignore[index]  # set by the first backward
+        factor = self._sync.world_size / (counts[first] * scale) if counts[first] else 1.0
+        if w.deferred:  # Note [several forwards]: each rank's own factor, then the average
+            scale_grads_(params, factor)
+            self._sync.reduce_grads(params)
         self._precision.unscale_(self.optimizer)
         with_grad = [p for p in params if p.grad is not None]
-        scale = w.scale if w.scale is not None else 1.0  # set by the window's first backward
-        scale_grads_(with_grad, self._sync.world_size / (count_total * scale))
+        if not w.deferred and abs(factor - 1.0) > 4e-16:
+            scale_grads_(with_grad, factor)
         grad_norm = float(clip_or_norm_(with_grad, self.max_grad_norm))
-        nonfinite = not (finite_loss and math.isfinite(grad_norm))
-        skipped = self._decide(nonfinite, grad_norm, count_total)
+        nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        skipped = self._decide(nonfinite, grad_norm, counts[first])
         if skipped:
             self._precision.discard()
         else:
@@ -445,8 +528,9 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         self._window = Window()
         return StepResult(
-            loss, count_total, w.micro_batches, None, grad_norm, skipped, nonfinite=nonfinite
-        )
+            loss, counts[first], w.micro_batches, None, grad_norm, skipped, nonfinite=nonfinite,
+            samples=getattr(w, "samples", None), terms=terms,
+        )  # fmt: skip
 
     def _decide(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
         """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
@@ -458,29 +542,29 @@ class Accumulator:
             )
         return True
 
-    def _window_totals(self, w: Window) -> tuple[float, float, float]:
-        local = [w.loss_sum, w.count, w.bad_counts]
-        totals = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in local]
+    def _totals(self, w: Window) -> tuple[dict[str, float], dict[str, float], float]:
+        """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
+        names = list(w.sums)
+        local = [*(w.sums[k] for k in names), *(w.counts[k] for k in names), w.bad_counts]
+        totals = self._sync.all_reduce_sum(_stack(local, self.device)).tolist()
+        k = len(names)
+        sums, counts = totals[:k], totals[k : 2 * k]
+        return (
+            dict(zip(names, sums, strict=True)),
+            dict(zip(names, counts, strict=True)),
+            totals[-1],
         )
-        totals = self._sync.all_reduce_sum(totals)
-        loss_total, count_total, bad = totals.tolist()
-        return loss_total, count_total, bad
 
     # ------------------------------------------------------------------ helpers
-    def _first_scale(self, count: torch.Tensor | float) -> torch.Tensor | float:
-        """``s`` when nothing was known before the window (Note [backward scale])."""
-        return first_scale(count, self._window.samples_hint, self._sync.world_size)
+    def _params_with_grad(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
-    def _discard_window(self, backup: Backup | None = None) -> None:
-        """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)
-        and, when the window ran under ``train_step``, put the RNG and the buffers back."""
+    def _discard_window(self) -> None:
+        """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self._precision.discard()
         self._window = Window()
-        if backup is not None:
-            backup.restore()
 
     def _check_empty_window(self) -> None:
         if self._window.micro_batches:
@@ -495,7 +579,30 @@ class Accumulator:
             )
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+def _labelled_tokens(batch: Batch) -> torch.Tensor | None:
+    """``labels != -100`` counted, for a batch in the transformers convention; else ``None``."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+        return (labels != -100).sum()
+    return None
+
+
+def _check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:
+    """The counts known before the window must be the ones the loss returned (several terms)."""
+    if expected is None or len(counts) == 1:
+        return
+    for name, count in counts.items():
+        want = float(expected.get(name, math.nan))
+        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            raise ValueError(
+                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn returned "
+                f"counts adding up to {count:g}: count_fn must return, for each micro-batch, the "
+                "counts loss_fn will return for it. The window was discarded; nothing changed."
+            )
+
+
+def _stack(values: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """Numbers and 0-dim tensors as one float64 vector on ``device``."""
+    return torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+    )

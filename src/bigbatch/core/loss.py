@@ -4,7 +4,9 @@ A ``loss_fn(model, micro_batch)`` returns either
 
 * a scalar tensor, read as the **mean** over the micro-batch's samples, or
 * a pair ``(loss_sum, count)``: the **sum** of per-item losses and how many items (samples,
-  tokens, pixels...) that sum covers.
+  tokens, pixels...) that sum covers, or
+* named terms ``{name: (loss_sum, count)}`` or ``{name: (loss_sum, count, weight)}``: a loss made
+  of several terms, each a sum over its own items (Note [named terms]).
 
 Note [window normalisation]
     The step's gradient is ``∇(Σ_i loss_sum_i) / Σ_i count_i`` over every micro-batch ``i`` of
@@ -14,20 +16,40 @@ Note [window normalisation]
     mean by k" is not when micro-batches hold different numbers of items (padding, a short last
     micro-batch). A mean is turned into a sum by multiplying by the number of samples it
     averaged over, which is exact for any per-sample mean loss.
+
+Note [named terms]
+    A loss of several terms (a token-mean language-model loss, a per-sequence auxiliary term, a
+    per-pair preference term) is ``L = Σ_k w_k (Σ_i loss_sum_{k,i}) / (Σ_i count_{k,i})``: each
+    term's sum and count are totalled over every micro-batch of the window and every rank, and
+    weighted after. Dividing a term inside a micro-batch, or by the number of micro-batches, is
+    what goes wrong elsewhere (an auxiliary term inflated by k). A single output is the one-term
+    case (``"loss"``, weight 1). Because each term has its own denominator, the engine needs the
+    terms' counts before a window's first backward: from ``count_fn`` (returning ``{name:
+    count}``), else from a no-gradient count pass over the window (Note [passes before the
+    window] in ``bigbatch.core._window``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int | float]
-"""What a ``loss_fn`` returns: a scalar mean, or a ``(loss_sum, count)`` pair."""
+LossOutput = Any
+"""What a ``loss_fn`` returns: a scalar mean, a ``(loss_sum, count)`` pair, or named terms."""
+
+
+class Term(NamedTuple):
+    """One term of a window's loss for one micro-batch (Note [named terms])."""
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor | float
+    weight: float = 1.0
+
 
 LossFn = Callable[[torch.nn.Module, Any], LossOutput]
 """``loss_fn(model, micro_batch) -> LossOutput``."""
@@ -44,7 +66,9 @@ class WindowLoss(Protocol):
     def prepare(self, model: torch.nn.Module, batch: Any, pieces: list[Any]) -> LossFn: ...
 
 
-def as_sum_and_count(output: Any, n_samples: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+def as_sum_and_count(
+    output: Any, n_samples: int, what: str = "loss_fn"
+) -> tuple[torch.Tensor, torch.Tensor | float]:
     """Turn a ``loss_fn`` output into ``(loss_sum, count)``.
 
     Args:
@@ -66,15 +90,48 @@ def as_sum_and_count(output: Any, n_samples: int) -> tuple[torch.Tensor, torch.T
         loss_sum, count = output
         if not isinstance(loss_sum, torch.Tensor):
             raise TypeError(
-                f"loss_fn returned a pair whose first item is a {type(loss_sum).__name__}; it must "
-                "be the loss sum as a scalar tensor: return (loss_sum, count)."
+                f"{what} returned a pair whose first item is a {type(loss_sum).__name__}; it "
+                "must be the loss sum as a scalar tensor: return (loss_sum, count)."
             )
-        check_scalar_loss(loss_sum, "loss_fn's loss_sum")
-        return loss_sum, check_count(count, "loss_fn's count")
+        check_scalar_loss(loss_sum, f"{what}'s loss_sum")
+        return loss_sum, check_count(count, f"{what}'s count")
     raise TypeError(
-        f"loss_fn returned {type(output).__name__}; return a scalar tensor (the mean over the "
-        "micro-batch) or a pair (loss_sum, count)."
+        f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over the "
+        "micro-batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
     )
+
+
+def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
+    """A ``loss_fn`` output as named terms: one ``"loss"`` term for a mean or a pair.
+
+    Raises:
+        TypeError, ValueError: as ``as_sum_and_count``, for each term, naming it; a weight that
+            is not a finite number; an empty mapping.
+    """
+    if not isinstance(output, Mapping):
+        return {"loss": Term(*as_sum_and_count(output, n_samples))}
+    if not output:
+        raise ValueError("loss_fn returned an empty mapping: return at least one named term.")
+    terms = {}
+    for name, value in output.items():
+        if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+            raise TypeError(
+                f"loss_fn's term {name!r} is {type(value).__name__}; each named term must be "
+                "(loss_sum, count) or (loss_sum, count, weight)."
+            )
+        loss_sum, count = as_sum_and_count(tuple(value[:2]), n_samples, f"term {name!r}")
+        weight = value[2] if len(value) == 3 else 1.0
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"loss_fn's term {name!r} has weight {weight!r}: use a number.")
+        if not math.isfinite(weight):
+            raise ValueError(f"loss_fn's term {name!r} has weight {weight!r}: use a finite number.")
+        terms[str(name)] = Term(loss_sum, count, float(weight))
+    return terms
+
+
+def mean_of(terms: Mapping[str, Term]) -> torch.Tensor:
+    """The loss the terms stand for, ``Σ_k w_k loss_sum_k / count_k`` (a full batch's value)."""
+    return sum(t.weight * t.loss_sum / t.count for t in terms.values())  # type: ignore[return-value]
 
 
 def check_scalar_loss(loss: torch.Tensor, name: str) -> None:
