@@ -13,11 +13,52 @@ import inspect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 NONFINITE = ("raise", "skip", "apply")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did.
+
+    Attributes:
+        loss: the window's true loss, ``Σ loss_sum / Σ count`` over all ranks (for named terms
+            ``Σ_k w_k Σ loss_sum_k / Σ count_k``).
+        count: the window's total count over all ranks (samples, or tokens for a token loss; the
+            first term's for named terms).
+        micro_batches: micro-batches accumulated on this rank.
+        micro_batch_size: samples per micro-batch (the last may be smaller), or the token budget
+            of a token cut; ``None`` when the caller cut the batch itself (``backward``/``step``).
+        grad_norm: total 2-norm of the normalised gradient, before clipping.
+        skipped: ``True`` when the optimizer did not step: fp16 found inf/NaN gradients, or
+            ``nonfinite="skip"`` met a non-finite loss or gradient. The scheduler did not step.
+        oom_retries: windows redone at a smaller micro-batch after running out of memory.
+        samples: samples in the window on this rank (``None`` for ``backward`` / ``step``).
+        nonfinite: the loss or the gradient norm was NaN or infinite.
+        peak_bytes: memory the successful attempt of the window added at its peak (measured
+            with ``micro_batch_size="auto"`` or a ``memory_budget``; else ``None``).
+        terms: each named term's value ``Σ loss_sum_k / Σ count_k`` (one ``"loss"`` otherwise).
+        tokens: real tokens in the window on this rank (token cuts), else ``None``.
+        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
+    """
+
+    loss: float
+    count: float
+    micro_batches: int
+    micro_batch_size: int | None
+    grad_norm: float
+    skipped: bool = False
+    oom_retries: int = 0
+    samples: int | None = None
+    nonfinite: bool = False
+    peak_bytes: int | None = None
+    terms: dict[str, float] = field(default_factory=dict)
+    tokens: int | None = None
+    padded_tokens: int | None = None
 
 
 class NonFiniteError(FloatingPointError):
@@ -220,3 +261,113 @@ def _steppable_without_arguments(scheduler: Any) -> bool:
     except ValueError:  # no signature (a builtin): trust it
         return True
     return True
+
+
+class Stepper:
+    """The optimizer-step half of a window: normalise, check, clip, step, schedule, zero.
+
+    Args:
+        optimizer, scheduler, max_grad_norm, nonfinite: as the ``Accumulator``'s (checked there).
+        precision: the ``Precision`` (unscale, step through the loss scaler).
+        sync: the gradient-sync control (the totals' all-reduce, a deferred window's reduce).
+        device: where the window's totals live.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        scheduler: Any,
+        max_grad_norm: float | None,
+        nonfinite: str,
+        precision: Any,
+        sync: Any,
+        device: torch.device,
+    ) -> None:
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.max_grad_norm, self.nonfinite = max_grad_norm, nonfinite
+        self.precision, self.sync, self.device = precision, sync, device
+
+    def apply(self, w: Any) -> StepResult:
+        """Step on the window ``w`` (a ``bigbatch.core._window.Window``); Note [backward scale]."""
+        totals = self.totals(w)  # the one host sync per step
+        counts = {k: totals[1][k] for k in w.sums}
+        check_window_totals(sum(counts.values()), totals[2])
+        check_expected(w.expected, counts)
+        terms = {k: totals[0][k] / c if c else 0.0 for k, c in counts.items()}
+        loss = sum(w.weights[k] * v for k, v in terms.items())
+        first = next(iter(counts))
+        fp16 = self.precision.scaler is not None  # non-finite windows are the scaler's to skip
+        if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
+            raise NonFiniteError(
+                f"the window's loss is {loss} (count {counts[first]:g}); " + NONFINITE_FIX
+            )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        scale = float(w.scales[first])  # type: ignore[index]  # set by the first backward
+        factor = self.sync.world_size / (counts[first] * scale) if counts[first] else 1.0
+        if w.deferred:  # Note [several forwards]: each rank's own factor, then the average
+            scale_grads_(params, factor)
+            self.sync.reduce_grads(params)
+        self.precision.unscale_(self.optimizer)
+        with_grad = [p for p in params if p.grad is not None]
+        if not w.deferred and abs(factor - 1.0) > 4e-16:
+            scale_grads_(with_grad, factor)
+        grad_norm = float(clip_or_norm_(with_grad, self.max_grad_norm))
+        nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        skipped = self.decide(nonfinite, grad_norm, counts[first])
+        if skipped:
+            self.precision.discard()
+        else:
+            skipped = self.precision.step(self.optimizer)
+        if not skipped:
+            step_scheduler(self.scheduler, loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            loss, counts[first], w.micro_batches, None, grad_norm, skipped, nonfinite=nonfinite,
+            samples=w.samples, terms=terms,
+        )  # fmt: skip
+
+    def decide(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
+        """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
+        if not nonfinite or self.nonfinite == "apply" or self.precision.scaler is not None:
+            return False  # fp16: the scaler skips it and lowers the scale, as a full batch would
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"the window's gradient norm is {grad_norm} (count {count:g}); " + NONFINITE_FIX
+            )
+        return True
+
+    def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
+        """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
+        names = list(w.sums)
+        local = [*(w.sums[k] for k in names), *(w.counts[k] for k in names), w.bad_counts]
+        totals = self.sync.all_reduce_sum(stack_values(local, self.device)).tolist()
+        k = len(names)
+        sums, counts = totals[:k], totals[k : 2 * k]
+        return (
+            dict(zip(names, sums, strict=True)),
+            dict(zip(names, counts, strict=True)),
+            totals[-1],
+        )
+
+
+def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:
+    """The counts known before the window must be the ones the loss returned (several terms)."""
+    if expected is None or len(counts) == 1:
+        return
+    for name, count in counts.items():
+        want = float(expected.get(name, math.nan))
+        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            raise ValueError(
+                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn returned "
+                f"counts adding up to {count:g}: count_fn must return, for each micro-batch, the "
+                "counts loss_fn will return for it. The window was discarded; nothing changed."
+            )
+
+
+def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:
+    """Numbers and 0-dim tensors as one float64 vector (on ``device``, else the tensors' own)."""
+    if device is None:
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    return torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+    )

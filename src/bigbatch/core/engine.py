@@ -4,30 +4,9 @@
 (``bigbatch.core._window``: cut, size, retry after out-of-memory, restore), back-propagates each
 micro-batch's loss *sum*, and steps once; ``micro_batch`` / ``backward`` / ``step`` are the same
 parts for users who keep their own loop. See Note [window normalisation] and Note [named terms]
-in ``bigbatch.core.loss``, Note [global normalisation] in ``bigbatch.core._sync``, Note [fp16 and
-accumulation] in ``bigbatch.core._precision`` and Note [auto micro-batch] in
-``bigbatch.core._auto``.
-
-Note [backward scale]
-    Every micro-batch back-propagates ``Σ_k w_k · loss_sum_k · s_k`` (one scale ``s_k`` per loss
-    term) and ``step`` multiplies the gradients by ``W / (C · s)`` (``W`` ranks, whose average
-    DDP / FSDP take; ``C`` the window's total count): the step is exact whatever ``s`` is, and
-    ``s`` only sets the magnitude of what flows through the backward, which matters in fp16 (the
-    loss scaler skips a step whose gradients overflow). The best ``s`` is ``1 / C``: every
-    backward then runs at the scale of the full batch's mean, what a plain fp16 loop runs. So:
-
-    * counts known before the window (``count_fn``, a count pass): ``s_k = 1 / C_k`` exactly,
-      on several ranks the global ``C_k`` (one small all-reduce before the window). A loss of
-      several terms needs this (Note [named terms]): its first window without ``count_fn``
-      restarts with a count pass, and so do the windows after it.
-    * otherwise, one term: ``s = 1 / N`` (the window's samples; exactly ``1 / C`` for a mean over
-      samples); in fp16 ``s = 1 / Ĉ`` with ``Ĉ`` the batch's labelled tokens when the batch says
-      (a mapping with ``labels``: ``labels != -100``); and in fp16 a loss whose counts are not
-      its samples switches to *following* the count: ``s = 1 / (count seen so far)``, the
-      gradients rescaled as counts arrive, and on several ranks the global count agreed at each
-      rank's last micro-batch (whose backward synchronises), so no rank back-propagates sums of
-      another magnitude than the full batch's mean.
-    * fp32 / bf16 on several ranks: ``s = 1`` (float32's range cannot overflow; no collective).
+in ``bigbatch.core.loss``, Note [backward scale] in ``bigbatch.core._scale``, Note [global
+normalisation] in ``bigbatch.core._sync``, Note [fp16 and accumulation] in
+``bigbatch.core._precision`` and Note [auto micro-batch] in ``bigbatch.core._auto``.
 
 Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
@@ -41,88 +20,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bigbatch.core._batchnorm import warn_batch_coupled, window
 from bigbatch.core._precision import make_precision
+from bigbatch.core._scale import follow, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes, make_sizing
 from bigbatch.core._stepping import (
-    NONFINITE_FIX,
-    NonFiniteError,
+    Stepper,
+    StepResult,
     add_grads_,
     check_max_grad_norm,
     check_nonfinite,
     check_optimizer,
     check_scheduler,
-    check_window_totals,
-    clip_or_norm_,
     pair_grads,
-    scale_grads_,
-    step_scheduler,
 )
 from bigbatch.core._sync import make_sync
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import (
-    Piece,
-    Restart,
-    Runner,
-    Window,
-    agree,
-    clamp_count,
-    prepass,
-    replay,
-    total_counts,
-)
+from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, replay
 from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
+__all__ = ["Accumulator", "CountFn", "StepResult"]
+
 CountFn = Callable[[Any], Any]
 """``count_fn(micro_batch)``: the count the loss will return for it (``{name: count}`` for terms)."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did.
-
-    Attributes:
-        loss: the window's true loss, ``Σ loss_sum / Σ count`` over all ranks (for named terms
-            ``Σ_k w_k Σ loss_sum_k / Σ count_k``).
-        count: the window's total count over all ranks (samples, or tokens for a token loss; the
-            first term's for named terms).
-        micro_batches: micro-batches accumulated on this rank.
-        micro_batch_size: samples per micro-batch (the last may be smaller), or the token budget
-            of a token cut; ``None`` when the caller cut the batch itself (``backward``/``step``).
-        grad_norm: total 2-norm of the normalised gradient, before clipping.
-        skipped: ``True`` when the optimizer did not step: fp16 found inf/NaN gradients, or
-            ``nonfinite="skip"`` met a non-finite loss or gradient. The scheduler did not step.
-        oom_retries: windows redone at a smaller micro-batch after running out of memory.
-        samples: samples in the window on this rank (``None`` for ``backward`` / ``step``).
-        nonfinite: the loss or the gradient norm was NaN or infinite.
-        peak_bytes: memory the successful attempt of the window added at its peak (measured
-            with ``micro_batch_size="auto"`` or a ``memory_budget``; else ``None``).
-        terms: each named term's value ``Σ loss_sum_k / Σ count_k`` (one ``"loss"`` otherwise).
-        tokens: real tokens in the window on this rank (token cuts), else ``None``.
-        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
-    """
-
-    loss: float
-    count: float
-    micro_batches: int
-    micro_batch_size: int | None
-    grad_norm: float
-    skipped: bool = False
-    oom_retries: int = 0
-    samples: int | None = None
-    nonfinite: bool = False
-    peak_bytes: int | None = None
-    terms: dict[str, float] = field(default_factory=dict)
-    tokens: int | None = None
-    padded_tokens: int | None = None
 
 
 class Accumulator:
@@ -185,6 +111,10 @@ class Accumulator:
         budget = parse_bytes(memory_budget)
         meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
         self._sync = make_sync(model, auto=sizing.retries)
+        self._stepper = Stepper(
+            optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
+            self._sync, self.device,
+        )  # fmt: skip
         self._runner = Runner(model, sizing, self._sync, meter, self.device)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
@@ -273,7 +203,7 @@ class Accumulator:
         )
 
     def _finish(self, pieces: list[Piece], size: int) -> StepResult:
-        result = self._apply(self._window)
+        result = self._apply()
         tokens = [p.tokens for p in pieces]
         if None in tokens:
             return result
@@ -291,7 +221,7 @@ class Accumulator:
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
                 loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces])
         counts, states = self._counts(pieces, loss_fn, count_fn)
-        self._plan(batch, counts, samples)
+        plan(self._window, batch, counts, samples, self._sync, self._precision.scaler is not None)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]
         with window(self.model, samples):
             for i, piece in enumerate(pieces):
@@ -324,29 +254,6 @@ class Accumulator:
             failure = exc
         agree(self._sync, failure)
         return outputs, states
-
-    def _plan(self, batch: Batch, counts: list[Any] | None, samples: int) -> None:
-        """The window's scales before it runs (Note [backward scale])."""
-        w, fp16 = self._window, self._precision.scaler is not None
-        if counts is not None:
-            w.expected = self._global(total_counts(counts), samples)[0]
-            w.scales = {k: 1.0 / clamp_count(c) for k, c in w.expected.items()}
-        elif self._sync.world_size > 1 and not fp16:
-            w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
-        else:
-            labelled = _labelled_tokens(batch) if fp16 else None
-            local = {"loss": labelled} if labelled is not None else {}
-            totals, n = self._global(local, samples)
-            w.scales = {"loss": 1.0 / clamp_count(totals.get("loss", n))}
-            w.follow = "tensors" if labelled is None and fp16 else ""  # token losses (_follow)
-
-    def _global(self, local: dict[str, Any], samples: int) -> tuple[dict[str, Any], float]:
-        """``local`` counts and the samples summed over ranks (one all-reduce; none on one)."""
-        if self._sync.world_size == 1:
-            return local, float(samples)
-        values = [*local.values(), float(samples)]
-        total = self._sync.all_reduce_sum(_stack(values, self.device))
-        return dict(zip(local, total[:-1], strict=True)), float(total[-1])
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -406,7 +313,7 @@ class Accumulator:
             self._need_counts(terms)
         count = terms["loss"].count if "loss" in terms else None
         if w.follow == "all" or w.follow and isinstance(count, torch.Tensor):
-            self._follow(count)
+            follow(w, count, bool(self._last), self._sync, self._params_with_grad)
         loss = sum(t.weight * t.loss_sum * w.scales[k] for k, t in terms.items())
         self._precision.backward(loss)  # type: ignore[arg-type]
         w.add(terms)
@@ -422,18 +329,6 @@ class Accumulator:
             "term's count before the first backward. Return the same terms for every micro-batch, "
             "give count_fn returning {name: count}, or use train_step (it counts first)."
         )
-
-    def _follow(self, count: Any) -> None:
-        """fp16 without counts known before: scale by 1 / (count seen so far), rescaling the
-        gradients already accumulated; on several ranks agreed at the syncing backward."""
-        w = self._window
-        seen = w.seen("loss", count)
-        if self._last and self._sync.world_size > 1 and not w.deferred:  # DDP syncs next
-            seen = self._sync.all_reduce_sum(torch.as_tensor(seen, dtype=torch.float64))
-        scale = 1.0 / seen
-        if w.micro_batches:
-            scale_grads_(self._params_with_grad(), scale / w.scales["loss"])  # type: ignore[index]
-        w.scales["loss"] = scale  # type: ignore[index]
 
     def accumulate_grads(
         self,
@@ -488,72 +383,16 @@ class Accumulator:
                 "least one micro-batch first (or use train_step(batch, loss_fn))."
             )
         try:
-            return self._apply(self._window)
+            return self._apply()
         except BaseException:
             self._discard_window()
             raise
 
-    def _apply(self, w: Window) -> StepResult:
-        totals = self._totals(w)  # the one host sync per step
-        counts = {k: totals[1][k] for k in w.sums}
-        check_window_totals(sum(counts.values()), totals[2])
-        _check_expected(w.expected, counts)
-        terms = {k: totals[0][k] / c if c else 0.0 for k, c in counts.items()}
-        loss = sum(w.weights[k] * v for k, v in terms.items())
-        first = next(iter(counts))
-        fp16 = self._precision.scaler is not None  # non-finite windows are the scaler's to skip
-        if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
-            raise NonFiniteError(
-                f"the window's loss is {loss} (count {counts[first]:g}); " + NONFINITE_FIX
-            )
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        scale = float(w.scales[first])  # type: ignore[index]  # set by the first backward
-        factor = self._sync.world_size / (counts[first] * scale) if counts[first] else 1.0
-        if w.deferred:  # Note [several forwards]: each rank's own factor, then the average
-            scale_grads_(params, factor)
-            self._sync.reduce_grads(params)
-        self._precision.unscale_(self.optimizer)
-        with_grad = [p for p in params if p.grad is not None]
-        if not w.deferred and abs(factor - 1.0) > 4e-16:
-            scale_grads_(with_grad, factor)
-        grad_norm = float(clip_or_norm_(with_grad, self.max_grad_norm))
-        nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        skipped = self._decide(nonfinite, grad_norm, counts[first])
-        if skipped:
-            self._precision.discard()
-        else:
-            skipped = self._precision.step(self.optimizer)
-        if not skipped:
-            step_scheduler(self.scheduler, loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._window = Window()
-        return StepResult(
-            loss, counts[first], w.micro_batches, None, grad_norm, skipped, nonfinite=nonfinite,
-            samples=getattr(w, "samples", None), terms=terms,
-        )  # fmt: skip
-
-    def _decide(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
-        """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
-        if not nonfinite or self.nonfinite == "apply" or self._precision.scaler is not None:
-            return False  # fp16: the scaler skips it and lowers the scale, as a full batch would
-        if self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"the window's gradient norm is {grad_norm} (count {count:g}); " + NONFINITE_FIX
-            )
-        return True
-
-    def _totals(self, w: Window) -> tuple[dict[str, float], dict[str, float], float]:
-        """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
-        names = list(w.sums)
-        local = [*(w.sums[k] for k in names), *(w.counts[k] for k in names), w.bad_counts]
-        totals = self._sync.all_reduce_sum(_stack(local, self.device)).tolist()
-        k = len(names)
-        sums, counts = totals[:k], totals[k : 2 * k]
-        return (
-            dict(zip(names, sums, strict=True)),
-            dict(zip(names, counts, strict=True)),
-            totals[-1],
-        )
+    def _apply(self) -> StepResult:
+        try:
+            return self._stepper.apply(self._window)
+        finally:
+            self._window = Window()
 
     # ------------------------------------------------------------------ helpers
     def _params_with_grad(self) -> list[torch.Tensor]:
@@ -577,32 +416,3 @@ class Accumulator:
                 "train_step() found gradients already in the parameters' .grad; they would be "
                 "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
             )
-
-
-def _labelled_tokens(batch: Batch) -> torch.Tensor | None:
-    """``labels != -100`` counted, for a batch in the transformers convention; else ``None``."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
-        return (labels != -100).sum()
-    return None
-
-
-def _check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:
-    """The counts known before the window must be the ones the loss returned (several terms)."""
-    if expected is None or len(counts) == 1:
-        return
-    for name, count in counts.items():
-        want = float(expected.get(name, math.nan))
-        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
-            raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn returned "
-                f"counts adding up to {count:g}: count_fn must return, for each micro-batch, the "
-                "counts loss_fn will return for it. The window was discarded; nothing changed."
-            )
-
-
-def _stack(values: Sequence[Any], device: torch.device) -> torch.Tensor:
-    """Numbers and 0-dim tensors as one float64 vector on ``device``."""
-    return torch.stack(
-        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
-    )

@@ -1,0 +1,84 @@
+"""The backward scale of a window: what each micro-batch's loss sum is multiplied by.
+
+Note [backward scale]
+    Every micro-batch back-propagates ``Σ_k w_k · loss_sum_k · s_k`` (one scale ``s_k`` per loss
+    term) and the step multiplies the gradients by ``W / (C · s)`` (``W`` ranks, whose average
+    DDP / FSDP take; ``C`` the window's total count): the step is exact whatever ``s`` is, and
+    ``s`` only sets the magnitude of what flows through the backward, which matters in fp16 (the
+    loss scaler skips a step whose gradients overflow). The best ``s`` is ``1 / C``: every
+    backward then runs at the scale of the full batch's mean, what a plain fp16 loop runs. So:
+
+    * counts known before the window (``count_fn``, a count pass): ``s_k = 1 / C_k`` exactly,
+      on several ranks the global ``C_k`` (one small all-reduce before the window). A loss of
+      several terms needs this (Note [named terms] in ``bigbatch.core.loss``): its first window
+      without ``count_fn`` restarts with a count pass, and so do the windows after it.
+    * otherwise, one term: ``s = 1 / N`` (the window's samples: exactly ``1 / C`` for a mean
+      over samples). In fp16, ``s = 1 / Ĉ`` with ``Ĉ`` the batch's labelled tokens when the batch
+      says (a mapping with integer ``labels``: ``labels != -100``); else a loss whose counts are
+      tensors (tokens) *follows* the count: ``s = 1 / (count seen so far)``, the gradients
+      already accumulated rescaled as counts arrive, and on several ranks the global count is
+      agreed at each rank's last micro-batch (whose backward synchronises), so no rank
+      back-propagates sums of another magnitude than the full batch's mean. The low-level path
+      (``backward`` / ``step``, nothing known before the window) follows every count in fp16.
+    * fp32 / bf16 on several ranks: ``s = 1`` (float32's range cannot overflow; no collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from bigbatch.core._stepping import scale_grads_, stack_values
+from bigbatch.core._sync import GradSync
+from bigbatch.core._window import Window, clamp_count, total_counts
+
+
+def plan(
+    w: Window, batch: Any, counts: Sequence[Any] | None, samples: int, sync: GradSync, fp16: bool
+) -> None:
+    """Choose the window's scales before it runs (``counts``: each piece's, when known)."""
+    if counts is not None:
+        w.expected = global_counts(total_counts(counts), samples, sync)[0]
+        w.scales = {k: 1.0 / clamp_count(c) for k, c in w.expected.items()}
+    elif sync.world_size > 1 and not fp16:
+        w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
+    else:
+        labelled = labelled_tokens(batch) if fp16 else None
+        local = {"loss": labelled} if labelled is not None else {}
+        totals, n = global_counts(local, samples, sync)
+        w.scales = {"loss": 1.0 / clamp_count(totals.get("loss", n))}
+        w.follow = "tensors" if labelled is None and fp16 else ""
+
+
+def follow(
+    w: Window, count: Any, last: bool, sync: GradSync, grads: Callable[[], list[torch.Tensor]]
+) -> None:
+    """fp16 without counts known before: ``s = 1 / (count seen so far)``, rescaling the gradients
+    already accumulated; on several ranks agreed at the backward that synchronises."""
+    seen = w.counts.get("loss", 0.0) + count
+    if last and sync.world_size > 1 and not w.deferred:  # DDP all-reduces in this backward
+        seen = sync.all_reduce_sum(torch.as_tensor(seen, dtype=torch.float64).reshape(()))
+    scale = 1.0 / clamp_count(seen)
+    if w.micro_batches:
+        scale_grads_(grads(), scale / w.scales["loss"])  # type: ignore[index]
+    w.scales["loss"] = scale  # type: ignore[index]
+
+
+def global_counts(
+    local: dict[str, Any], samples: int, sync: GradSync
+) -> tuple[dict[str, Any], float]:
+    """``local`` counts and the samples summed over ranks (one all-reduce; none on one)."""
+    if sync.world_size == 1:
+        return local, float(samples)
+    total = sync.all_reduce_sum(stack_values([*local.values(), float(samples)]))
+    return dict(zip(local, total[:-1], strict=True)), float(total[-1])
+
+
+def labelled_tokens(batch: Any) -> torch.Tensor | None:
+    """``labels != -100`` counted, for a batch in the transformers convention; else ``None``."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
+        return (labels != -100).sum()
+    return None
