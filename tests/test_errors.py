@@ -119,7 +119,10 @@ def test_non_scalar_loss_sum_in_pair(gen):
 @pytest.mark.parametrize(
     "output, message",
     [
-        (1.5, r"loss_fn returned float; return a scalar tensor .* a pair \(loss_sum, count\) or named terms"),
+        (
+            1.5,
+            r"loss_fn returned float; return a scalar tensor .* a pair \(loss_sum, count\) or named terms",
+        ),
         (None, r"loss_fn returned NoneType; return a scalar tensor"),
         ((torch.ones(()), 1, 2), r"loss_fn returned tuple; return a scalar tensor"),
         ((2.0, 4), r"loss_fn returned a pair whose first item is a float; it must be the loss sum"),

@@ -86,17 +86,17 @@ def main(config: dict) -> dict:
     clip(encode(ref, batch), batch).backward()  # the reference, before the limit
     opts[1].step()
     acc = bigbatch.Accumulator(model, opts[0], micro_batch_size="auto")
-    backward = acc.backward
+    backward = acc._backward
 
-    def traced_backward(loss_sum, count):  # wiring only: the engine's own backward runs
+    def traced_backward(terms):  # wiring only: the engine's own backward runs
         try:
-            backward(loss_sum, count)
+            backward(terms)
         except BaseException as exc:
             events.append({"size": None, "graph": "backward", "oom": bigbatch.is_out_of_memory(exc),
                            "type": type(exc).__name__})  # fmt: skip
             raise
 
-    acc.backward = traced_backward  # type: ignore[method-assign]
+    acc._backward = traced_backward  # type: ignore[method-assign]
     _limit(config["margin_mib"], torch.device("cpu"))
     try:
         result = acc.train_step(batch, loss_fn)

@@ -81,13 +81,13 @@ def train_under(budget: int) -> dict:
         model, torch.optim.AdamW(model.parameters()), micro_batch_size="auto", memory_budget=budget
     )
     failed: list[tuple[int, int, bool]] = []
-    after_oom_ = acc._sizing.after_oom
+    after_oom_ = acc._runner.sizing.after_oom
 
     def recorded(size: int, measured: bool = False) -> None:
         failed.append((len(steps), size, measured))
         after_oom_(size, measured)
 
-    acc._sizing.after_oom = recorded  # type: ignore[method-assign]
+    acc._runner.sizing.after_oom = recorded  # type: ignore[method-assign]
     steps = []
     for _ in range(STEPS):
         result = acc.train_step(batch, square_loss)

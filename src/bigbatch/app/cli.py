@@ -67,7 +67,7 @@ def run() -> None:
         import rich  # noqa: F401  (the application's one required extra)
     except ImportError:
         print(
-            "bigbatch: the command line needs its extra: pip install \"bigbatch[cli]\" "
+            'bigbatch: the command line needs its extra: pip install "bigbatch[cli]" '
             "(the library itself, import bigbatch, needs only torch).",
             file=sys.stderr,
         )

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from bigbatch.core import _rng
 from bigbatch.core._batchnorm import batchnorm_layers
@@ -223,7 +224,7 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 # ---------------------------------------------------------------------------- passes before
 def prepass(
-    model: torch.nn.Module, pieces: Sequence[Piece], fn: Callable[[Piece], T], device: torch.device
+    model: torch.nn.Module, pieces: Sequence[Any], fn: Callable[[Any], T], device: torch.device
 ) -> tuple[list[T], list[_rng.RngState]]:
     """``fn`` on every piece without gradients; the random state before each; buffers put back.
 
@@ -251,19 +252,23 @@ def replay(state: _rng.RngState | None, device: torch.device) -> Iterator[None]:
     yield
 
 
-def agree(sync: GradSync, failure: BaseException | None) -> None:
-    """Every rank learns whether a pre-pass failed anywhere; raise on all ranks if one did.
+def agree(
+    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
+) -> None:
+    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
 
     Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
     """
-    if sync.world_size == 1:
+    if world_size == 1:
         if failure is not None:
             raise failure
         return
     flags = torch.tensor(
-        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))]
+        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))],
+        device=device,
     )
-    failed, oom = sync.all_reduce_max(flags).tolist()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    failed, oom = flags.tolist()
     if failure is not None:
         raise failure
     if failed:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._batchnorm import warn_batch_coupled, window
-from bigbatch.core._precision import make_precision
+from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes, make_sizing
 from bigbatch.core._stepping import (
@@ -66,7 +66,8 @@ class Accumulator:
         scheduler: an LR scheduler of ``optimizer``, stepped once per optimizer step (not per
             micro-batch); ``ReduceLROnPlateau`` is stepped with the window's mean loss.
         max_grad_norm: clip the normalised gradient to this 2-norm; ``None`` to not clip.
-        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + grad scaler).
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + grad scaler); an
+            integration passes its own object with ``Precision``'s methods (Keras' loss scaling).
         memory_budget: cap on the memory a step may use above what was in use before it
             (``"6GiB"``, bytes): a window that goes over is redone smaller in auto mode.
         nonfinite: a window whose loss or gradient norm is NaN / infinite: ``"raise"``
@@ -94,7 +95,7 @@ class Accumulator:
         micro_batch_size: int | str = 32,
         scheduler: Any = None,
         max_grad_norm: float | None = None,
-        precision: str = "fp32",
+        precision: str | Precision = "fp32",
         memory_budget: int | str | None = None,
         *,
         nonfinite: str = "raise",
@@ -107,7 +108,9 @@ class Accumulator:
         self.scheduler = check_scheduler(scheduler, optimizer)
         self.micro_batch_size = micro_batch_size
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._precision = make_precision(precision, self.device)
+        self._precision: Precision = (
+            precision if not isinstance(precision, str) else make_precision(precision, self.device)
+        )
         budget = parse_bytes(memory_budget)
         meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
         self._sync = make_sync(model, auto=sizing.retries)
@@ -130,6 +133,16 @@ class Accumulator:
     def current_micro_batch_size(self) -> int | None:
         """The micro-batch the next full window is cut at (``None``: auto before its first window)."""
         return self._runner.sizing.adopted
+
+    def track(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """Also save and restore ``tensors()`` around each window, besides the buffers.
+
+        For state a forward changes in place that is not a module buffer (Keras keeps BatchNorm
+        statistics, seed generators and metric totals in non-trainable variables): a failed or
+        redone window then leaves it as it was (Note [window buffers]).
+        """
+        buffers = self._runner.buffers.all
+        self._runner.buffers.all = lambda: [*buffers(), *tensors()]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -252,7 +265,7 @@ class Accumulator:
             outputs, states = prepass(self.model, pieces, count, self.device)
         except Exception as exc:  # the other ranks must not wait in the totals for us
             failure = exc
-        agree(self._sync, failure)
+        agree(failure, getattr(self._sync, "group", None), self._sync.world_size, self.device)
         return outputs, states
 
     # ------------------------------------------------------------------ the low-level path

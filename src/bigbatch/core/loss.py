@@ -47,7 +47,7 @@ class Term(NamedTuple):
     """One term of a window's loss for one micro-batch (Note [named terms])."""
 
     loss_sum: torch.Tensor
-    count: torch.Tensor | float
+    count: torch.Tensor | float  # type: ignore[assignment]  # the field, not tuple.count
     weight: float = 1.0
 
 

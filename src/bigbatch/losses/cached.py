@@ -43,10 +43,10 @@ Note [across ranks]
     default one), every rank's representations (and, when ``batch_loss_fn`` takes it, every
     tensor of its batch) are all-gathered along the sample dimension, in rank order, padded to the
     largest share so that shares may differ. Every rank computes the same batch loss and
-    back-propagates only its own rows. Before gathering, the ranks exchange their status: when
-    one failed in pass 1 (out of memory, say) the others raise too, an out-of-memory error when it
-    was one, so ``micro_batch_size="auto"`` redoes the window on every rank instead of leaving
-    them waiting in the gather. Called as a plain ``loss_fn(model, batch)`` (evaluation,
+    back-propagates only its own rows. Before gathering, the ranks agree on pass 1's outcome (Note
+    [passes before the window] in ``bigbatch.core._window``): when one failed (out of memory,
+    say) the others raise too, so ``micro_batch_size="auto"`` redoes the window on every rank
+    instead of leaving them waiting in the gather. Called as a plain ``loss_fn(model, batch)`` (evaluation,
     ``bigbatch.verifier._check``) it never gathers: it computes the loss over the batch it is given.
 """
 
@@ -63,8 +63,8 @@ from torch import nn
 
 from bigbatch.core import _rng
 from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core._window import agree, prepass
 from bigbatch.core.loss import LossFn, LossOutput, check_count, check_scalar_loss
-from bigbatch.core.oom import is_out_of_memory
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -169,12 +169,16 @@ class CachedLoss:
         if len(pieces) == 1 and ranks is None:
             return self  # one piece is the whole batch: the plain loss is exact, one forward
         device = _device_of(model)
+        encoded, failure = None, None
         try:
             encoded = _encode_pieces(self.encode_fn, model, pieces, device)
-        except Exception as exc:
-            if ranks is not None:  # the other ranks must not wait in the gather for us
-                _share(ranks, {"failed": repr(exc)[:300], "oom": is_out_of_memory(exc)})
-            raise
+        except Exception as exc:  # the other ranks must not wait in the gather for us
+            failure = exc
+        if ranks is not None:
+            agree(failure, ranks.group, ranks.size, device)  # Note [passes before the window]
+        elif failure is not None:
+            raise failure
+        assert encoded is not None
         rows, whole, offset = encoded.rows, batch, 0
         if ranks is not None:
             rows, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
@@ -286,32 +290,26 @@ _NO_GRAD = (
 def _encode_pieces(
     encode_fn: EncodeFn, model: nn.Module, pieces: list[Batch], device: torch.device
 ) -> _Encoded:
-    """Pass 1: encode each micro-batch without a graph, recording the random state before it."""
-    buffers = [b.detach().clone() for b in model.buffers()]
-    states: list[Any] = []
+    """Pass 1: encode each micro-batch without a graph, recording the random state before it
+    (the runner's ``prepass``: the buffers are put back afterwards)."""
     parts: list[tuple[Leaves, Leaves]] = []
-    sizes: list[int] = []
-    template = None
-    try:
-        with torch.no_grad():
-            for j, piece in enumerate(pieces):
-                states.append(_rng.capture(device))
-                reps = encode_fn(model, piece)
-                sizes.append(batch_size(piece))
-                paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
-                parts.append(_split_leaves(reps, sizes[-1], f"micro-batch {j}", paths))
-                template = reps if template is None else template
-    finally:  # also after a failure: a redone window starts from the same buffers
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers, strict=True):
-                b.copy_(saved)  # pass 2 starts where pass 1 did (Note [representation caching])
+    template: list[Any] = []
+
+    def encode(piece: Batch) -> int:
+        reps = encode_fn(model, piece)
+        paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
+        parts.append(_split_leaves(reps, batch_size(piece), f"micro-batch {len(parts)}", paths))
+        template.append(reps) if not template else None
+        return batch_size(piece)
+
+    sizes, states = prepass(model, pieces, encode, device)
     first_rows, first_batch = parts[0]
     for path, t in first_rows:
         if not t.is_floating_point():
             raise ValueError(_NO_GRAD.format(path=path, shape=tuple(t.shape)))
     rows = [torch.cat([p[0][k][1] for p in parts]) for k in range(len(first_rows))]
     paths = [p for p, _ in first_rows + first_batch]
-    return _Encoded(template, paths, rows, [t for _, t in first_batch], sizes, states)
+    return _Encoded(template[0], paths, rows, [t for _, t in first_batch], sizes, states)
 
 
 def _split_leaves(
@@ -434,17 +432,9 @@ def _ranks(model: nn.Module, gather: bool) -> _Ranks | None:
 
 
 def _share(ranks: _Ranks, mine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``mine``; raise here when another rank failed in pass 1 (Note [across ranks])."""
+    """Every rank's ``mine`` (the shapes before the gather)."""
     everyone: list[Any] = [None] * ranks.size
     dist.all_gather_object(everyone, mine, group=ranks.group)
-    failed = [(r, m) for r, m in enumerate(everyone) if "failed" in m]
-    if failed and "failed" not in mine:  # a rank that failed raises its own error
-        rank, info = failed[0]
-        what = (
-            f"rank {rank} failed encoding its micro-batches ({info['failed']}); this rank stops "
-            "its window too."
-        )
-        raise torch.OutOfMemoryError(what) if info["oom"] else RuntimeError(what)
     return everyone
 
 
