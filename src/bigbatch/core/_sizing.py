@@ -67,8 +67,8 @@ class FixedSize:
 
     retries = False
 
-    def __init__(self, size: int) -> None:
-        self.size = check_micro_batch_size(size)
+    def __init__(self, size: int, name: str = "micro_batch_size") -> None:
+        self.size, self.name = check_micro_batch_size(size, name), name
 
     def size_for(self, n_samples: int) -> int:
         return min(self.size, n_samples)
@@ -90,8 +90,8 @@ class FixedSize:
         _check_policy(state, "fixed")
         if state["size"] != self.size:
             raise ValueError(
-                f"the state holds micro_batch_size={state['size']}, this Accumulator uses "
-                f"{self.size}: build it with micro_batch_size={state['size']} to load it."
+                f"the state holds {self.name}={state['size']}, this Accumulator uses "
+                f"{self.size}: build it with {self.name}={state['size']} to load it."
             )
 
 
@@ -124,7 +124,7 @@ class AutoSize:
         self.state = auto.AutoState(**{k: v for k, v in state.items() if k != "policy"})
 
 
-def make_sizing(micro_batch_size: object) -> FixedSize | AutoSize:
+def make_sizing(micro_batch_size: object, name: str = "micro_batch_size") -> FixedSize | AutoSize:
     """``AutoSize()`` for ``"auto"``, else ``FixedSize(micro_batch_size)``.
 
     Raises:
@@ -132,7 +132,7 @@ def make_sizing(micro_batch_size: object) -> FixedSize | AutoSize:
     """
     if micro_batch_size == "auto":
         return AutoSize()
-    return FixedSize(micro_batch_size)  # type: ignore[arg-type]  # checked by FixedSize
+    return FixedSize(micro_batch_size, name)  # type: ignore[arg-type]  # checked by FixedSize
 
 
 def _check_policy(state: dict[str, Any], expected: str) -> None:

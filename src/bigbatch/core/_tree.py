@@ -69,16 +69,25 @@ def rows(tree: Any, start: int, stop: int, n: int) -> Any:
     >>> rows({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, 1, 3, 4)
     {'x': tensor([1, 2]), 'id': ['b', 'c'], 'lr': 0.1}
     """
+    return take(tree, slice(start, stop), n)
+
+
+def take(tree: Any, index: slice | list[int], n: int) -> Any:
+    """``tree`` with every per-sample leaf (see ``rows``) reduced to the rows ``index`` of ``n``.
+
+    >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"]}, [3, 0], 4)
+    {'x': tensor([3, 0]), 'id': ['d', 'a']}
+    """
     if isinstance(tree, torch.Tensor):
-        return tree[start:stop]
+        return tree[index] if isinstance(index, slice) else tree[torch.as_tensor(index)]
     if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: rows(v, start, stop, n) for k, v in tree.items()})
+        return _rebuild_mapping(tree, {k: take(v, index, n) for k, v in tree.items()})
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
-        return type(tree)(*(rows(v, start, stop, n) for v in tree))
+        return type(tree)(*(take(v, index, n) for v in tree))
     if isinstance(tree, (tuple, list)):
         if is_column(tree, n):
-            return type(tree)(tree[start:stop])
-        return type(tree)(rows(v, start, stop, n) for v in tree)
+            return type(tree)(tree[index] if isinstance(index, slice) else [tree[i] for i in index])
+        return type(tree)(take(v, index, n) for v in tree)
     return tree
 
 

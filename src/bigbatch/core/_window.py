@@ -68,6 +68,7 @@ class Piece:
         rows: its rows' positions in the window's batch (``None``: consecutive, in order).
         tokens: real tokens (token cuts), else ``None``.
         padded_tokens: tokens computed, padding included (token cuts), else ``None``.
+        pad_rows: rows of padding added for a compile bucket (Note [compile buckets]).
     """
 
     batch: Any
@@ -75,6 +76,7 @@ class Piece:
     rows: torch.Tensor | None = None
     tokens: int | None = None
     padded_tokens: int | None = None
+    pad_rows: int = 0
 
 
 class Cut(Protocol):

@@ -40,8 +40,19 @@ from bigbatch.core._stepping import (
     pair_grads,
 )
 from bigbatch.core._sync import make_sync
+from bigbatch.core._tokens import TokenCut
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, replay
+from bigbatch.core._window import (
+    Cut,
+    Piece,
+    Restart,
+    Runner,
+    SampleCut,
+    Window,
+    agree,
+    prepass,
+    replay,
+)
 from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
@@ -62,7 +73,8 @@ class Accumulator:
         model: the module to train (plain, ``DistributedDataParallel`` or FSDP).
         optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model.
         micro_batch_size: samples per micro-batch, or ``"auto"`` for the largest that fits;
-            an out-of-memory error then shrinks it and redoes the window.
+            an out-of-memory error then shrinks it and redoes the window. ``None``: 32, or no
+            row cap with ``micro_batch_tokens``.
         scheduler: an LR scheduler of ``optimizer``, stepped once per optimizer step (not per
             micro-batch); ``ReduceLROnPlateau`` is stepped with the window's mean loss.
         max_grad_norm: clip the normalised gradient to this 2-norm; ``None`` to not clip.
@@ -74,6 +86,16 @@ class Accumulator:
             ``NonFiniteError`` before the optimizer steps (default), ``"skip"`` it, or ``"apply"``
             it anyway. In fp16 every non-finite window is the loss scaler's to skip (and lower
             its scale), as in a plain fp16 loop: ``StepResult.skipped`` and ``.nonfinite``.
+        micro_batch_tokens: cut windows of variable-length text by tokens instead (Note [token
+            windows] in ``bigbatch.core._tokens``): at most this many padded tokens per
+            micro-batch, or ``"auto"`` (with ``memory_budget``: the largest budget that fits).
+        pad_to_multiple_of: with ``micro_batch_tokens``: round each micro-batch's length up to
+            a multiple of this and pad its rows to the bucket's row count, so a compiled model
+            sees one shape per bucket (Note [compile buckets]).
+        lengths: with ``micro_batch_tokens``: ``lengths(batch)`` -> each sample's tokens;
+            default ``attention_mask.sum(-1)`` of a mapping batch.
+        pad_values: with ``pad_to_multiple_of``: pad value per key (``input_ids`` 0,
+            ``attention_mask`` 0, ``labels`` -100 by default).
 
     Raises:
         TypeError, ValueError: a bad argument, named with what is allowed.
@@ -92,15 +114,34 @@ class Accumulator:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        micro_batch_size: int | str = 32,
+        micro_batch_size: int | str | None = None,
         scheduler: Any = None,
         max_grad_norm: float | None = None,
         precision: str | Precision = "fp32",
         memory_budget: int | str | None = None,
         *,
         nonfinite: str = "raise",
+        micro_batch_tokens: int | str | None = None,
+        pad_to_multiple_of: int | None = None,
+        lengths: Callable[[Any], Any] | None = None,
+        pad_values: Mapping[str, float] | None = None,
     ) -> None:
-        sizing = make_sizing(micro_batch_size)
+        cut: Cut = SampleCut()
+        if micro_batch_tokens is None:
+            if (pad_to_multiple_of, lengths, pad_values) != (None, None, None):
+                raise ValueError(
+                    "pad_to_multiple_of, lengths and pad_values shape token windows: give "
+                    "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
+                )
+            sizing = make_sizing(32 if micro_batch_size is None else micro_batch_size)
+        else:
+            if micro_batch_size == "auto":
+                raise ValueError(
+                    'micro_batch_size="auto" with micro_batch_tokens: the token budget is what '
+                    'auto sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
+                )
+            sizing = make_sizing(micro_batch_tokens, "micro_batch_tokens")
+            cut = TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]  # checked there
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.nonfinite = check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
@@ -118,7 +159,7 @@ class Accumulator:
             optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
             self._sync, self.device,
         )  # fmt: skip
-        self._runner = Runner(model, sizing, self._sync, meter, self.device)
+        self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
@@ -240,7 +281,10 @@ class Accumulator:
             for i, piece in enumerate(pieces):
                 with replay(states[i] if states else None, self.device):
                     with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
-                        self._backward(as_terms(loss_fn(self.model, piece.batch), piece.samples))
+                        out = loss_fn(self.model, piece.batch)
+                        if piece.pad_rows and isinstance(out, torch.Tensor):
+                            raise ValueError(_PAD_ROWS_NEED_SUMS)
+                        self._backward(as_terms(out, piece.samples))
                 self._runner.check_memory(size)
         self._window.deferred = self._window.deferred or self._sync.defers_sync
         self._window.samples = samples
@@ -429,3 +473,10 @@ class Accumulator:
                 "train_step() found gradients already in the parameters' .grad; they would be "
                 "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
             )
+
+
+_PAD_ROWS_NEED_SUMS = (
+    "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
+    "mean, which would average over them too: return (loss_sum, count), e.g. "
+    "bigbatch.token_cross_entropy(logits, labels, shift=True) (Note [compile buckets])."
+)

@@ -83,16 +83,12 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     return pieces
 
 
-def check_micro_batch_size(micro_batch_size: object) -> int:
+def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
     """Return ``micro_batch_size`` if it is a positive int, else raise naming what is allowed."""
+    example = 4096 if name == "micro_batch_tokens" else 8
+    allowed = f'use a positive integer or "auto" (e.g. {name}={example}).'
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise TypeError(
-            f"micro_batch_size={micro_batch_size!r} is not allowed: use a positive integer or "
-            '"auto" (e.g. micro_batch_size=8).'
-        )
+        raise TypeError(f"{name}={micro_batch_size!r} is not allowed: {allowed}")
     if micro_batch_size <= 0:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} is not allowed: use a positive integer or "
-            '"auto" (e.g. micro_batch_size=8).'
-        )
+        raise ValueError(f"{name}={micro_batch_size} is not allowed: {allowed}")
     return micro_batch_size

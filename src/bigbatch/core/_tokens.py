@@ -1,0 +1,196 @@
+"""Token windows: a window of variable-length text cut by tokens, not by samples.
+
+Note [token windows]
+    Cut into micro-batches of a fixed number of samples, text of very different lengths pads
+    every micro-batch to its longest sample (30-50% of the tokens computed are padding on
+    log-normal lengths), and a micro-batch of long samples runs out of memory while one of short
+    samples wastes it. ``TokenCut`` keeps the window the batch the user gave and changes only how
+    it is cut: the samples are sorted by length (longest first), each micro-batch takes samples
+    while ``rows × its longest length`` stays within the token budget (and ``rows`` within
+    ``max_rows``, when given), and its per-token tensors are trimmed to that length. The loss
+    sums and counts are totalled over the window before the step (Note [window normalisation]),
+    so the step equals the full batch's whatever the order: a sum does not depend on it. A sample
+    longer than the budget gets a micro-batch of its own (one warning).
+
+    Lengths come from ``attention_mask.sum(-1)`` for a mapping batch in the transformers
+    convention (``input_ids``, ``attention_mask``, ``labels``, right padding), else from
+    ``lengths(batch)``. Per-token tensors are the batch's tensors whose second dimension is its
+    padded length. Left padding is refused: trimming a left-padded micro-batch would move its real
+    tokens to other positions (other position embeddings, and a shifted loss would lose the
+    prediction of the first token), so the step could not be the full batch's.
+
+Note [compile buckets]
+    ``torch.compile`` compiles again for every new input shape. With ``pad_to_multiple_of=M`` a
+    micro-batch's length is rounded up to a multiple of M (its bucket) and its rows are padded up
+    to ``budget // length`` (at most ``max_rows``), so a compiled model sees one shape per bucket.
+    Pad rows and columns take ``pad_values`` (``input_ids`` 0, ``attention_mask`` 0, ``labels``
+    -100, 0 for any other key unless ``pad_values`` says): a label of -100 counts no token, so
+    the step is unchanged for a loss that returns ``(loss_sum, count)`` from the labels. A loss
+    that returns a mean would average over the pad rows too, and is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from bigbatch.core._tree import map_tensors, take, tensor_leaves
+from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core._window import Piece
+from bigbatch.core.split import batch_size
+
+PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+
+
+class TokenCut:
+    """Cut windows by tokens (Note [token windows], Note [compile buckets]).
+
+    Args:
+        max_rows: at most this many rows per micro-batch (``None``: no cap).
+        pad_to_multiple_of: round each micro-batch's length up to a multiple of this and pad its
+            rows up to the bucket's row count (``None``: trim to the longest sample only).
+        lengths: ``lengths(batch)`` -> each sample's length (tokens); default: from the
+            ``attention_mask`` of a mapping batch.
+        pad_values: the value of a pad row / column per key of a mapping batch.
+
+    Raises:
+        TypeError, ValueError: bad options, named with what is allowed.
+    """
+
+    def __init__(
+        self,
+        max_rows: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        lengths: Callable[[Any], Sequence[int] | torch.Tensor] | None = None,
+        pad_values: Mapping[str, float] | None = None,
+    ) -> None:
+        for name, value in (
+            ("micro_batch_size", max_rows),
+            ("pad_to_multiple_of", pad_to_multiple_of),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"{name}={value!r} is not allowed: use a positive integer or None."
+                )
+        if lengths is not None and not callable(lengths):
+            raise TypeError(f"lengths={lengths!r} is not callable: pass lengths(batch) -> ints.")
+        if pad_values is not None and not isinstance(pad_values, Mapping):
+            raise TypeError(f"pad_values={pad_values!r} is not a mapping of key -> pad value.")
+        self.max_rows, self.multiple, self.lengths = max_rows, pad_to_multiple_of, lengths
+        self.pad_values = {**PAD_VALUES, **(pad_values or {})}
+        self.warned = False  # about a sample longer than the budget, once
+        self.shapes: set[tuple[int, int]] = set()  # (rows, length) of every micro-batch cut
+
+    def units(self, batch: Any) -> int:
+        """The token budget at which the whole window is one micro-batch."""
+        return batch_size(batch) * self._round(max(self._lengths(batch)))
+
+    def __call__(self, batch: Any, size: int) -> list[Piece]:
+        budget, n = size, batch_size(batch)
+        lengths = self._lengths(batch)
+        order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
+        pieces, start = [], 0
+        while start < n:
+            length = self._round(lengths[order[start]])
+            fit = max(1, budget // length)
+            if fit == 1 and length > budget and not self.warned:
+                self._warn(lengths[order[start]], budget)
+            rows = min(fit, self.max_rows or fit, n - start)
+            index = order[start : start + rows]
+            pad_rows = min(fit, self.max_rows or fit) - rows if self.multiple else 0
+            pieces.append(self._piece(batch, index, lengths, length, pad_rows))
+            start += rows
+        return pieces
+
+    def _piece(
+        self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int
+    ) -> Piece:
+        n, width = batch_size(batch), _padded_length(batch)
+        rows = take(batch, index, n)
+        keys = _keys_by_tensor(rows)
+
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            value = self.pad_values.get(keys.get(id(t), ""), 0)
+            if t.dim() >= 2 and t.shape[1] == width:  # a per-token tensor: trim or pad its columns
+                t = t[:, :length]
+                if t.shape[1] < length:  # a bucket longer than the batch: pad columns
+                    extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
+                    t = torch.cat([t, extra], dim=1)
+            if pad:
+                t = torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
+            return t
+
+        piece = map_tensors(fit, rows)
+        self.shapes.add((len(index) + pad, length))
+        tokens = sum(lengths[i] for i in index)
+        return Piece(
+            piece, len(index), torch.tensor(index), tokens, (len(index) + pad) * length, pad
+        )
+
+    def _lengths(self, batch: Any) -> list[int]:
+        """Each sample's length (tokens)."""
+        n = batch_size(batch)
+        if self.lengths is not None:
+            found = self.lengths(batch)
+            values = [
+                int(v) for v in (found.tolist() if isinstance(found, torch.Tensor) else found)
+            ]
+            if len(values) != n or any(v < 1 for v in values):
+                raise ValueError(
+                    f"lengths(batch) returned {len(values)} lengths for {n} samples (or one below "
+                    "1): return one positive length (tokens) per sample."
+                )
+            return values
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise TypeError(
+                "micro_batch_tokens needs each sample's length: pass a mapping batch with a 2-D "
+                "attention_mask (the transformers convention), or lengths=fn returning one length "
+                "per sample."
+            )
+        ones = mask != 0
+        counts = ones.sum(-1)
+        if not bool(
+            (ones == (torch.arange(mask.shape[1], device=mask.device) < counts[:, None])).all()
+        ):
+            raise ValueError(
+                "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
+                "zeros): trimming a left-padded or gapped micro-batch would move its tokens to "
+                'other positions. Pad on the right (tokenizer.padding_side = "right", the '
+                "convention for training) or pass lengths=fn for a batch without a mask."
+            )
+        return [max(1, int(v)) for v in counts.tolist()]
+
+    def _round(self, length: int) -> int:
+        return (
+            length if self.multiple is None else math.ceil(length / self.multiple) * self.multiple
+        )
+
+    def _warn(self, length: int, budget: int) -> None:
+        self.warned = True
+        warnings.warn(
+            f"a sample of {length} tokens is longer than micro_batch_tokens={budget}: it gets a "
+            "micro-batch of its own (raise micro_batch_tokens if that runs out of memory).",
+            BigBatchWarning,
+            stacklevel=6,
+        )
+
+
+def _padded_length(batch: Any) -> int:
+    """The batch's padded length: the second dimension of its attention mask or first 2-D tensor."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+        return int(batch["attention_mask"].shape[1])
+    return next((int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2), 0)
+
+
+def _keys_by_tensor(batch: Any) -> dict[int, str]:
+    """The key of each tensor of a mapping batch, by tensor id (for its pad value)."""
+    if not isinstance(batch, Mapping):
+        return {}
+    return {id(v): str(k) for k, v in batch.items() if isinstance(v, torch.Tensor)}

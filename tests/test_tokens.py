@@ -1,0 +1,192 @@
+"""Token windows (Note [token windows]): cut by tokens, sorted by length, trimmed; exact in float64."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from cases import OPTIMIZERS
+from models import PAD, VOCAB, TinyCausalLM
+from reference import full_batch_step, max_relative_error
+
+import bigbatch
+from bigbatch.core.loss import token_cross_entropy
+
+CTX = 12
+
+
+class PerToken(nn.Module):
+    """Each position's logits from its own token only: exact under any padding side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def text_batch(n: int, gen: torch.Generator, left: bool = False) -> dict[str, torch.Tensor]:
+    """Right- (or left-) padded text in the transformers convention, lengths 1 to CTX."""
+    lengths = torch.randint(1, CTX + 1, (n,), generator=gen)
+    lengths[0] = CTX
+    position = torch.arange(CTX)[None, :]
+    mask = (position >= CTX - lengths[:, None]) if left else (position < lengths[:, None])
+    ids = torch.randint(1, VOCAB, (n, CTX), generator=gen) * mask
+    labels = torch.where(mask, ids, torch.full_like(ids, PAD))
+    return {"input_ids": ids, "attention_mask": mask.long(), "labels": labels}
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]):
+    return token_cross_entropy(model(batch["input_ids"]), batch["labels"], shift=True)
+
+
+MODELS = {"causal": TinyCausalLM, "per_token": PerToken}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("budget, multiple", [(8, None), (30, None), (30, 4), (10_000, None)])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_token_windows_equal_the_full_batch(model_name, budget, multiple, optimizer, gen):
+    make = MODELS[model_name]
+    torch.manual_seed(0)
+    init = make().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt, opt = (
+        OPTIMIZERS[optimizer](ref.parameters()),
+        OPTIMIZERS[optimizer](model.parameters()),
+    )
+    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget, pad_to_multiple_of=multiple)
+    for _ in range(2):  # fresh inputs each step
+        batch = text_batch(10, gen)
+        full_batch_step(ref, ref_opt, lm_loss, batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", bigbatch.BigBatchWarning)  # samples over the budget
+            result = acc.train_step(batch, lm_loss)
+        real = int(batch["attention_mask"].sum())
+        assert result.tokens == real and result.padded_tokens >= real
+        assert result.micro_batches == (1 if budget >= 10 * CTX else result.micro_batches)
+    assert max_relative_error(ref, model) < 1e-10
+
+
+def test_each_micro_batch_is_trimmed_and_capped(gen):
+    batch = text_batch(10, gen)
+    seen: list[tuple[int, int]] = []
+
+    def loss(model, mb):
+        seen.append(tuple(mb["input_ids"].shape))
+        assert int(mb["attention_mask"][:, -1].max()) == 1  # no all-padding column kept
+        return lm_loss(model, mb)
+
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    acc = bigbatch.Accumulator(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        micro_batch_size=3,
+        micro_batch_tokens=24,
+    )
+    result = acc.train_step(batch, loss)
+    assert all(rows * length <= 24 or rows == 1 for rows, length in seen)
+    assert all(rows <= 3 for rows, _ in seen) and sum(rows for rows, _ in seen) == 10
+    assert result.padded_tokens == sum(rows * length for rows, length in seen)
+    assert result.padded_tokens - result.tokens < 10 * CTX - result.tokens  # less padding
+
+
+def test_buckets_give_one_shape_per_bucket(gen):
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    shapes: set[tuple[int, int]] = set()
+
+    def loss(m, mb):
+        shapes.add(tuple(mb["input_ids"].shape))
+        return lm_loss(m, mb)
+
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=32,
+        pad_to_multiple_of=4,
+    )  # fmt: skip
+    for _ in range(5):
+        acc.train_step(text_batch(16, gen), loss)
+    # one shape per bucket: (32 // length, length) for length in 4, 8, 12
+    assert shapes <= {(8, 4), (4, 8), (2, 12)}
+
+
+def test_lengths_function_for_a_tuple_batch(gen):
+    torch.manual_seed(0)
+    init = PerToken().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    batch = text_batch(9, gen)
+    pair = (batch["input_ids"], batch["labels"])
+    loss = lambda m, b: token_cross_entropy(m(b[0]), b[1], shift=True)  # noqa: E731
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, pair)
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_tokens=20,
+        lengths=lambda b: (b[1] != PAD).sum(-1).clamp_min(1),
+    )  # fmt: skip
+    assert acc.train_step(pair, loss).micro_batches > 1
+    assert max_relative_error(ref, model) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"micro_batch_tokens": 0}, ValueError, r"micro_batch_tokens=0 is not allowed"),
+        ({"micro_batch_tokens": 1.5}, TypeError, r"micro_batch_tokens=1.5 is not allowed"),
+        ({"pad_to_multiple_of": 8}, ValueError, r"give micro_batch_tokens too"),
+        ({"micro_batch_tokens": 64, "pad_to_multiple_of": 0}, ValueError, r"pad_to_multiple_of=0"),
+        ({"micro_batch_tokens": 64, "lengths": 3}, TypeError, r"lengths=3 is not callable"),
+        ({"micro_batch_tokens": 64, "micro_batch_size": "auto"}, ValueError, r'micro_batch_tokens="auto"'),
+    ],
+)  # fmt: skip
+def test_bad_token_settings_are_refused(kwargs, error, message):
+    model = nn.Linear(2, 2)
+    with pytest.raises(error, match=message):
+        bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_batches_without_lengths_and_masks_with_gaps_are_refused(gen):
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=20
+    )
+    batch = text_batch(4, gen)
+    with pytest.raises(TypeError, match="needs each sample's length: pass a mapping batch"):
+        acc.train_step((batch["input_ids"], batch["labels"]), lm_loss)
+    batch["attention_mask"][0, 1] = 0  # a hole inside the first sample
+    for bad in (batch, text_batch(4, gen, left=True)):
+        with pytest.raises(ValueError, match="micro_batch_tokens needs right padding"):
+            acc.train_step(bad, lm_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_mean_loss_with_pad_rows_is_refused_and_changes_nothing(gen):
+    torch.manual_seed(0)
+    model = PerToken().double()
+    before = copy.deepcopy(model.state_dict())
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=32,
+        pad_to_multiple_of=4,
+    )  # fmt: skip
+    mean = lambda m, b: torch.nn.functional.cross_entropy(  # noqa: E731
+        m(b["input_ids"]).flatten(0, 1), b["labels"].flatten(), ignore_index=PAD
+    )
+    with pytest.raises(ValueError, match="loss_fn returned a mean, which would average over"):
+        acc.train_step(text_batch(10, gen), mean)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_sample_longer_than_the_budget_warns_once(gen):
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=5
+    )
+    with pytest.warns(bigbatch.BigBatchWarning, match="longer than micro_batch_tokens=5"):
+        acc.train_step(text_batch(6, gen), lm_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bigbatch.BigBatchWarning)
+        acc.train_step(text_batch(6, gen), lm_loss)
