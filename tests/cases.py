@@ -120,7 +120,9 @@ def plain_full_batch(init, batches, fp16: bool):
     return model, skipped
 
 
-def fp16_accumulated(init, batches, low_level: bool = False):
+def fp16_accumulated(init, batches, low_level: bool = False, mode: str = "count_fn"):
+    """fp16 accumulation; ``mode``: ``count_fn``, ``labels`` (no count_fn, a labels batch) or
+    ``tuple`` (no count_fn, an (ids, labels) batch: nothing to count before the window)."""
     model = copy.deepcopy(init)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = bigbatch.Accumulator(
@@ -129,7 +131,13 @@ def fp16_accumulated(init, batches, low_level: bool = False):
     skipped = []
     for batch in batches:
         if not low_level:
-            skipped.append(acc.train_step(batch, lm_loss, count_fn=lm_count).skipped)
+            if mode == "tuple":
+                pair = (batch["input_ids"], batch["labels"])
+                loss = lambda m, b: lm_loss(m, {"input_ids": b[0], "labels": b[1]})  # noqa: E731
+                skipped.append(acc.train_step(pair, loss).skipped)
+            else:
+                count_fn = lm_count if mode == "count_fn" else None
+                skipped.append(acc.train_step(batch, lm_loss, count_fn=count_fn).skipped)
             continue
         pieces = bigbatch.split(batch, LM_MICRO)
         for i, piece in enumerate(pieces):

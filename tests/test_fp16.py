@@ -4,10 +4,11 @@ The scenario that lost steps: a causal LM on low-entropy text (a very frequent t
 gradients add up coherently), padded sequences of very uneven length (the first micro-batch
 holds 5 real tokens, the others about 110), micro-batch 2 of 16, AdamW and clipping, fp16
 autocast with the loss scaler. A plain fp16 full-batch loop back-propagates the token MEAN
-(per-token scale 1 / C). ``train_step(..., count_fn=...)`` counts C before the window and every
-micro-batch back-propagates at that scale (Note [backward scale] in bigbatch.core.engine), so it
-skips no step the full batch keeps; the low-level path has no look-ahead and scales by the first
-micro-batch's count (100 times larger here): it loses steps, which shows the scenario can fail.
+(per-token scale 1 / C). ``train_step`` back-propagates at that scale (Note [backward scale] in
+``bigbatch.core._scale``) with ``count_fn``, without it on a batch with ``labels`` (counted
+before the window), and on a tuple batch too (it follows the count and redoes a window that
+overflowed at the exact scale), so it skips no step the full batch keeps; the low-level path
+follows the count but cannot redo a window: it loses steps, which shows the scenario can fail.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import bigbatch
 
 
 @pytest.mark.slow
-def test_fp16_train_step_skips_no_step_the_full_batch_keeps():
+@pytest.mark.parametrize("mode", ["count_fn", "labels", "tuple"])
+def test_fp16_train_step_skips_no_step_the_full_batch_keeps(mode):
     torch.set_num_threads(2)
     init, batches = make_lm(), lm_batches()
     truth, _ = plain_full_batch(init, batches, fp16=False)
     full, full_skipped = plain_full_batch(init, batches, fp16=True)
-    ours, our_skipped = fp16_accumulated(init, batches)
+    ours, our_skipped = fp16_accumulated(init, batches, mode=mode)
     lost = [
         i for i, (f, o) in enumerate(zip(full_skipped, our_skipped, strict=True)) if o and not f
     ]

@@ -17,9 +17,13 @@ Note [backward scale]
       says (a mapping with integer ``labels``: ``labels != -100``); else a loss whose counts are
       tensors (tokens) *follows* the count: ``s = 1 / (count seen so far)``, the gradients
       already accumulated rescaled as counts arrive, and on several ranks the global count is
-      agreed at each rank's last micro-batch (whose backward synchronises), so no rank
-      back-propagates sums of another magnitude than the full batch's mean. The low-level path
-      (``backward`` / ``step``, nothing known before the window) follows every count in fp16.
+      agreed at each rank's last micro-batch (whose backward synchronises). Following never
+      back-propagates at a scale smaller than the full batch's (the count so far is at most the
+      total), but an unrepresentative first micro-batch (a few tokens) can make it larger: if
+      the window's gradients overflowed on any rank, it is redone once at ``s = 1 / C``, its
+      count now known (``overflowed``), so it skips exactly when the full batch would. The
+      low-level path (``backward`` / ``step``, nothing known before the window) follows every
+      count in fp16 and cannot be redone: give it counts, or use ``train_step``.
     * fp32 / bf16 on several ranks: ``s = 1`` (float32's range cannot overflow; no collective).
 """
 
@@ -82,3 +86,17 @@ def labelled_tokens(batch: Any) -> torch.Tensor | None:
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
         return (labels != -100).sum()
     return None
+
+
+def overflowed(
+    w: Window, sync: GradSync, params: list[torch.Tensor], device: torch.device
+) -> float | None:
+    """After a window that followed its count in fp16: this rank's count when the gradients of
+    ``params`` overflowed on any rank (the window is then redone at the exact scale), else
+    ``None``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=device)]
+    bad = (~torch.isfinite(torch.stack([n.to(device) for n in norms]).sum())).to(torch.float64)
+    local = stack_values([bad, w.counts.get("loss", 0.0)], device)
+    any_bad = float(sync.all_reduce_sum(local)[0]) if sync.world_size > 1 else float(bad)
+    return float(local[1]) if any_bad else None

@@ -86,6 +86,7 @@ class GradSync(Protocol):
     world_size: int
     defers_sync: bool  # train_step never syncs in a backward: step() calls reduce_grads
     can_defer: bool  # reduce_grads is possible (Note [several forwards])
+    equal_micro_batches: bool  # every rank must run as many forwards (Note [micro-batches ...])
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -119,6 +120,7 @@ class LocalSync:
     world_size = 1
     defers_sync = False
     can_defer = False
+    equal_micro_batches = False
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
@@ -141,6 +143,7 @@ class _RankSync:
     """Shared by the distributed variants: the rank group and the sum all-reduce."""
 
     can_defer = False
+    equal_micro_batches = True  # FSDP all-gathers in every forward
 
     def __init__(self, group: object | None = None, auto: bool = False) -> None:
         self.group = group
@@ -189,6 +192,9 @@ class DDPSync(_RankSync):
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
         super().__init__(getattr(model, "process_group", None), auto)
         self.model = model
+        self.equal_micro_batches = bool(
+            model.broadcast_buffers and any(True for _ in model.buffers())
+        )
         if self.auto and model.broadcast_buffers and any(True for _ in model.buffers()):
             raise ValueError(
                 'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '

@@ -31,6 +31,7 @@ Note [compile buckets]
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -107,6 +108,15 @@ class TokenCut:
             pieces.append(self._piece(batch, index, lengths, length, pad_rows))
             start += rows
         return pieces
+
+    def empty(self, batch: Any) -> Piece:
+        """One pad row of length 1 (or the smallest bucket): it counts nothing."""
+        pad = self._piece(batch, [0], [1] * batch_size(batch), self._round(1), 0)
+        pad.batch = map_tensors(lambda t: t.new_full(t.shape, self._fill(t, pad.batch)), pad.batch)
+        return dataclasses.replace(pad, samples=0, tokens=0, pad_rows=1)
+
+    def _fill(self, t: torch.Tensor, batch: Any) -> float:
+        return self.pad_values.get(_keys_by_tensor(batch).get(id(t), ""), 0)
 
     def _piece(
         self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int

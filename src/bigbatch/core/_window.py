@@ -90,6 +90,10 @@ class Cut(Protocol):
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
         ...
 
+    def empty(self, batch: Any) -> Piece:
+        """A micro-batch that counts nothing, for a rank that must run one more forward."""
+        ...
+
 
 class SampleCut:
     """Consecutive micro-batches of ``size`` samples (10 at 4: 4 + 4 + 2)."""
@@ -100,6 +104,13 @@ class SampleCut:
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         sizes = micro_batch_sizes(batch_size(batch), size)
         return [Piece(p, n) for p, n in zip(split(batch, size), sizes, strict=True)]
+
+    def empty(self, batch: Any) -> Piece:
+        raise ValueError(
+            "this model needs the same number of micro-batches on every rank (FSDP all-gathers, "
+            "and DDP with broadcast_buffers broadcasts, in every forward), and the ranks' batches "
+            "cut into different numbers: give every rank the same number of samples."
+        )
 
 
 @dataclass
@@ -344,7 +355,7 @@ class Runner:
         while True:
             size = self.sizing.size_for(units)
             self.meter.start()
-            pieces = self.cut(batch, size)
+            pieces = self._equalise(self.cut(batch, size), batch)
             failure = self._try(pieces, size, attempt, discard, backup)
             if failure is None:  # a restart: the same size again
                 continue
@@ -391,6 +402,14 @@ class Runner:
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
             return size, isinstance(exc, MemoryBudgetExceeded)
+
+    def _equalise(self, pieces: list[Piece], batch: Any) -> list[Piece]:
+        """Pad with empty micro-batches up to the most any rank runs, where forwards must pair
+        up across ranks (Note [micro-batches per rank] in ``bigbatch.core._sync``)."""
+        if not self.sync.equal_micro_batches:
+            return pieces
+        most = int(self.sync.all_reduce_max(torch.tensor([float(len(pieces))])).item())
+        return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
 
     def check_memory(self, size: int) -> None:
         """After each micro-batch: over the memory budget raises ``MemoryBudgetExceeded``."""

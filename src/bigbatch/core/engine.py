@@ -27,7 +27,7 @@ import torch
 
 from bigbatch.core._batchnorm import warn_batch_coupled, window
 from bigbatch.core._precision import Precision, make_precision
-from bigbatch.core._scale import follow, plan
+from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes, make_sizing
 from bigbatch.core._stepping import (
     Stepper,
@@ -163,6 +163,7 @@ class Accumulator:
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
+        self._known: float | None = None  # the count of a window to redo (Note [backward scale])
         self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
 
     @property
@@ -288,6 +289,11 @@ class Accumulator:
                 self._runner.check_memory(size)
         self._window.deferred = self._window.deferred or self._sync.defers_sync
         self._window.samples = samples
+        if self._window.follow and self._precision.scaler is not None:  # Note [backward scale]
+            count = overflowed(self._window, self._sync, self._params_with_grad(), self.device)
+            if count is not None:
+                self._known = count
+                raise Restart
 
     def _counts(
         self, pieces: list[Piece], loss_fn: Any, count_fn: Any
@@ -296,6 +302,9 @@ class Accumulator:
         terms]); ``None`` when neither is needed. Also the random states the pass started from."""
         if count_fn is not None:
             return [count_fn(p.batch) for p in pieces], None
+        if self._known is not None:  # a window redone at its known count (fp16 overflow)
+            known, self._known = self._known, None
+            return [known], None
         if not self._count_pass:
             return None, None
 
