@@ -273,8 +273,14 @@ class Accumulator:
             self._warned = True
         samples = sum(p.samples for p in pieces)
         if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+            if any(p.pad_rows for p in pieces):
+                raise ValueError(
+                    "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
+                    "when training a batch-coupled loss."
+                )
+            rows = None if pieces[0].rows is None else [p.rows for p in pieces]
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
-                loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces])
+                loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
         counts, states = self._counts(pieces, loss_fn, count_fn)
         plan(self._window, batch, counts, samples, self._sync, self._precision.scaler is not None)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]

@@ -61,9 +61,12 @@ class WindowLoss(Protocol):
 
     ``Accumulator.train_step`` calls ``prepare`` once per attempt at a window, in the micro-batch
     context, and calls the ``LossFn`` it returns on each of ``pieces`` instead of the loss itself.
+    ``rows`` gives each piece's rows in ``batch`` when the cut reorders them (token windows).
     """
 
-    def prepare(self, model: torch.nn.Module, batch: Any, pieces: list[Any]) -> LossFn: ...
+    def prepare(
+        self, model: torch.nn.Module, batch: Any, pieces: list[Any], rows: Any = None
+    ) -> LossFn: ...
 
 
 def as_sum_and_count(

@@ -151,13 +151,21 @@ class CachedLoss:
         _split_leaves(reps, n, "the batch")
         return self._loss(reps, batch, n)
 
-    def prepare(self, model: nn.Module, batch: Batch, pieces: list[Batch]) -> LossFn:
+    def prepare(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        pieces: list[Batch],
+        rows: list[torch.Tensor] | None = None,
+    ) -> LossFn:
         """Pass 1 and the batch loss for one window; returns the ``loss_fn`` of its pieces.
 
         Args:
             model: the model as the engine calls it (plain, DDP or FSDP).
             batch: this rank's share of the logical batch.
             pieces: ``batch`` cut into micro-batches (``bigbatch.core.split``), in order.
+            rows: each piece's rows in ``batch`` when the cut reorders them (token windows:
+                sorted by length); ``None`` for consecutive pieces.
 
         Returns:
             ``loss_fn(model, piece)`` for each of ``pieces``, in order (Note [surrogate loss]).
@@ -179,6 +187,9 @@ class CachedLoss:
         elif failure is not None:
             raise failure
         assert encoded is not None
+        order = None if rows is None else torch.cat([torch.as_tensor(r) for r in rows])
+        if order is not None:  # the batch loss sees the batch's order (token windows sort it)
+            encoded.rows = [t[torch.argsort(order)] for t in encoded.rows]
         rows, whole, offset = encoded.rows, batch, 0
         if ranks is not None:
             rows, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
@@ -194,7 +205,7 @@ class CachedLoss:
             paths=encoded.paths,
             starts=[sum(encoded.sizes[:j]) for j in range(len(pieces))],
             sizes=encoded.sizes,
-            grads=_gradients(loss_sum, reps, scalars, offset, sum(encoded.sizes)),
+            grads=_gradients(loss_sum, reps, scalars, offset, sum(encoded.sizes), order),
             loss=loss_sum.detach() / count,
             counts=[count * (n / n_total) for n in encoded.sizes],
             weight=1.0 / ranks.size if ranks is not None else 1.0,
@@ -364,10 +375,11 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
 
 def _gradients(
     loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor], offset: int,
-    rows: int,
+    rows: int, order: torch.Tensor | None = None,
 ) -> _Gradients:  # fmt: skip
-    """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's), ``∂S/∂(0-dim
-    outputs)`` and ``∂S/∂p`` for parameters the loss uses directly."""
+    """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's; in the pieces' ``order``
+    when the cut reordered them), ``∂S/∂(0-dim outputs)`` and ``∂S/∂p`` for parameters the loss
+    uses directly."""
     if not loss_sum.requires_grad:
         raise ValueError(
             "batch_loss_fn's loss does not depend on the representations (it does not require "
@@ -377,11 +389,11 @@ def _gradients(
     params = _direct_params(loss_sum, leaves)
     grads = torch.autograd.grad(loss_sum, [*leaves, *params], allow_unused=True)
     by_leaf = {id(t): g for t, g in zip(leaves, grads, strict=False)}
+    mine = [
+        g if g is None or len(g) == rows else g[offset : offset + rows] for g in grads[: len(reps)]
+    ]
     return _Gradients(
-        rows=[
-            g if g is None or len(g) == rows else g[offset : offset + rows].clone()
-            for g in grads[: len(reps)]
-        ],
+        rows=[g if g is None else (g if order is None else g[order]).clone() for g in mine],
         per_batch=[by_leaf.get(id(t)) for t in scalars],
         params=[(p, g) for p, g in zip(params, grads[len(leaves) :], strict=True) if g is not None],
     )
