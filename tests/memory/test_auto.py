@@ -108,3 +108,13 @@ def test_a_budget_overrun_at_a_size_that_fit_is_measured_again_first():
     assert after_oom(state, 8).size == 4  # a real allocator failure shrinks at once
     assert after_oom(state, 12, measured=True).size == 8  # a growth probe: back to what fits
     assert not after_success(again, 8).rechecked  # the next window may re-measure again
+
+
+def test_a_token_budget_stops_at_one_sample_per_micro_batch():
+    """Below the longest sample's length a token cut changes nothing: that is auto's floor."""
+    state = after_oom(AutoState(), 100, floor=48, name="micro_batch_tokens")
+    assert state.size == 50 and size_for(state, 100, floor=48) == 50
+    state = after_oom(state, 50, floor=48, name="micro_batch_tokens")
+    assert state.size == 48  # not 25: one sample per micro-batch already
+    with pytest.raises(MemoryError, match=r"micro_batch_tokens=48 \(one sample per micro-batch"):
+        after_oom(state, 48, floor=48, name="micro_batch_tokens")

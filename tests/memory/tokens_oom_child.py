@@ -2,7 +2,7 @@
 failure (RLIMIT_DATA, as ``oom_child.py``), then one JSON line.
 
 The model's activations grow with the TOKENS of a micro-batch (a broadcast ``tanh(h[..., None] *
-v)`` per position: about 1 MiB per token in float64), so the whole window of variable-length text
+v)`` per position: about 0.25 MiB per token in float64), so the whole window of variable-length text
 does not fit and the token budget must shrink until it does.
 """
 
@@ -26,9 +26,9 @@ VOCAB, CTX, N = 11, 48, 16
 class TokenNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, 64)
-        self.v = nn.Parameter(torch.linspace(-1, 1, 2048))
-        self.head = nn.Linear(64, VOCAB)
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.v = nn.Parameter(torch.linspace(-1, 1, 1024))
+        self.head = nn.Linear(32, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)

@@ -47,15 +47,22 @@ class AutoState:
     rechecked: bool = False
 
 
-def size_for(state: AutoState, n_samples: int) -> int:
-    """Micro-batch size to use for a window of ``n_samples`` samples."""
+def size_for(state: AutoState, n_samples: int, floor: int = 1) -> int:
+    """Micro-batch size to use for a window of ``n_samples`` samples (or tokens), at least
+    ``floor`` (one sample: the longest sample's length for a token budget)."""
     size = n_samples if state.size is None else state.size
     if state.ceiling is not None:
         size = min(size, state.ceiling - 1)
-    return max(1, min(size, n_samples))
+    return max(floor, 1, min(size, n_samples))
 
 
-def after_oom(state: AutoState, failed_size: int, measured: bool = False) -> AutoState:
+def after_oom(
+    state: AutoState,
+    failed_size: int,
+    measured: bool = False,
+    floor: int = 1,
+    name: str = "micro_batch_size",
+) -> AutoState:
     """The window ran out of memory at ``failed_size``: shrink and lower the ceiling.
 
     The next size is the largest one known to fit if it is below ``failed_size`` (a failed
@@ -64,20 +71,22 @@ def after_oom(state: AutoState, failed_size: int, measured: bool = False) -> Aut
     first (Note [re-measure before shrinking]).
 
     Raises:
-        MemoryError: ``failed_size`` was already 1; nothing smaller exists.
+        MemoryError: ``failed_size`` was already ``floor`` (one sample per micro-batch: 1, or the
+            longest sample's tokens for ``name="micro_batch_tokens"``); nothing smaller exists.
     """
     known_good = state.fits is not None and failed_size <= state.fits
     if measured and known_good and not state.rechecked:
         return replace(state, rechecked=True)
-    if failed_size <= 1:
+    if failed_size <= max(1, floor):
+        one = "" if floor <= 1 else f" (one sample per micro-batch: the longest has {floor} tokens)"
         raise MemoryError(
-            "out of memory (or over memory_budget) with micro_batch_size=1: a single sample does "
-            "not fit. Free memory, raise memory_budget, enable gradient checkpointing "
+            f"out of memory (or over memory_budget) with {name}={failed_size}{one}: a single "
+            "sample does not fit. Free memory, raise memory_budget, enable gradient checkpointing "
             "(bigbatch.enable_checkpointing(model)) or use a smaller model or sequence length."
         )
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
     fits = state.fits if state.fits is not None and state.fits < failed_size else None
-    size = fits if fits is not None else max(1, failed_size // 2)
+    size = fits if fits is not None else max(1, floor, failed_size // 2)
     # A fallback to a size that fit may re-measure once (Note [re-measure before shrinking]).
     return AutoState(size=size, ceiling=ceiling, clean_windows=0, fits=fits, rechecked=False)
 

@@ -35,11 +35,11 @@ class Sizing(Protocol):
 
     retries: bool  # redo a window that ran out of memory at a smaller size
 
-    def size_for(self, n_samples: int) -> int:
+    def size_for(self, n_samples: int, floor: int = 1) -> int:
         """Samples per micro-batch for a window of ``n_samples``."""
         ...
 
-    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
         """The window ran out of memory at ``failed_size`` (only called when ``retries``);
         ``measured``: over the memory budget, not an allocator failure."""
         ...
@@ -70,10 +70,10 @@ class FixedSize:
     def __init__(self, size: int, name: str = "micro_batch_size") -> None:
         self.size, self.name = check_micro_batch_size(size, name), name
 
-    def size_for(self, n_samples: int) -> int:
+    def size_for(self, n_samples: int, floor: int = 1) -> int:
         return min(self.size, n_samples)
 
-    def after_oom(self, failed_size: int, measured: bool = False) -> None:
+    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
         raise AssertionError("a fixed micro-batch size never retries")  # pragma: no cover
 
     def after_success(self, used_size: int) -> None:
@@ -100,14 +100,14 @@ class AutoSize:
 
     retries = True
 
-    def __init__(self) -> None:
-        self.state = auto.AutoState()
+    def __init__(self, name: str = "micro_batch_size") -> None:
+        self.state, self.name = auto.AutoState(), name
 
-    def size_for(self, n_samples: int) -> int:
-        return auto.size_for(self.state, n_samples)
+    def size_for(self, n_samples: int, floor: int = 1) -> int:
+        return auto.size_for(self.state, n_samples, floor)
 
-    def after_oom(self, failed_size: int, measured: bool = False) -> None:
-        self.state = auto.after_oom(self.state, failed_size, measured)
+    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
+        self.state = auto.after_oom(self.state, failed_size, measured, floor, self.name)
 
     def after_success(self, used_size: int) -> None:
         self.state = auto.after_success(self.state, used_size)
@@ -131,7 +131,7 @@ def make_sizing(micro_batch_size: object, name: str = "micro_batch_size") -> Fix
         TypeError, ValueError: neither a positive integer nor ``"auto"`` (the message says so).
     """
     if micro_batch_size == "auto":
-        return AutoSize()
+        return AutoSize(name)
     return FixedSize(micro_batch_size, name)  # type: ignore[arg-type]  # checked by FixedSize
 
 

@@ -90,7 +90,11 @@ class TokenCut:
 
     def units(self, batch: Any) -> int:
         """The token budget at which the whole window is one micro-batch."""
-        return batch_size(batch) * self._round(max(self._lengths(batch)))
+        return batch_size(batch) * self.floor(batch)
+
+    def floor(self, batch: Any) -> int:
+        """The budget at which each micro-batch holds one sample: the longest one's length."""
+        return self._round(max(self._lengths(batch)))
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         budget, n = size, batch_size(batch)

@@ -86,6 +86,10 @@ class Cut(Protocol):
         """The size at which the whole window is one piece (what ``Sizing`` searches below)."""
         ...
 
+    def floor(self, batch: Any) -> int:
+        """The size at which every piece holds one sample (nothing smaller cuts finer)."""
+        ...
+
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
         ...
@@ -100,6 +104,9 @@ class SampleCut:
 
     def units(self, batch: Any) -> int:
         return batch_size(batch)
+
+    def floor(self, batch: Any) -> int:
+        return 1
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         sizes = micro_batch_sizes(batch_size(batch), size)
@@ -350,10 +357,10 @@ class Runner:
         raised, after discarding and restoring, unless it is an out-of-memory error of
         ``attempt`` that the sizing policy retries.
         """
-        units = self.cut.units(batch)
+        units, floor = self.cut.units(batch), self.cut.floor(batch)
         backup, retries = Backup(self.buffers, self.device), 0
         while True:
-            size = self.sizing.size_for(units)
+            size = self.sizing.size_for(units, floor)
             self.meter.start()
             pieces = self._equalise(self.cut(batch, size), batch)
             failure = self._try(pieces, size, attempt, discard, backup)
@@ -366,7 +373,7 @@ class Runner:
             discard()
             backup.restore()
             release_memory(self.device)
-            self.sizing.after_oom(failed, measured)
+            self.sizing.after_oom(failed, measured, floor)
             retries += 1
         peak = self.meter.peak_bytes()
         try:
