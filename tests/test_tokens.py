@@ -235,3 +235,40 @@ def test_cached_loss_by_tokens_equals_the_full_batch(optimizer, gen):
             warnings.simplefilter("ignore", bigbatch.BigBatchWarning)
             assert acc.train_step(batch, loss).micro_batches > 2
     assert max_relative_error(ref, model) < 1e-10
+
+
+@pytest.mark.slow  # torch.compile (aot_eager: Dynamo's graphs and guards, eager kernels)
+def test_compiled_buckets_equal_eager_and_compile_once_per_bucket(gen):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    init = TinyCausalLM().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    compiled = torch.compile(model, backend="aot_eager")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    acc = bigbatch.Accumulator(
+        compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-2), micro_batch_tokens=24,
+        pad_to_multiple_of=6,
+    )  # fmt: skip
+    for _ in range(3):
+        batch = text_batch(10, gen)
+        full_batch_step(ref, ref_opt, lm_loss, batch)
+        acc.train_step(batch, lm_loss)
+    assert max_relative_error(ref, model) < 1e-10
+    buckets = {length for _, length in acc._runner.cut.shapes}  # lengths 6 and 12
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(buckets) + 1
+
+
+def test_a_compiled_model_seeing_too_many_shapes_is_warned(gen, monkeypatch):
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # wiring: a small limit
+    model = PerToken().double()
+    model._orig_mod = model  # stands for torch.compile's wrapper (only its marker is read)
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=24
+    )
+    with pytest.warns(bigbatch.BigBatchWarning, match="more than torch's recompile_limit"):
+        for _ in range(4):
+            acc.train_step(text_batch(10, gen), lm_loss)

@@ -23,7 +23,9 @@ Note [compile buckets]
     ``torch.compile`` compiles again for every new input shape. With ``pad_to_multiple_of=M`` a
     micro-batch's length is rounded up to a multiple of M (its bucket) and its rows are padded up
     to ``budget // length`` (at most ``max_rows``), so a compiled model sees one shape per bucket.
-    Pad rows and columns take ``pad_values`` (``input_ids`` 0, ``attention_mask`` 0, ``labels``
+    Without it every new length is a new shape: past torch's ``recompile_limit`` the compiled
+    model falls back to eager, and ``check_shapes`` says so once. Pad rows and columns take
+    ``pad_values`` (``input_ids`` 0, ``attention_mask`` 0, ``labels``
     -100, 0 for any other key unless ``pad_values`` says): a label of -100 counts no token, so
     the step is unchanged for a loss that returns ``(loss_sum, count)`` from the labels. A loss
     that returns a mean would average over the pad rows too, and is refused.
@@ -86,6 +88,7 @@ class TokenCut:
         self.max_rows, self.multiple, self.lengths = max_rows, pad_to_multiple_of, lengths
         self.pad_values = {**PAD_VALUES, **(pad_values or {})}
         self.warned = False  # about a sample longer than the budget, once
+        self.warned_shapes = False  # about more shapes than torch recompiles for, once
         self.shapes: set[tuple[int, int]] = set()  # (rows, length) of every micro-batch cut
 
     def units(self, batch: Any) -> int:
@@ -180,6 +183,23 @@ class TokenCut:
                 "convention for training) or pass lengths=fn for a batch without a mask."
             )
         return [max(1, int(v)) for v in counts.tolist()]
+
+    def check_shapes(self, model: Any) -> None:
+        """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""
+        if self.warned_shapes or not hasattr(model, "_orig_mod"):  # not torch.compile'd
+            return
+        import torch._dynamo
+
+        limit = getattr(torch._dynamo.config, "recompile_limit", None) or 8
+        if len(self.shapes) > limit:
+            self.warned_shapes = True
+            warnings.warn(
+                f"the compiled model has seen {len(self.shapes)} micro-batch shapes, more than "
+                f"torch's recompile_limit ({limit}): past it torch runs the model eagerly. Pass "
+                "pad_to_multiple_of (e.g. 64) for one shape per bucket (Note [compile buckets]).",
+                BigBatchWarning,
+                stacklevel=4,
+            )
 
     def _round(self, length: int) -> int:
         return (

@@ -259,6 +259,8 @@ class Accumulator:
 
     def _finish(self, pieces: list[Piece], size: int) -> StepResult:
         result = self._apply()
+        if isinstance(self._runner.cut, TokenCut):
+            self._runner.cut.check_shapes(self.model)
         tokens = [p.tokens for p in pieces]
         if None in tokens:
             return result
