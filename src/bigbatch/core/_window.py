@@ -6,9 +6,9 @@ fixed, ``"auto"``, a memory budget), saves what the window's forwards change (``
 calls ``attempt(pieces)``, which runs the micro-batches (the engine's loop, the Keras step, ...).
 A real out-of-memory error discards the window, puts everything back, agrees with the other
 ranks on a smaller size and redoes it; any other error puts everything back and propagates.
-``Window`` is the running record of the micro-batches seen so far, per loss term.
-``prepass`` runs a no-gradient pass over the pieces before the window (counts, statistics,
-``cached_loss``'s representations) and ``replay`` gives the main pass the same random draws.
+``Window`` is the running record of the micro-batches seen so far, per loss term. Passes over
+the pieces before the window (counts, statistics, representations) live in
+``bigbatch.core._passes``.
 
 Note [window buffers]
     Forwards in training mode mutate module buffers: BatchNorm's running statistics and
@@ -21,31 +21,17 @@ Note [window buffers]
     window copies every buffer, later windows only the buffers seen changing before (BatchNorm
     statistics always). A buffer that changes for the first time in a later window that then
     fails is not restored; no model known to us does that.
-
-Note [passes before the window]
-    Some windows need a value of the whole window before the first backward: the counts of a
-    loss of several terms (each term is divided by its own total: Note [named terms]), batch
-    statistics (``stats_fn``), every sample's representation (``cached_loss``). ``prepass`` runs
-    ``fn`` on every piece under ``torch.no_grad()`` (no activations kept), recording the random
-    state before each piece and putting the buffers back afterwards, so the main pass starts
-    from the same state, moves BatchNorm statistics once, and ``replay(states[i])`` gives piece
-    ``i`` the dropout masks it drew in the pre-pass. On several ranks a pre-pass is followed by a
-    collective (the totals, the gathered representations), so its outcome is agreed first
-    (``agree``): if one rank failed, every rank raises, an out-of-memory error when it was one, and
-    the runner redoes the window everywhere instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from bigbatch.core import _rng
 from bigbatch.core._batchnorm import batchnorm_layers
@@ -240,60 +226,6 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
         return None
-
-
-# ---------------------------------------------------------------------------- passes before
-def prepass(
-    model: torch.nn.Module, pieces: Sequence[Any], fn: Callable[[Any], T], device: torch.device
-) -> tuple[list[T], list[_rng.RngState]]:
-    """``fn`` on every piece without gradients; the random state before each; buffers put back.
-
-    Note [passes before the window]. The random state afterwards is the one after the pass.
-    """
-    saved = [b.detach().clone() for b in model.buffers()]
-    states, outputs = [], []
-    try:
-        with torch.no_grad():
-            for piece in pieces:
-                states.append(_rng.capture(device))
-                outputs.append(fn(piece))
-    finally:  # also after a failure: a redone window starts from the same buffers
-        with torch.no_grad():
-            for b, value in zip(model.buffers(), saved, strict=True):
-                b.copy_(value)
-    return outputs, states
-
-
-@contextlib.contextmanager
-def replay(state: _rng.RngState | None, device: torch.device) -> Iterator[None]:
-    """Run a main-pass piece from the random state its pre-pass started from (``None``: as is)."""
-    if state is not None:
-        _rng.restore(state, device)
-    yield
-
-
-def agree(
-    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
-) -> None:
-    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
-
-    Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
-    """
-    if world_size == 1:
-        if failure is not None:
-            raise failure
-        return
-    flags = torch.tensor(
-        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))],
-        device=device,
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    failed, oom = flags.tolist()
-    if failure is not None:
-        raise failure
-    if failed:
-        what = "another rank failed before the window's collective; this rank stops it too"
-        raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
 
 
 # ---------------------------------------------------------------------------- the runner

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._batchnorm import warn_batch_coupled, window
+from bigbatch.core._passes import replay, run_prepass, total_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes, make_sizing
@@ -42,24 +43,17 @@ from bigbatch.core._stepping import (
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import TokenCut
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import (
-    Cut,
-    Piece,
-    Restart,
-    Runner,
-    SampleCut,
-    Window,
-    agree,
-    prepass,
-    replay,
-)
+from bigbatch.core._window import Cut, Piece, Restart, Runner, SampleCut, Window
 from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
-__all__ = ["Accumulator", "CountFn", "StepResult"]
+__all__ = ["Accumulator", "CountFn", "StatsFn", "StepResult"]
 
 CountFn = Callable[[Any], Any]
 """``count_fn(micro_batch)``: the count the loss will return for it (``{name: count}`` for terms)."""
+
+StatsFn = Callable[[torch.nn.Module, Any], Any]
+"""``stats_fn(model, micro_batch)``: additive statistics (a tensor or a dict of tensors)."""
 
 
 class Accumulator:
@@ -219,7 +213,12 @@ class Accumulator:
 
     # ------------------------------------------------------------------ the high-level path
     def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, count_fn: CountFn | None = None
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        *,
+        count_fn: CountFn | None = None,
+        stats_fn: StatsFn | None = None,
     ) -> StepResult:
         """Cut ``batch`` into micro-batches, accumulate them and take one optimizer step.
 
@@ -227,11 +226,18 @@ class Accumulator:
             batch: a tensor or nested tuple / list / dict of tensors sharing the first dimension
                 (per-sample lists of non-tensors are cut with the rows, see ``bigbatch.split``).
             loss_fn: ``loss_fn(model, micro_batch)`` returning a scalar mean, ``(loss_sum,
-                count)``, or named terms ``{name: (loss_sum, count[, weight])}``.
+                count)``, or named terms ``{name: (loss_sum, count[, weight])}``; with
+                ``stats_fn``, ``loss_fn(model, micro_batch, stats)``.
             count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
                 (e.g. its non-padding tokens; ``{name: count}`` for named terms): the backward
                 then runs at the full batch's scale with no count pass (Note [backward scale]).
                 The step is exact without it.
+            stats_fn: optional ``stats_fn(model, micro_batch)`` returning additive statistics (a
+                tensor or a dict of tensors) computed without gradient in a pass before the
+                window; ``loss_fn`` then gets their totals over the window and every rank (Note
+                [passes before the window]): a whole-batch statistic (MoE routing fractions, a
+                KTO reference point, batch-normalised advantages) with micro-batch memory. Both
+                passes draw the same dropout masks; BatchNorm statistics move once.
 
         Returns:
             The ``StepResult`` of the step.
@@ -248,7 +254,9 @@ class Accumulator:
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
         self._check_empty_window()
-        run = functools.partial(self._accumulate, batch, loss_fn=loss_fn, count_fn=count_fn)
+        if stats_fn is not None and not callable(stats_fn):
+            raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
+        run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
         ran = self._runner.run(batch, run, self._finish, self._discard_window)
         return dataclasses.replace(
             ran.value,
@@ -267,24 +275,12 @@ class Accumulator:
         padded = sum(p.padded_tokens or 0 for p in pieces)
         return dataclasses.replace(result, tokens=sum(tokens), padded_tokens=padded)  # type: ignore[arg-type]
 
-    def _accumulate(
-        self, batch: Batch, pieces: list[Piece], size: int, *, loss_fn: Any, count_fn: Any
-    ) -> None:
+    def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
             warn_batch_coupled(self.model)
             self._warned = True
         samples = sum(p.samples for p in pieces)
-        if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
-            if any(p.pad_rows for p in pieces):
-                raise ValueError(
-                    "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
-                    "when training a batch-coupled loss."
-                )
-            rows = None if pieces[0].rows is None else [p.rows for p in pieces]
-            with self._sync.micro_batch(False), self._precision.autocast():  # no backward
-                loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
-        counts, states = self._counts(pieces, loss_fn, count_fn)
-        plan(self._window, batch, counts, samples, self._sync, self._precision.scaler is not None)
+        loss_fn, states = self._before(batch, pieces, *fns)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]
         with window(self.model, samples):
             for i, piece in enumerate(pieces):
@@ -303,31 +299,61 @@ class Accumulator:
                 self._known = count
                 raise Restart
 
+    def _before(
+        self, batch: Batch, pieces: list[Piece], loss_fn: Any, count_fn: Any, stats_fn: Any
+    ) -> tuple[Any, list[Any] | None]:
+        """What runs before the window's backwards (Note [passes before the window]): the
+        statistics pass, ``cached_loss``'s, the counts and the scales. Returns the loss of the
+        pieces and the random states their forwards replay (``None``: no pass ran)."""
+        states = None
+        if stats_fn is not None:
+            outputs, states = run_prepass(
+                self.model,
+                pieces,
+                functools.partial(self._under_autocast(stats_fn), self.model),
+                self.device,
+                self._sync,
+            )
+            loss_fn = functools.partial(_with_stats, loss_fn, total_stats(outputs, self._sync))
+        if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+            if any(p.pad_rows for p in pieces):
+                raise ValueError(
+                    "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
+                    "when training a batch-coupled loss."
+                )
+            rows = None if pieces[0].rows is None else [p.rows for p in pieces]
+            with self._sync.micro_batch(False), self._precision.autocast():  # no backward
+                loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
+        counts, states = self._counts(pieces, loss_fn, count_fn, states)
+        plan(self._window, batch, counts, sum(p.samples for p in pieces), self._sync,
+             self._precision.scaler is not None)  # fmt: skip
+        return loss_fn, states
+
     def _counts(
-        self, pieces: list[Piece], loss_fn: Any, count_fn: Any
+        self, pieces: list[Piece], loss_fn: Any, count_fn: Any, states: list[Any] | None
     ) -> tuple[list[Any] | None, list[Any] | None]:
         """Each piece's counts before the window: ``count_fn``'s, or a count pass's (Note [named
-        terms]); ``None`` when neither is needed. Also the random states the pass started from."""
+        terms]); ``None`` when neither is needed. Also the random states the pieces replay."""
         if count_fn is not None:
-            return [count_fn(p.batch) for p in pieces], None
+            return [count_fn(p.batch) for p in pieces], states
         if self._known is not None:  # a window redone at its known count (fp16 overflow)
             known, self._known = self._known, None
-            return [known], None
-        if not self._count_pass:
-            return None, None
+            return [known], states
 
         def count(piece: Piece) -> dict[str, Any]:
-            with self._precision.autocast():
-                terms = as_terms(loss_fn(self.model, piece.batch), piece.samples)
+            terms = as_terms(self._under_autocast(loss_fn)(self.model, piece), piece.samples)
             return {name: t.count for name, t in terms.items()}
 
-        failure, outputs, states = None, None, None
-        try:
-            outputs, states = prepass(self.model, pieces, count, self.device)
-        except Exception as exc:  # the other ranks must not wait in the totals for us
-            failure = exc
-        agree(failure, getattr(self._sync, "group", None), self._sync.world_size, self.device)
-        return outputs, states
+        if not self._count_pass:
+            return None, states
+        return run_prepass(self.model, pieces, count, self.device, self._sync, states)
+
+    def _under_autocast(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Piece], Any]:
+        def run(model: Any, piece: Piece) -> Any:
+            with self._precision.autocast():
+                return fn(model, piece.batch)
+
+        return run
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -497,3 +523,8 @@ _PAD_ROWS_NEED_SUMS = (
     "mean, which would average over them too: return (loss_sum, count), e.g. "
     "bigbatch.token_cross_entropy(logits, labels, shift=True) (Note [compile buckets])."
 )
+
+
+def _with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
+    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
+    return loss_fn(model, micro_batch, stats)

@@ -62,8 +62,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bigbatch.core import _rng
+from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import map_tensors, tensor_leaves
-from bigbatch.core._window import agree, prepass
 from bigbatch.core.loss import LossFn, LossOutput, check_count, check_scalar_loss
 from bigbatch.core.split import Batch, batch_size
 

@@ -1,0 +1,139 @@
+"""Passes over a window's pieces before its main pass: counts, batch statistics, representations.
+
+Note [passes before the window]
+    Some windows need a value of the whole window before the first backward: the counts of a
+    loss of several terms (each term is divided by its own total: Note [named terms]), batch
+    statistics (``stats_fn``), every sample's representation (``cached_loss``). ``prepass`` runs
+    ``fn`` on every piece under ``torch.no_grad()`` (no activations kept), recording the random
+    state before each piece and putting the buffers back afterwards, so the main pass starts
+    from the same state, moves BatchNorm statistics once, and ``replay(states[i])`` gives piece
+    ``i`` the dropout masks it drew in the pre-pass. On several ranks a pre-pass is followed by a
+    collective (the totals, the gathered representations), so its outcome is agreed first
+    (``agree``): if one rank failed, every rank raises, an out-of-memory error when it was one, and
+    the runner redoes the window everywhere instead of leaving ranks waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from bigbatch.core import _rng
+from bigbatch.core._sync import GradSync
+from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core.oom import is_out_of_memory
+
+T = TypeVar("T")
+
+
+def prepass(
+    model: torch.nn.Module, pieces: Sequence[Any], fn: Callable[[Any], T], device: torch.device
+) -> tuple[list[T], list[_rng.RngState]]:
+    """``fn`` on every piece without gradients; the random state before each; buffers put back.
+
+    Note [passes before the window]. The random state afterwards is the one after the pass.
+    """
+    saved = [b.detach().clone() for b in model.buffers()]
+    states, outputs = [], []
+    try:
+        with torch.no_grad():
+            for piece in pieces:
+                states.append(_rng.capture(device))
+                outputs.append(fn(piece))
+    finally:  # also after a failure: a redone window starts from the same buffers
+        with torch.no_grad():
+            for b, value in zip(model.buffers(), saved, strict=True):
+                b.copy_(value)
+    return outputs, states
+
+
+@contextlib.contextmanager
+def replay(state: _rng.RngState | None, device: torch.device) -> Iterator[None]:
+    """Run a main-pass piece from the random state its pre-pass started from (``None``: as is)."""
+    if state is not None:
+        _rng.restore(state, device)
+    yield
+
+
+def agree(
+    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
+) -> None:
+    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
+
+    Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
+    """
+    if world_size == 1:
+        if failure is not None:
+            raise failure
+        return
+    flags = torch.tensor(
+        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))],
+        device=device,
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    failed, oom = flags.tolist()
+    if failure is not None:
+        raise failure
+    if failed:
+        what = "another rank failed before the window's collective; this rank stops it too"
+        raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
+
+
+def run_prepass(
+    model: torch.nn.Module,
+    pieces: Sequence[Any],
+    fn: Callable[[Any], T],
+    device: torch.device,
+    sync: GradSync,
+    states: list[_rng.RngState] | None = None,
+) -> tuple[list[T], list[_rng.RngState]]:
+    """``prepass`` whose outcome every rank agrees on (before the collective that follows it);
+    with ``states``, each piece replays the random state an earlier pass recorded for it."""
+    if states is not None:
+        fn = _replaying(fn, iter(states), device)
+    failure: Exception | None = None
+    outputs: list[T] = []
+    recorded: list[_rng.RngState] = []
+    try:
+        outputs, recorded = prepass(model, pieces, fn, device)
+    except Exception as exc:  # the other ranks must not wait for us in the collective
+        failure = exc
+    agree(failure, getattr(sync, "group", None), sync.world_size, device)
+    return outputs, states if states is not None else recorded
+
+
+def _replaying(fn: Callable[[Any], T], states: Iterator[Any], device: torch.device) -> Callable:
+    def replayed(piece: Any) -> T:
+        _rng.restore(next(states), device)
+        return fn(piece)
+
+    return replayed
+
+
+def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:
+    """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
+    the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.
+
+    Raises:
+        TypeError: a piece's statistics hold no tensor, or not the same structure as the first's.
+    """
+    leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
+    paths = [p for p, _ in tensor_leaves(outputs[0])]
+    if not paths or any(len(found) != len(paths) for found in leaves):
+        raise TypeError(
+            f"{name} must return additive statistics: a tensor, or a dict / tuple of tensors, the "
+            f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
+        )
+    sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
+    if sync.world_size > 1:
+        flat = sync.all_reduce_sum(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
+        sums = [
+            v.view_as(s).to(s.dtype)
+            for v, s in zip(flat.split([s.numel() for s in sums]), sums, strict=True)
+        ]
+    found = iter(sums)
+    return map_tensors(lambda _: next(found), outputs[0])
