@@ -38,13 +38,18 @@ def test_non_positive_micro_batch_size(value):
         _acc(micro_batch_size=value)
 
 
-@pytest.mark.parametrize("value", [2.5, 4.0, "8", None])
+@pytest.mark.parametrize("value", [2.5, 4.0, "8", "Auto"])
 def test_non_integer_micro_batch_size(value):
     with pytest.raises(
         TypeError,
         match=rf"micro_batch_size={re.escape(repr(value))} is not allowed: use a positive integer",
     ):
         _acc(micro_batch_size=value)
+
+
+def test_micro_batch_size_none_is_the_default_of_32():
+    """``None`` is the default: 32 samples (no row cap with ``micro_batch_tokens``)."""
+    assert _acc(micro_batch_size=None).current_micro_batch_size == 32
 
 
 def test_bool_micro_batch_size():
