@@ -19,10 +19,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "bigbatch"
 MODULE_SOFT, MODULE_HARD = 300, 500
-FUNCTION_SOFT, FUNCTION_HARD = 30, 60
-PACKAGE_SOFT = 4000
+FUNCTION_SOFT, FUNCTION_HARD = 30, 40
+PACKAGE_SOFT, PACKAGE_HARD = 4800, 6000  # issue 20: today's features, and with 22-24
 PUBLIC_NAMES_HARD = 25
-MODULE_CAPS = {"engine.py": 300}  # the engine stays small enough to read in one sitting
+MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting
 FUNCTION_CAPS: dict[tuple[str, str], int] = {}  # none: fit() fits the common cap now
 # Over a hard cap when the budget landed, to be split; none left (cli._add_train was generated
 # from TrainConfig's settings in round 2). Each may shrink, not grow.
@@ -110,6 +110,9 @@ def violations(package: Path) -> list[str]:
             found.append(
                 f"{rel}: {name}() has {n} code lines, over the cap of {cap}: extract steps."
             )
+    total = sum(n for _, n in modules)
+    if total > PACKAGE_HARD:
+        found.append(f"the package has {total} code lines, over the cap of {PACKAGE_HARD}.")
     names = public_names(package / "__init__.py")
     if len(names) > PUBLIC_NAMES_HARD:
         found.append(
@@ -126,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modules, funcs = measure(PACKAGE)
     print(
-        f"{'code lines':>10}  module (soft {MODULE_SOFT}, hard {MODULE_HARD}; engine.py {MODULE_CAPS['engine.py']})"
+        f"{'code lines':>10}  module (soft {MODULE_SOFT}, hard {MODULE_HARD}; core/engine.py "
+        f"{MODULE_CAPS['core/engine.py']})"
     )
     for rel, n in modules:
         print(f"{n:>10}  {rel}{'  (over soft budget)' if n > MODULE_SOFT else ''}")
     total = sum(n for _, n in modules)
-    print(f"{total:>10}  total (soft budget {PACKAGE_SOFT} at 1.0)")
+    print(f"{total:>10}  total (soft budget {PACKAGE_SOFT}, hard {PACKAGE_HARD})")
     shown = [f for f in funcs if args.all or f[2] > FUNCTION_SOFT]
     print(
         f"\n{'code lines':>10}  function ({'all' if args.all else f'over the soft budget of {FUNCTION_SOFT}'}; hard {FUNCTION_HARD})"

@@ -137,3 +137,8 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
         ]
     found = iter(sums)
     return map_tensors(lambda _: next(found), outputs[0])
+
+
+def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
+    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
+    return loss_fn(model, micro_batch, stats)

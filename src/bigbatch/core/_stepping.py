@@ -76,6 +76,24 @@ NONFINITE_FIX = (
 )
 
 
+def check_empty_window(micro_batches: int, model: torch.nn.Module) -> None:
+    """Refuse a ``train_step`` while a low-level window is open or ``.grad`` holds gradients.
+
+    Raises:
+        RuntimeError: naming what to call first.
+    """
+    if micro_batches:
+        raise RuntimeError(
+            f"train_step() called while {micro_batches} micro-batch(es) from backward() await a "
+            "step(): call acc.step() first, or use only one of the two paths."
+        )
+    if any(p.grad is not None for p in model.parameters()):
+        raise RuntimeError(
+            "train_step() found gradients already in the parameters' .grad; they would be "
+            "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
+        )
+
+
 def check_window_totals(count_total: float, bad_counts: float) -> None:
     """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine).
 

@@ -41,12 +41,47 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._sizing import Sizing, make_sizing
 from bigbatch.core._tree import map_tensors, take, tensor_leaves
 from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core._window import Piece
+from bigbatch.core._window import Cut, Piece, SampleCut
 from bigbatch.core.split import batch_size
 
 PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+PAD_ROWS_NEED_SUMS = (
+    "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
+    "mean, which would average over them too: return (loss_sum, count), e.g. "
+    "bigbatch.token_cross_entropy(logits, labels, shift=True) (Note [compile buckets])."
+)
+
+
+def make_cut(
+    micro_batch_size: int | str | None,
+    micro_batch_tokens: int | str | None,
+    pad_to_multiple_of: int | None = None,
+    lengths: Callable[[Any], Any] | None = None,
+    pad_values: Mapping[str, float] | None = None,
+) -> tuple[Sizing, Cut]:
+    """The ``Accumulator``'s sizing policy and cut: by samples, or by tokens with
+    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
+
+    Raises:
+        TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
+    """
+    if micro_batch_tokens is None:
+        if (pad_to_multiple_of, lengths, pad_values) != (None, None, None):
+            raise ValueError(
+                "pad_to_multiple_of, lengths and pad_values shape token windows: give "
+                "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
+            )
+        return make_sizing(32 if micro_batch_size is None else micro_batch_size), SampleCut()
+    if micro_batch_size == "auto":
+        raise ValueError(
+            'micro_batch_size="auto" with micro_batch_tokens: the token budget is what auto '
+            'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
+        )
+    sizing = make_sizing(micro_batch_tokens, "micro_batch_tokens")
+    return sizing, TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]
 
 
 class TokenCut:

@@ -26,14 +26,15 @@ from typing import Any
 import torch
 
 from bigbatch.core._batchnorm import warn_batch_coupled, window
-from bigbatch.core._passes import replay, run_prepass, total_stats
+from bigbatch.core._passes import replay, run_prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
-from bigbatch.core._sizing import WindowMeter, gradient_bytes, make_sizing
+from bigbatch.core._sizing import WindowMeter, gradient_bytes
 from bigbatch.core._stepping import (
     Stepper,
     StepResult,
     add_grads_,
+    check_empty_window,
     check_max_grad_norm,
     check_nonfinite,
     check_optimizer,
@@ -41,9 +42,9 @@ from bigbatch.core._stepping import (
     pair_grads,
 )
 from bigbatch.core._sync import make_sync
-from bigbatch.core._tokens import TokenCut
+from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import Cut, Piece, Restart, Runner, SampleCut, Window
+from bigbatch.core._window import Piece, Restart, Runner, Window
 from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
@@ -120,22 +121,9 @@ class Accumulator:
         lengths: Callable[[Any], Any] | None = None,
         pad_values: Mapping[str, float] | None = None,
     ) -> None:
-        cut: Cut = SampleCut()
-        if micro_batch_tokens is None:
-            if (pad_to_multiple_of, lengths, pad_values) != (None, None, None):
-                raise ValueError(
-                    "pad_to_multiple_of, lengths and pad_values shape token windows: give "
-                    "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
-                )
-            sizing = make_sizing(32 if micro_batch_size is None else micro_batch_size)
-        else:
-            if micro_batch_size == "auto":
-                raise ValueError(
-                    'micro_batch_size="auto" with micro_batch_tokens: the token budget is what '
-                    'auto sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
-                )
-            sizing = make_sizing(micro_batch_tokens, "micro_batch_tokens")
-            cut = TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]  # checked there
+        sizing, cut = make_cut(
+            micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
+        )
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.nonfinite = check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
@@ -143,22 +131,27 @@ class Accumulator:
         self.scheduler = check_scheduler(scheduler, optimizer)
         self.micro_batch_size = micro_batch_size
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._precision: Precision = (
-            precision if not isinstance(precision, str) else make_precision(precision, self.device)
-        )
-        budget = parse_bytes(memory_budget)
-        meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
-        self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(
-            optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
-            self._sync, self.device,
-        )  # fmt: skip
-        self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
+        self._build(sizing, cut, precision, memory_budget)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
         self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
+
+    def _build(self, sizing: Any, cut: Any, precision: Any, memory_budget: Any) -> None:
+        """The engine's parts: precision, sync control, the step half and the window runner."""
+        self._precision: Precision = (
+            precision if not isinstance(precision, str) else make_precision(precision, self.device)
+        )
+        meter = WindowMeter(
+            self.device, parse_bytes(memory_budget), sizing.retries, gradient_bytes(self.optimizer)
+        )
+        self._sync = make_sync(self.model, auto=sizing.retries)
+        self._stepper = Stepper(
+            self.optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
+            self._sync, self.device,
+        )  # fmt: skip
+        self._runner = Runner(self.model, sizing, self._sync, meter, self.device, cut)
 
     @property
     def precision(self) -> str:
@@ -253,7 +246,7 @@ class Accumulator:
                 micro-batch).
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
-        self._check_empty_window()
+        check_empty_window(self._window.micro_batches, self.model)
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
@@ -288,7 +281,7 @@ class Accumulator:
                     with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
                         out = loss_fn(self.model, piece.batch)
                         if piece.pad_rows and isinstance(out, torch.Tensor):
-                            raise ValueError(_PAD_ROWS_NEED_SUMS)
+                            raise ValueError(PAD_ROWS_NEED_SUMS)
                         self._backward(as_terms(out, piece.samples))
                 self._runner.check_memory(size)
         self._window.deferred = self._window.deferred or self._sync.defers_sync
@@ -314,7 +307,7 @@ class Accumulator:
                 self.device,
                 self._sync,
             )
-            loss_fn = functools.partial(_with_stats, loss_fn, total_stats(outputs, self._sync))
+            loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
         if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
             if any(p.pad_rows for p in pieces):
                 raise ValueError(
@@ -504,27 +497,3 @@ class Accumulator:
         self.model.zero_grad(set_to_none=True)
         self._precision.discard()
         self._window = Window()
-
-    def _check_empty_window(self) -> None:
-        if self._window.micro_batches:
-            raise RuntimeError(
-                f"train_step() called while {self._window.micro_batches} micro-batch(es) from "
-                "backward() await a step(): call acc.step() first, or use only one of the two paths."
-            )
-        if any(p.grad is not None for p in self.model.parameters()):
-            raise RuntimeError(
-                "train_step() found gradients already in the parameters' .grad; they would be "
-                "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
-            )
-
-
-_PAD_ROWS_NEED_SUMS = (
-    "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
-    "mean, which would average over them too: return (loss_sum, count), e.g. "
-    "bigbatch.token_cross_entropy(logits, labels, shift=True) (Note [compile buckets])."
-)
-
-
-def _with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
-    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
-    return loss_fn(model, micro_batch, stats)
