@@ -6,6 +6,7 @@ And: a step that fails leaves the parameters, the optimizer state and ``.grad`` 
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
+from torch import nn
 
 import bigbatch
 from bigbatch.core._stepping import NonFiniteError
@@ -521,3 +523,78 @@ def test_skip_skips_the_window_and_apply_applies_it(gen):
     result = applying.train_step(_batch(gen), _inf_gradient)
     assert result.nonfinite and not result.skipped
     assert not torch.isfinite(applying.model[0].weight).all()  # what "apply" means
+
+
+# ---- issue 21 item 1: refused calls leave nothing behind; constructors validate like the CLI
+def _one_step_reference(gen):
+    model = nn.Linear(6, 3).double()
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in model.parameters()]
+    return model, grads
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ("foreign", ValueError, r"a tensor of shape \(3,\) that the optimizer does not hold"),
+        ("loss_sum", ValueError, r"loss_sum has shape \(2,\); it must be a scalar"),
+        ("count", ValueError, r"count=-1 is negative"),
+        ("not_tensor", TypeError, r"a gradient is list, not a tensor"),
+    ],
+)
+def test_a_refused_accumulate_grads_leaves_no_gradient_behind(bad, error, message, gen):
+    model, grads = _one_step_reference(gen)
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+    args = {
+        "foreign": ({params[0]: grads[0], torch.zeros(3, dtype=torch.float64): grads[1]}, 4),
+        "loss_sum": (grads, 4, torch.ones(2)),
+        "count": (grads, -1),
+        "not_tensor": ({params[0]: [1.0]}, 4),
+    }[bad]
+    with pytest.raises(error, match=message):
+        acc.accumulate_grads(*args)
+    assert all(p.grad is None for p in params)
+    before = [p.detach().clone() for p in params]
+    acc.accumulate_grads(grads, 4)
+    acc.step()  # applies the good gradients once, not twice
+    for p, b, g in zip(params, before, grads, strict=True):
+        assert torch.allclose(p, b - 0.1 * g / 4, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"outer_lr": math.inf}, ValueError, r"outer_lr=inf is not allowed: use a positive finite"),
+        ({"outer_lr": True}, TypeError, r"outer_lr=True is not allowed: use a number"),
+        ({"outer_momentum": True}, TypeError, r"outer_momentum=True is not allowed"),
+        ({"nesterov": "yes", "outer_momentum": 0.9}, TypeError, r"nesterov='yes' is not allowed"),
+        ({"local_steps": True}, ValueError, r"local_steps=True is not allowed"),
+    ],
+)
+def test_local_accumulation_validates_like_the_cli(kwargs, error, message):
+    from bigbatch.distributed import LocalAccumulation
+
+    model = nn.Linear(2, 2)
+    args = {"local_steps": 2, **kwargs}
+    with pytest.raises(error, match=message):
+        LocalAccumulation(model, torch.optim.SGD(model.parameters(), lr=0.1), **args)
+
+
+def test_precision_must_be_a_name_or_a_precision_object():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"precision=True is not allowed: use one of 'fp32'"):
+        bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), precision=True)
+
+
+def test_cached_loss_refuses_per_sample_values_that_are_not_tensors(gen):
+    model = nn.Linear(4, 3).double()
+    ids = [f"doc{i}" for i in range(10)]
+    encode = lambda m, mb: {"emb": m(mb[0]), "ids": mb[1]}  # noqa: E731
+    loss = bigbatch.cached_loss(encode, lambda reps: (reps["emb"] @ reps["emb"].T).mean())
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    batch = (torch.randn(10, 4, generator=gen, dtype=torch.float64), ids)
+    with pytest.raises(
+        TypeError, match=r"per-sample values that are not tensors \(reps\['ids'\]\)"
+    ):
+        acc.train_step(batch, loss)
+    assert all(p.grad is None for p in model.parameters())

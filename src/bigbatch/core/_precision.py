@@ -96,13 +96,13 @@ class Precision:
         return bool(self.scaler.get_scale() < scale_before)
 
 
-def make_precision(precision: str, device: torch.device) -> Precision:
+def make_precision(precision: object, device: torch.device) -> Precision:
     """Build the ``Precision`` for ``precision`` ("fp32" | "bf16" | "fp16") on ``device``.
 
     Raises:
         ValueError: an unknown precision name.
     """
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(
             f"precision={precision!r} is not allowed: use one of {', '.join(map(repr, PRECISIONS))}."
         )

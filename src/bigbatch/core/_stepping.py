@@ -130,7 +130,15 @@ def pair_grads(
         )
     given = grads.items() if isinstance(grads, Mapping) else zip(params, grads, strict=True)
     pairs = [(p, g) for p, g in given if g is not None]
+    held = {id(p) for p in params}
     for p, g in pairs:
+        if id(p) not in held:
+            raise ValueError(
+                f"accumulate_grads(): a gradient for a tensor of shape {tuple(p.shape)} that the "
+                "optimizer does not hold: key the dict by the optimizer's own parameters."
+            )
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"accumulate_grads(): a gradient is {type(g).__name__}, not a tensor.")
         if g.shape != p.shape:
             raise ValueError(
                 f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a parameter of "

@@ -140,9 +140,8 @@ class Accumulator:
 
     def _build(self, sizing: Any, cut: Any, precision: Any, memory_budget: Any) -> None:
         """The engine's parts: precision, sync control, the step half and the window runner."""
-        self._precision: Precision = (
-            precision if not isinstance(precision, str) else make_precision(precision, self.device)
-        )
+        ready = all(hasattr(precision, a) for a in ("autocast", "backward", "step", "unscale_"))
+        self._precision: Precision = precision if ready else make_precision(precision, self.device)
         meter = WindowMeter(
             self.device, parse_bytes(memory_budget), sizing.retries, gradient_bytes(self.optimizer)
         )

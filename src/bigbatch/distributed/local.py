@@ -53,6 +53,8 @@ Note [buffers at the outer step]
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -390,10 +392,15 @@ def check_local_steps(local_steps: object) -> None:
 
 
 def _check_outer(outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
-    if not outer_lr > 0:
+    for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}={value!r} is not allowed: use a number.")
+    if not 0 < outer_lr < math.inf:
         raise ValueError(
-            f"outer_lr={outer_lr!r} is not allowed: use a positive number (1.0: Δ as is)."
+            f"outer_lr={outer_lr!r} is not allowed: use a positive finite number (1.0: Δ as is)."
         )
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov={nesterov!r} is not allowed: use True or False.")
     if not 0 <= outer_momentum < 1:
         raise ValueError(
             f"outer_momentum={outer_momentum!r} is not allowed: use a number in [0, 1) "

@@ -53,7 +53,7 @@ Note [across ranks]
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,7 @@ from torch import nn
 
 from bigbatch.core import _rng
 from bigbatch.core._passes import agree, prepass
-from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
 from bigbatch.core.loss import LossFn, LossOutput, check_count, check_scalar_loss
 from bigbatch.core.split import Batch, batch_size
 
@@ -329,6 +329,13 @@ def _split_leaves(
     """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each."""
     rows: Leaves = []
     per_batch: Leaves = []
+    column = _column_in(reps, n)
+    if column is not None:
+        raise TypeError(
+            f"encode_fn returned per-sample values that are not tensors ({column}) for {where}: "
+            "the batch loss would see one micro-batch's only. Return tensors from encode_fn and "
+            "take ids or strings from batch_loss_fn's batch argument (it sees the whole batch)."
+        )
     for path, t in tensor_leaves(reps):
         named = "reps" + path[len("batch") :]
         (per_batch if t.dim() == 0 else rows).append((named, t))
@@ -351,6 +358,19 @@ def _split_leaves(
             "same structure for every micro-batch."
         )
     return rows, per_batch
+
+
+def _column_in(tree: Any, n: int, path: str = "reps") -> str | None:
+    """The path of a per-sample column of non-tensors in ``tree`` (``None``: there is none)."""
+    if isinstance(tree, Mapping):
+        found = (_column_in(v, n, f"{path}[{k!r}]") for k, v in tree.items())
+    elif isinstance(tree, (tuple, list)):
+        if is_column(tree, n):
+            return path
+        found = (_column_in(v, n, f"{path}[{i}]") for i, v in enumerate(tree))
+    else:
+        return None
+    return next((f for f in found if f is not None), None)
 
 
 def _rebuild(template: Any, rows: list[torch.Tensor], per_batch: list[torch.Tensor]) -> Any:
