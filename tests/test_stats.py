@@ -174,3 +174,29 @@ def test_bad_stats_fn_is_refused_and_changes_nothing(stats_fn, error, message, g
         acc.train_step(text(10, gen), moe_loss, stats_fn=stats_fn)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_ready_made_load_balance_terms_equal_the_full_batch(gen):
+    """``terms.load_balance_stats`` + ``terms.load_balance``: the same loss as ``moe_loss``."""
+    from bigbatch.losses import terms
+
+    def stats_fn(m, mb):
+        return terms.load_balance_stats(m(mb["input_ids"])[1], mb["mask"])
+
+    def loss(m, mb, stats):
+        logits, probs = m(mb["input_ids"])
+        return {
+            **terms.token_nll(logits, mb["labels"], name="lm"),
+            **terms.load_balance(probs, mb["mask"], stats, weight=ALPHA),
+        }
+
+    torch.manual_seed(0)
+    init = TinyMoE().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 4)
+    for _ in range(2):
+        batch = text(10, gen)
+        full_batch_step(ref, ref_opt, full_batch_moe, batch)
+        acc.train_step(batch, loss, stats_fn=stats_fn)
+    assert max_relative_error(ref, model) < 1e-10

@@ -1,0 +1,143 @@
+"""Ready-made loss terms, each ``{name: (loss_sum, count, weight)}`` in the unit its paper names.
+
+A ``loss_fn`` returns the union of the terms it needs (``{**token_nll(...), **z_loss(...)}``) and
+the engine gives every term its own global count (Note [named terms] in ``bigbatch.core.loss``):
+an auxiliary term is not inflated by the number of micro-batches, a per-pair or per-sequence
+term is not normalised per micro-batch. The units:
+
+==================  ====================================================  ==================
+term                loss                                                  count
+==================  ====================================================  ==================
+``token_nll``       cross-entropy (label smoothing optional) per token    labelled tokens
+``z_loss``          ``logsumexp(logits)²`` per token (PaLM)                labelled tokens
+``dpo``             ``-log σ(β (Δ chosen − Δ rejected))`` per pair          pairs
+``policy_gradient`` clipped ratio × advantage per token, then             ``"token"``: tokens
+                    (DAPO) per token, (GRPO) each sequence's token mean,   ``"sequence"``:
+                    (Dr. GRPO) summed over a constant length               sequences;
+                                                                          ``"constant"``:
+                                                                          sequences × length
+``load_balance``    ``E Σ_e f_e P_e`` over the global batch (Switch, Qwen  tokens
+                    MoE): ``f`` from ``load_balance_stats`` in a
+                    statistics pass, ``P`` differentiated
+==================  ====================================================  ==================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bigbatch.core.loss import Term
+
+Terms = dict[str, Term]
+UNITS = ("token", "sequence", "constant")
+
+
+def _shifted(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tokens, vocab]`` logits (half precision upcast) and ``[tokens]`` labels."""
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat, labels.reshape(
+        -1
+    )
+
+
+def token_nll(
+    logits: torch.Tensor, labels: torch.Tensor, *, name: str = "nll", weight: float = 1.0,
+    shift: bool = True, label_smoothing: float = 0.0, ignore_index: int = -100,
+) -> Terms:  # fmt: skip
+    """Cross-entropy per labelled token (``labels != ignore_index``), summed; counted in tokens."""
+    flat, target = _shifted(logits, labels, shift)
+    total = F.cross_entropy(
+        flat, target, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
+    )
+    return {name: Term(total, (target != ignore_index).sum(), weight)}
+
+
+def z_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, weight: float = 1e-4, name: str = "z_loss",
+    shift: bool = True, ignore_index: int = -100,
+) -> Terms:  # fmt: skip
+    """``logsumexp(logits)²`` per labelled token (keeps the softmax normaliser near 1)."""
+    flat, target = _shifted(logits, labels, shift)
+    kept = target != ignore_index
+    return {name: Term((flat.logsumexp(-1)[kept] ** 2).sum(), kept.sum(), weight)}
+
+
+def sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool = True, ignore_index: int = -100
+) -> torch.Tensor:
+    """Each sequence's log-probability of its labelled tokens, ``[n]`` (a DPO policy score)."""
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    kept = labels != ignore_index
+    picked = logits.log_softmax(-1).gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
+    return (picked * kept).sum(-1)
+
+
+def dpo(
+    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor, *, beta: float = 0.1, name: str = "dpo", weight: float = 1.0,
+) -> Terms:  # fmt: skip
+    """DPO per pair: ``-log σ(β ((π_c − ref_c) − (π_r − ref_r)))`` from sequence log-probs."""
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    losses = -F.logsigmoid(beta * margin)
+    return {name: Term(losses.sum(), float(losses.numel()), weight)}
+
+
+def policy_gradient(
+    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    *, unit: str = "token", clip: float = 0.2, max_len: int | None = None, name: str = "pg",
+    weight: float = 1.0,
+) -> Terms:  # fmt: skip
+    """Clipped policy gradient (PPO / GRPO) per token, normalised in ``unit``.
+
+    Args:
+        logps, old_logps: ``[n, t]`` per-token log-probabilities now and when sampled.
+        advantages: ``[n]`` per sequence (or ``[n, t]`` per token).
+        mask: ``[n, t]`` the tokens that count (the completion).
+        unit: ``"token"`` (DAPO), ``"sequence"`` (GRPO: each sequence's token mean, averaged
+            over sequences) or ``"constant"`` (Dr. GRPO: summed over ``max_len`` per sequence).
+
+    Raises:
+        ValueError: an unknown ``unit``, or ``"constant"`` without ``max_len``.
+    """
+    if unit not in UNITS or (unit == "constant" and not max_len):
+        raise ValueError(
+            f"unit={unit!r}, max_len={max_len!r} is not allowed: use unit='token', 'sequence', "
+            "or 'constant' with max_len, the fixed length (not a micro-batch's, which varies)."
+        )
+    a = advantages if advantages.dim() == logps.dim() else advantages[:, None]
+    ratio = (logps - old_logps).exp()
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a) * mask
+    if unit == "token":
+        return {name: Term(per_token.sum(), mask.sum(), weight)}
+    if unit == "sequence":
+        per_sequence = per_token.sum(-1) / mask.sum(-1).clamp_min(1)
+        return {name: Term(per_sequence.sum(), float(len(mask)), weight)}
+    return {name: Term(per_token.sum(), float(len(mask) * max_len), weight)}  # type: ignore[operator]
+
+
+def load_balance_stats(router_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """A statistics pass's share of the routing: tokens routed to each expert (top-1), and tokens."""
+    kept = mask[..., None].to(router_probs.dtype)
+    picked = F.one_hot(router_probs.argmax(-1), router_probs.shape[-1]).to(router_probs.dtype)
+    return {"routed": (picked * kept).flatten(0, -2).sum(0), "tokens": kept.sum()}
+
+
+def load_balance(
+    router_probs: torch.Tensor, mask: torch.Tensor, stats: dict[str, Any], *,
+    weight: float = 0.01, name: str = "balance",
+) -> Terms:  # fmt: skip
+    """The global-batch balance ``E Σ_e f_e P_e``: ``f`` (held constant) from the window's totals
+    of ``load_balance_stats``, ``P`` the mean router probability, differentiated."""
+    kept = mask[..., None].to(router_probs.dtype)
+    experts = router_probs.shape[-1]
+    f = stats["routed"] / stats["tokens"]
+    p_sum = (router_probs * kept).flatten(0, -2).sum(0)
+    return {name: Term(experts * (f * p_sum).sum(), kept.sum(), weight)}

@@ -1,0 +1,82 @@
+"""The ready-made terms and the statistics pass on 2 real gloo ranks (issue 24 item 4): rank 0
+holds 10 samples, rank 1 holds 7 much shorter ones (unequal tokens); every term's sum and count
+are totalled over both ranks, so one DDP step equals one full-batch step on the union (float64).
+All cases run in one pair of processes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import TinyCausalLM
+from ranks import run_ranks
+from reference import full_batch_step, max_relative_error
+from test_stats import ALPHA, TinyMoE, full_batch_moe, text
+from test_terms import CASES, make_batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bigbatch
+from bigbatch.losses import terms
+
+pytestmark = pytest.mark.slow  # real gloo ranks
+
+
+def _moe_loss(m, mb, stats):
+    logits, probs = m(mb["input_ids"])
+    return {
+        **terms.token_nll(logits, mb["labels"], name="lm"),
+        **terms.load_balance(probs, mb["mask"], stats, weight=ALPHA),
+    }
+
+
+def _moe_stats(m, mb):
+    return terms.load_balance_stats(m(mb["input_ids"])[1], mb["mask"])
+
+
+def _windows():
+    gen = torch.Generator().manual_seed(11)
+    return [[make_batch(10, gen), make_batch(7, gen, short=True)] for _ in range(2)]
+
+
+def _moe_windows():
+    gen = torch.Generator().manual_seed(12)
+    return [[text(10, gen), text(7, gen, ctx=10)] for _ in range(2)]
+
+
+def _rank(rank: int, world: int, windows: list, moe_windows: list) -> dict:
+    out = {}
+    for case, (loss_fn, _) in CASES.items():
+        torch.manual_seed(0)
+        model = DDP(TinyCausalLM().double())
+        acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 4)
+        for window in windows:
+            acc.train_step(window[rank], loss_fn)
+        out[case] = model.module.state_dict()
+    torch.manual_seed(0)
+    moe = DDP(TinyMoE().double())
+    acc = bigbatch.Accumulator(
+        moe, torch.optim.AdamW(moe.parameters(), lr=1e-2), micro_batch_size=4
+    )
+    for window in moe_windows:
+        acc.train_step(window[rank], _moe_loss, stats_fn=_moe_stats)
+    out["moe_balance"] = moe.module.state_dict()
+    return out
+
+
+def _union(parts: list[dict]) -> dict:
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def test_terms_on_two_ranks_with_unequal_tokens_equal_the_full_batch():
+    windows, moe_windows = _windows(), _moe_windows()
+    results = run_ranks(_rank, windows, moe_windows, timeout_s=600)
+    for case, (_, plain) in {**CASES, "moe_balance": (None, full_batch_moe)}.items():
+        torch.manual_seed(0)
+        ref = (TinyMoE if case == "moe_balance" else TinyCausalLM)().double()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for window in moe_windows if case == "moe_balance" else windows:
+            full_batch_step(ref, opt, plain, _union(window))
+        ours = copy.deepcopy(ref)
+        ours.load_state_dict(results[0][case])
+        assert max_relative_error(ref, ours) < 1e-10, case
