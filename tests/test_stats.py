@@ -200,3 +200,54 @@ def test_ready_made_load_balance_terms_equal_the_full_batch(gen):
         full_batch_step(ref, ref_opt, full_batch_moe, batch)
         acc.train_step(batch, loss, stats_fn=stats_fn)
     assert max_relative_error(ref, model) < 1e-10
+
+
+def _logratio(m, mb):
+    """A sequence-level log-ratio of the policy against a fixed reference score (the batch's)."""
+    logits, _ = m(mb["input_ids"])
+    kept = mb["labels"][:, 1:] != -100
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, mb["labels"][:, 1:].clamp_min(0)[..., None])
+    return (lp.squeeze(-1) * kept).sum(-1) - mb["ref"]
+
+
+@pytest.mark.parametrize("case", ["kto", "normalised_advantages"])
+def test_kto_reference_point_and_batch_normalised_advantages(case, gen):
+    from bigbatch.losses import terms
+
+    def stats_fn(m, mb):
+        return (
+            terms.kto_stats(_logratio(m, mb)) if case == "kto" else terms.reward_stats(mb["reward"])
+        )
+
+    def loss(m, mb, stats):
+        if case == "kto":
+            return terms.kto(_logratio(m, mb), mb["desirable"], stats, beta=0.5)
+        adv = terms.normalised_advantages(mb["reward"], stats)
+        return {"pg": (-(adv * _logratio(m, mb)).sum(), float(len(adv)))}
+
+    def plain(m, b):  # the whole batch's statistic, in one piece
+        r = _logratio(m, b)
+        if case == "kto":
+            z = r.detach().mean().clamp_min(0)
+            sign = b["desirable"].double() * 2 - 1
+            return (1 - torch.sigmoid(0.5 * sign * (r - z))).mean()
+        adv = (b["reward"] - b["reward"].mean()) / (b["reward"].std(unbiased=False) + 1e-6)
+        return -(adv * r).mean()
+
+    torch.manual_seed(0)
+    init = TinyMoE().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), 4)
+    for _ in range(2):
+        batch = text(10, gen)
+        with torch.no_grad():  # a reference scoring each sequence about 1 nat below the policy
+            batch["ref"] = torch.zeros(10, dtype=torch.float64)
+            batch["ref"] = (
+                _logratio(ref, batch) - 1 + torch.randn(10, generator=gen, dtype=torch.float64)
+            )
+        batch["desirable"] = torch.rand(10, generator=gen) > 0.5
+        batch["reward"] = torch.randn(10, generator=gen, dtype=torch.float64)
+        full_batch_step(ref, ref_opt, plain, batch)
+        acc.train_step(batch, loss, stats_fn=stats_fn)
+    assert max_relative_error(ref, model) < 1e-10

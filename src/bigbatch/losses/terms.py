@@ -19,7 +19,14 @@ term                loss                                                  count
 ``load_balance``    ``E Σ_e f_e P_e`` over the global batch (Switch, Qwen  tokens
                     MoE): ``f`` from ``load_balance_stats`` in a
                     statistics pass, ``P`` differentiated
+``kto``             ``1 − σ(±β (r − z_ref))`` per sample, ``z_ref`` the     samples
+                    batch's mean log-ratio (``kto_stats``)
 ==================  ====================================================  ==================
+
+Whole-batch statistics come from a statistics pass (``train_step(..., stats_fn=...)``): the
+routed fractions (``load_balance_stats``), KTO's reference point (``kto_stats``), and rewards
+normalised over the batch (``reward_stats`` + ``normalised_advantages``), each exact under any
+cut because the pass totals them over the window and the ranks first.
 """
 
 from __future__ import annotations
@@ -141,3 +148,35 @@ def load_balance(
     f = stats["routed"] / stats["tokens"]
     p_sum = (router_probs * kept).flatten(0, -2).sum(0)
     return {name: Term(experts * (f * p_sum).sum(), kept.sum(), weight)}
+
+
+def kto_stats(logratios: torch.Tensor) -> dict[str, Any]:
+    """A statistics pass's share of KTO's reference point: ``Σ (log π − log π_ref)`` and n."""
+    return {"sum": logratios.detach().sum(), "n": torch.tensor(float(logratios.numel()))}
+
+
+def kto(
+    logratios: torch.Tensor, desirable: torch.Tensor, stats: dict[str, Any], *, beta: float = 0.1,
+    name: str = "kto", weight: float = 1.0,
+) -> Terms:  # fmt: skip
+    """KTO per sample: ``1 − σ(β (r − z))`` desirable, ``1 − σ(β (z − r))`` undesirable, with
+    ``r`` the sample's log-ratio and ``z = max(0, batch mean of r)`` from ``kto_stats``."""
+    z = (stats["sum"] / stats["n"]).clamp_min(0)
+    sign = desirable.to(logratios.dtype) * 2 - 1
+    losses = 1 - torch.sigmoid(beta * sign * (logratios - z))
+    return {name: Term(losses.sum(), float(losses.numel()), weight)}
+
+
+def reward_stats(rewards: torch.Tensor) -> dict[str, Any]:
+    """A statistics pass's share of the batch's reward mean and spread: Σr, Σr², n."""
+    r = rewards.detach().to(torch.float64)
+    return {"sum": r.sum(), "squares": (r * r).sum(), "n": torch.tensor(float(r.numel()))}
+
+
+def normalised_advantages(
+    rewards: torch.Tensor, stats: dict[str, Any], eps: float = 1e-6
+) -> torch.Tensor:
+    """``(r − mean) / (std + eps)`` with the mean and (population) std of the whole batch."""
+    mean = stats["sum"] / stats["n"]
+    std = (stats["squares"] / stats["n"] - mean**2).clamp_min(0).sqrt()
+    return ((rewards - mean) / (std + eps)).to(rewards.dtype)
