@@ -111,6 +111,8 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
         TypeError, ValueError: as ``as_sum_and_count``, for each term, naming it; a weight that
             is not a finite number; an empty mapping.
     """
+    if isinstance(output, Term):  # one ready-made term (bigbatch.losses.terms)
+        return as_terms({"loss": output}, n_samples)
     if not isinstance(output, Mapping):
         return {"loss": Term(*as_sum_and_count(output, n_samples))}
     if not output:
