@@ -193,3 +193,32 @@ def test_constant_unit_needs_its_length():
         terms.policy_gradient(x, x, torch.zeros(2), x, unit="constant")
     with pytest.raises(ValueError, match=r"unit='mean'"):
         terms.policy_gradient(x, x, torch.zeros(2), x, unit="mean")
+
+
+def test_named_terms_in_a_cached_batch_loss(gen):
+    """``cached_loss``'s batch loss may return named terms (all over the whole batch)."""
+    torch.manual_seed(0)
+    init = TinyCausalLM().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+
+    def encode(m, mb):
+        return m(mb["input_ids"]).mean(1)  # one vector per sequence
+
+    def batch_loss(reps, batch):
+        scores = reps @ reps.T
+        target = torch.arange(len(reps))
+        return {
+            "nce": (F.cross_entropy(scores, target, reduction="sum"), float(len(reps))),
+            "norm": ((reps**2).sum(), float(reps.numel()), 0.1),
+        }
+
+    def plain(m, b):  # the same loss written out over the whole batch
+        reps = encode(m, b)
+        return F.cross_entropy(reps @ reps.T, torch.arange(len(reps))) + 0.1 * (reps**2).mean()
+
+    loss = bigbatch.cached_loss(encode, batch_loss)
+    batch = make_batch(10, gen)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), plain, batch)
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), 4)
+    acc.train_step(batch, loss)
+    assert max_relative_error(ref, model) < 1e-10

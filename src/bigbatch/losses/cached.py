@@ -64,7 +64,15 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
-from bigbatch.core.loss import LossFn, LossOutput, check_count, check_scalar_loss
+from bigbatch.core.loss import (
+    LossFn,
+    LossOutput,
+    Term,
+    as_terms,
+    check_count,
+    check_scalar_loss,
+    mean_of,
+)
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -380,7 +388,12 @@ def _rebuild(template: Any, rows: list[torch.Tensor], per_batch: list[torch.Tens
 
 
 def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples."""
+    """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples.
+
+    Named terms are all computed over the whole batch here, so their value ``Σ w_k S_k / C_k``
+    is already the window's (Note [named terms]): it is carried as a mean over the samples."""
+    if isinstance(out, (Mapping, Term)):
+        return mean_of(as_terms(out, n)).reshape(()) * n, float(n)
     if isinstance(out, torch.Tensor):
         check_scalar_loss(out, "batch_loss_fn's return value")
         return out.reshape(()) * n, float(n)
@@ -389,7 +402,7 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
         return out[0].reshape(()), check_count(out[1], "batch_loss_fn's count")
     raise TypeError(
         f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over the "
-        "batch's samples) or a pair (loss_sum, count)."
+        "batch's samples), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
     )
 
 

@@ -1,0 +1,289 @@
+"""Token windows vs fixed-count micro-batches on variable-length text, and compiled shapes.
+
+Part 1: the same logical batch (64 sequences, one optimizer step) of a transformers GPT-2 and a
+Llama built from configs (float32, no weights downloaded), on two length distributions:
+log-normal lengths, and the docstrings of the Python standard library tokenised with a
+byte-level BPE trained on them here (real text that ships on every machine). Each step is cut
+two ways:
+
+* fixed count: 8 micro-batches of 8 sequences in the batch's order, each padded to its own
+  longest (what a per-batch collator gives: ``DataCollatorWithPadding`` + GA 8);
+* token windows: ``Accumulator(micro_batch_tokens=B)``, ``B`` the fixed count's largest
+  micro-batch in padded tokens, so no micro-batch computes more than the fixed count's worst
+  (the peak memory is no higher).
+
+Reported: the padding computed (% of tokens), time per step (median over rounds taken
+round-robin) and peak memory per step (the process's resident-set high-water mark under the
+small mmap threshold, as bigbatch's demo measures). Both cuts are exact (the step equals the
+full batch's); the float64 tests prove it.
+
+Part 2 (``--compile``): GPT-2 under ``torch.compile`` (Inductor, CPU): token windows eager,
+token windows compiled with ``pad_to_multiple_of=64`` (one shape per bucket), and every
+micro-batch padded to the longest length (one shape); recompiles (Dynamo's unique graphs),
+steady-state seconds per step after the compiles, and, in float64, the compiled step's distance
+from the eager one.
+
+Run: PYTHONPATH=src python benchmarks/token_windows.py [--rounds 5] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import inspect
+import math
+import statistics
+import time
+import warnings
+
+import torch
+from _measure import device_name, mib, print_table
+
+import bigbatch
+from bigbatch.core.peak import small_mmap_threshold
+
+N, MICRO, MAX_LEN, VOCAB = 64, 8, 512, 8192
+STDLIB = (
+    "os re json collections itertools functools pathlib argparse logging subprocess typing "
+    "dataclasses asyncio email unittest decimal fractions statistics textwrap string csv sqlite3 "
+    "urllib.parse datetime calendar random math heapq shutil tempfile zipfile tarfile pickle copy "
+    "pprint inspect ast dis tokenize enum contextlib io threading multiprocessing queue socket "
+    "ssl signal traceback warnings weakref hashlib base64 struct codecs locale difflib html "
+    "smtplib uuid ipaddress operator numbers array timeit pdb doctest configparser zlib lzma "
+    "platform shlex optparse graphlib zoneinfo types concurrent.futures selectors email.message "
+    "collections.abc importlib.util unittest.mock xml.etree.ElementTree http.client"
+).split()
+
+
+def docstring_lengths() -> list[int]:
+    """Token lengths of the standard library's docstrings (byte-level BPE trained on them)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    docs = []
+    for name in STDLIB:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 20:
+                docs.append(doc)
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(docs, vocab_size=VOCAB, min_frequency=2, show_progress=False)
+    return [min(len(e.ids), MAX_LEN) for e in tokenizer.encode_batch(docs)]
+
+
+def lognormal_lengths(gen: torch.Generator, n: int = 20_000) -> list[int]:
+    values = torch.empty(n).log_normal_(math.log(96), 0.8, generator=gen)
+    return values.clamp(8, MAX_LEN).long().tolist()
+
+
+def batches(lengths: list[int], steps: int, gen: torch.Generator) -> list[dict]:
+    """``steps`` logical batches of ``N`` sequences drawn from ``lengths``, right-padded."""
+    out = []
+    for _ in range(steps):
+        picked = torch.tensor(lengths)[torch.randint(len(lengths), (N,), generator=gen)]
+        width = int(picked.max())
+        mask = torch.arange(width)[None] < picked[:, None]
+        ids = torch.randint(1, VOCAB, (N, width), generator=gen) * mask
+        out.append(
+            {
+                "input_ids": ids,
+                "attention_mask": mask.long(),
+                "labels": ids.masked_fill(~mask, -100),
+            }
+        )
+    return out
+
+
+def make_model(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=MAX_LEN, n_embd=256, n_layer=4, n_head=4
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model.to(dtype).train()
+
+
+def loss_fn(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return bigbatch.token_cross_entropy(logits, batch["labels"], shift=True)
+
+
+def fixed_pieces(batch: dict) -> list[dict]:
+    """8 micro-batches of 8 in the batch's order, each trimmed to its own longest sequence."""
+    pieces = []
+    for start in range(0, N, MICRO):
+        rows = {k: v[start : start + MICRO] for k, v in batch.items()}
+        width = int(rows["attention_mask"].sum(-1).max())
+        pieces.append({k: v[:, :width] for k, v in rows.items()})
+    return pieces
+
+
+def padding(pieces: list[dict]) -> float:
+    real = sum(int(p["attention_mask"].sum()) for p in pieces)
+    return 1 - real / sum(p["input_ids"].numel() for p in pieces)
+
+
+class FixedCount:
+    """The fixed-count cut, through the engine's low-level path (exact, like the token windows)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(self, batch: dict) -> float:
+        pieces = fixed_pieces(batch)
+        for i, piece in enumerate(pieces):
+            with self.acc.micro_batch(last=i == len(pieces) - 1):
+                self.acc.backward(*loss_fn(self.acc.model, piece))
+        self.acc.step()
+        return padding(pieces)
+
+
+class TokenWindows:
+    def __init__(self, model: torch.nn.Module, budget: int, **kwargs) -> None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget, **kwargs)
+
+    def step(self, batch: dict) -> float:
+        result = self.acc.train_step(batch, loss_fn)
+        return 1 - result.tokens / result.padded_tokens
+
+
+def timed(runs: dict, data: list[dict], rounds: int) -> dict[str, tuple[float, float, int]]:
+    """Round-robin: ``{name: (padding, median s/step, peak bytes)}``."""
+    stats: dict[str, list] = {name: [[], [], []] for name in runs}
+    with small_mmap_threshold():
+        for r in range(rounds):
+            batch = data[r % len(data)]
+            for name in list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]:
+                with bigbatch.measure_peak("cpu") as peak:
+                    start = time.perf_counter()
+                    pad = runs[name].step(batch)
+                    seconds = time.perf_counter() - start
+                for values, v in zip(stats[name], (pad, seconds, peak.peak_bytes), strict=True):
+                    values.append(v)
+    return {
+        name: (statistics.mean(p), statistics.median(s), max(m))
+        for name, (p, s, m) in stats.items()
+    }
+
+
+def part1(rounds: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    distributions = {"log-normal": lognormal_lengths(gen), "stdlib docstrings": docstring_lengths()}
+    for data_name, lengths in distributions.items():
+        data = batches(lengths, rounds, gen)
+        budget = max(p["input_ids"].numel() for b in data for p in fixed_pieces(b))
+        for kind in ("gpt2", "llama"):
+            base = make_model(kind)
+            runs = {
+                "fixed count (8 x 8)": FixedCount(copy.deepcopy(base)),
+                f"token windows ({budget} tokens)": TokenWindows(copy.deepcopy(base), budget),
+            }
+            for run in runs.values():  # warm-up
+                run.step(data[0])
+            found = timed(runs, data, rounds)
+            t0 = found["fixed count (8 x 8)"][1]
+            rows = [
+                [name, f"{pad:.0%}", f"{s:.2f}", f"{s / t0:.2f}x", mib(peak)]
+                for name, (pad, s, peak) in found.items()
+            ]
+            print_table(
+                f"{kind}, {data_name} lengths: one step of {N} sequences",
+                ["cut", "padding", "s/step", "vs fixed", "peak"],
+                rows,
+            )
+
+
+def part2(rounds: int) -> None:
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(1)
+    data = batches(lognormal_lengths(gen), rounds + 2, gen)
+    budget = 4096
+    base = make_model("gpt2")
+    configs = {
+        "eager, token windows": (False, {}),
+        "compiled, token windows, pad_to_multiple_of=64": (True, {"pad_to_multiple_of": 64}),
+        "compiled, every micro-batch padded to the longest": (
+            True,
+            {"pad_to_multiple_of": MAX_LEN},
+        ),
+    }
+    rows = []
+    for name, (compiled, kwargs) in configs.items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = copy.deepcopy(base)
+        run = TokenWindows(torch.compile(model) if compiled else model, budget, **kwargs)
+        start = time.perf_counter()
+        for batch in data[:2]:  # compiles (every bucket seen in the first steps, mostly)
+            run.step(batch)
+        warm = time.perf_counter() - start
+        seconds = []
+        for batch in data[2:]:
+            t = time.perf_counter()
+            run.step(batch)
+            seconds.append(time.perf_counter() - t)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        rows.append([name, graphs, f"{warm:.0f}", f"{statistics.median(seconds):.2f}"])
+    print_table(
+        "GPT-2 under torch.compile (Inductor, CPU), log-normal lengths",
+        ["run", "graphs compiled", "first 2 steps s", "steady s/step"],
+        rows,
+    )
+
+
+def float64_compiled_vs_eager() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    batch = batches(lognormal_lengths(gen), 1, gen)[0]
+    batch = {k: v[:16, :128] for k, v in batch.items()}
+    batch["attention_mask"][:, 0] = 1
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    eager, compiled = make_model("gpt2", torch.float64), None
+    compiled = copy.deepcopy(eager)
+    kw = {"micro_batch_tokens": 512, "pad_to_multiple_of": 64}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        TokenWindows(eager, **kw).step(batch)
+        TokenWindows(torch.compile(compiled), **kw).step(batch)
+    error = max(
+        float((a - b).norm() / a.norm().clamp_min(1e-30))
+        for a, b in zip(eager.parameters(), compiled.parameters(), strict=True)
+    )
+    print(
+        f"\nfloat64: compiled (Inductor) vs eager, one AdamW step: max relative error {error:.1e}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per cut")
+    parser.add_argument("--compile", action="store_true", help="also run part 2 (slow on a CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    print(f"device: {device_name('cpu')}")
+    part1(args.rounds)
+    if args.compile:
+        part2(args.rounds)
+        float64_compiled_vs_eager()
+
+
+if __name__ == "__main__":
+    main()
