@@ -419,7 +419,7 @@ def test_one_process_is_refused():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"outer_lr": 0.0}, r"outer_lr=0.0 is not allowed: use a positive number"),
+        ({"outer_lr": 0.0}, r"outer_lr=0.0 is not allowed: use a positive finite number"),
         ({"outer_momentum": 1.0}, r"outer_momentum=1.0 is not allowed: use a number in \[0, 1\)"),
         ({"nesterov": True}, r"nesterov=True needs momentum: pass outer_momentum > 0"),
     ],

@@ -61,7 +61,7 @@ def follow(
 ) -> None:
     """fp16 without counts known before: ``s = 1 / (count seen so far)``, rescaling the gradients
     already accumulated; on several ranks agreed at the backward that synchronises."""
-    seen = w.counts.get("loss", 0.0) + count
+    seen = w.count("loss") + count
     if last and sync.world_size > 1 and not w.deferred:  # DDP all-reduces in this backward
         seen = sync.all_reduce_sum(torch.as_tensor(seen, dtype=torch.float64).reshape(()))
     scale = 1.0 / clamp_count(seen)
@@ -97,6 +97,6 @@ def overflowed(
     grads = [p.grad for p in params if p.grad is not None]
     norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=device)]
     bad = (~torch.isfinite(torch.stack([n.to(device) for n in norms]).sum())).to(torch.float64)
-    local = stack_values([bad, w.counts.get("loss", 0.0)], device)
+    local = stack_values([bad, w.count("loss")], device)
     any_bad = float(sync.all_reduce_sum(local)[0]) if sync.world_size > 1 else float(bad)
     return float(local[1]) if any_bad else None

@@ -365,10 +365,9 @@ class Stepper:
     def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
         """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
         names = list(w.sums)
-        local = [*(w.sums[k] for k in names), *(w.counts[k] for k in names), w.bad_counts]
-        totals = self.sync.all_reduce_sum(stack_values(local, self.device)).tolist()
+        totals = self.sync.all_reduce_sum(stack_values(w.local_totals(), self.device)).tolist()
         k = len(names)
-        sums, counts = totals[:k], totals[k : 2 * k]
+        sums, counts = totals[0 : 2 * k : 2], totals[1 : 2 * k : 2]  # [sum, count] per term
         return (
             dict(zip(names, sums, strict=True)),
             dict(zip(names, counts, strict=True)),

@@ -110,12 +110,14 @@ class SampleCut:
 class Window:
     """The running record of the window being accumulated (kept on the device: no host sync).
 
+    Each micro-batch's sums and counts are kept as they come and reduced once, at step time
+    (``totals``): nothing is converted or added per micro-batch.
+
     Attributes:
         micro_batches: backward calls so far.
-        sums, counts, weights: per loss term (Note [named terms]), the sums in float64.
-        bad_counts: tensor counts that were negative or not finite (checked at step time).
+        sums, counts, weights: per loss term (Note [named terms]), one entry per micro-batch.
         scales: the constant each term's sum is multiplied by in every backward (Note [backward
-            scale] in the engine); ``None`` until chosen.
+            scale] in ``bigbatch.core._scale``); ``None`` until chosen.
         follow: fp16 without counts known before the window: the scale follows the count seen
             so far and the gradients are rescaled as counts arrive: ``"tensors"`` (counts that
             are tensors: token losses), ``"all"`` (the low-level path) or ``""`` (never).
@@ -126,10 +128,9 @@ class Window:
     """
 
     micro_batches: int = 0
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[str, Any] = field(default_factory=dict)
+    sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    counts: dict[str, list[Any]] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
-    bad_counts: torch.Tensor | float = 0.0
     scales: dict[str, Any] | None = None
     follow: str = ""
     expected: dict[str, Any] | None = None
@@ -140,18 +141,31 @@ class Window:
     def add(self, terms: Mapping[str, Term]) -> None:
         """Record one micro-batch's terms."""
         for name, (loss_sum, count, weight) in terms.items():
-            s = loss_sum.detach().reshape(()).to(torch.float64)
-            self.sums[name] = self.sums[name] + s if name in self.sums else s
-            self.counts[name] = self.counts.get(name, 0.0) + count
+            self.sums.setdefault(name, []).append(loss_sum.detach())
+            self.counts.setdefault(name, []).append(count)
             self.weights[name] = weight
-            if isinstance(count, torch.Tensor):
-                bad = (~torch.isfinite(count) | (count < 0)).to(torch.float64)
-                self.bad_counts = self.bad_counts + bad
         self.micro_batches += 1
 
-    def seen(self, name: str, count: Any) -> Any:
-        """The count of term ``name`` so far with ``count`` added, at least 1 (no host sync)."""
-        return clamp_count(self.counts.get(name, 0.0) + count)
+    def count(self, name: str) -> Any:
+        """Term ``name``'s count so far: a float, or a 0-dim tensor on the device."""
+        numbers = [c for c in self.counts.get(name, ()) if not isinstance(c, torch.Tensor)]
+        tensors = [c for c in self.counts.get(name, ()) if isinstance(c, torch.Tensor)]
+        total = float(sum(numbers))
+        return torch.stack(tensors).to(torch.float64).sum() + total if tensors else total
+
+    def local_totals(self) -> list[Any]:
+        """``[Σ sum, Σ count]`` per term, then the number of bad tensor counts (negative or not
+        finite; checked at step time, Note [window checks])."""
+        out: list[Any] = []
+        bad: Any = 0.0
+        for name, sums in self.sums.items():
+            out.append(torch.stack([s.reshape(()).to(torch.float64) for s in sums]).sum())
+            out.append(self.count(name))
+            tensors = [c for c in self.counts[name] if isinstance(c, torch.Tensor)]
+            if tensors:
+                stacked = torch.stack(tensors)
+                bad = bad + (~torch.isfinite(stacked) | (stacked < 0)).sum().to(torch.float64)
+        return [*out, bad]
 
 
 def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:

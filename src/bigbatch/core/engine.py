@@ -406,7 +406,7 @@ class Accumulator:
         count = terms["loss"].count if "loss" in terms else None
         if w.follow == "all" or w.follow and isinstance(count, torch.Tensor):
             follow(w, count, bool(self._last), self._sync, self._params_with_grad)
-        loss = sum(t.weight * t.loss_sum * w.scales[k] for k, t in terms.items())
+        loss = _scaled_sum(terms, w.scales)
         self._precision.backward(loss)  # type: ignore[arg-type]
         w.add(terms)
 
@@ -496,3 +496,16 @@ class Accumulator:
         self.model.zero_grad(set_to_none=True)
         self._precision.discard()
         self._window = Window()
+
+
+def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.Tensor:
+    """``Σ_k w_k · loss_sum_k · s_k``, multiplying only by factors that are not exactly 1."""
+    total = None
+    for name, term in terms.items():
+        scale = scales[name]
+        factor = term.weight * scale if isinstance(scale, float) else scale * term.weight
+        part = (
+            term.loss_sum if isinstance(factor, float) and factor == 1.0 else term.loss_sum * factor
+        )
+        total = part if total is None else total + part
+    return total  # type: ignore[return-value]  # at least one term (as_terms)
