@@ -27,13 +27,13 @@ def test_help_lists_the_subcommands(capsys):
 
 
 def test_train_help_has_examples_and_every_setting(capsys):
-    from bigbatch.app.config import field_names
+    from bigbatch.app.config import settings
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "--resume" in out
-    for name in field_names():
+    for name in (f.name for f in settings()):
         assert name in ("task",) or "--" + name.replace("_", "-") in out
 
 
