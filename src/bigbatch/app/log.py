@@ -18,6 +18,7 @@ Note [progress]
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import sys
@@ -136,7 +137,15 @@ def open_new(path: str, mode: str = "w") -> IO[Any]:
     """Open ``path`` to write (``"w"``, ``"wb"``) or append (``"a"``), never through a symlink
     planted there: the open fails instead."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
-    return os.fdopen(os.open(path, flags, 0o644), mode, newline=None if "b" in mode else "")
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OSError(
+            exc.errno, "is a symbolic link: bigbatch never writes through one; remove it", path
+        ) from None
+    return os.fdopen(fd, mode, newline=None if "b" in mode else "")
 
 
 def read_csv(path: str) -> list[dict[str, str]]:

@@ -148,8 +148,8 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
         ValueError: ``metrics.csv`` or ``summary.json`` cannot be read (the message names it).
     """
     if not os.path.isdir(out):
-        what = "is a file, not a run folder" if os.path.exists(out) else "does not exist"
-        raise FileNotFoundError(f"run folder {out!r} {what}: give the --out folder of a run.")
+        what = f"{out!r} is a file, not" if os.path.exists(out) else f"run folder {out!r} is not"
+        raise FileNotFoundError(f"{what} a run folder: give the --out folder of a run.")
     default = os.path.join(out, REPORT_PNG)
     path = png or default
     try:
