@@ -148,8 +148,8 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
         ValueError: ``metrics.csv`` or ``summary.json`` cannot be read (the message names it).
     """
     if not os.path.isdir(out):
-        what = f"{out!r} is a file, not" if os.path.exists(out) else f"run folder {out!r} is not"
-        raise FileNotFoundError(f"{what} a run folder: give the --out folder of a run.")
+        what = "is a file, not a folder" if os.path.exists(out) else "does not exist"
+        raise FileNotFoundError(f"run folder {out!r} {what}: give the --out folder of a run.")
     default = os.path.join(out, REPORT_PNG)
     path = png or default
     try:
@@ -276,11 +276,14 @@ def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | Non
 def _write(path: str, data: bytes) -> None:
     """Replace ``path`` with ``data`` at once, never writing through a planted symlink."""
     temp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    if os.path.lexists(temp):
-        os.remove(temp)
-    with open_new(temp, "wb") as file:
-        file.write(data)
-    os.replace(temp, path)
+    try:
+        if os.path.lexists(temp):
+            os.remove(temp)
+        with open_new(temp, "wb") as file:
+            file.write(data)
+        os.replace(temp, path)
+    except OSError as exc:  # named by the file the user asked for, not the temporary one
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def _number(row: dict[str, str], key: str) -> float | None:
