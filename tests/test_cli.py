@@ -172,8 +172,8 @@ def one_line(err, prog="bigbatch train"):
         (["--batch-size", "ten"], "--batch-size: 'ten' is not an integer"),
         (["--micro-batch-size", "some"], "'some' is not an integer or auto"),
         (["--lr", "fast"], "--lr/--learning-rate: 'fast' is not a number"),
-        (["--precision", "fp8"], "--precision: 'fp8' is not one of fp32, bf16, fp16"),
-        (["--resume", "no"], "--resume: 'no': write --resume, --resume auto or --no-resume"),
+        (["--precision", "fp8"], "precision='fp8' is not allowed: use one of 'fp32', 'bf16', 'fp16'."),
+        (["--resume", "no"], "resume='no' is not allowed: use one of False, True, 'auto'."),
         (["--steps", "0"], "steps=0 is not allowed: use a positive integer."),
         (["--precision"], "--precision: expected one argument"),
     ],
@@ -241,8 +241,7 @@ def test_train_help_shows_the_defaults_and_the_optimizer(capsys, monkeypatch):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for words in ("--lr LR, --learning-rate LR learning rate", "(default 0.001)",
-                  "torch.optim.AdamW(lr=--lr, default 0.001; betas=(0.9, 0.999), "
-                  "weight_decay=0.01)", "--precision {fp32,bf16,fp16} autocast precision "
+                  "torch.optim.AdamW(lr=--lr, betas=(0.9, 0.999), weight_decay=0.01)", "--precision {fp32,bf16,fp16} autocast precision "
                   "(default fp32)", "(default runs/bigbatch)", "--fp16 the same as --precision fp16",
                   "--micro-batch-size Auto"):  # fmt: skip
         assert words in text, words

@@ -26,7 +26,6 @@ import os
 import re
 import sys
 import sysconfig
-import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -84,9 +83,7 @@ class _Formatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         shown, text = shown_default(action), action.help or ""
-        if shown is None or "default" in text:
-            return text
-        return f"{text} (default {shown})".replace("%", "%%") if "%" not in text else text
+        return text if shown is None or "default" in text else f"{text} (default {shown})"
 
 
 class _Raw(_Formatter, argparse.RawDescriptionHelpFormatter):
@@ -199,14 +196,10 @@ def explain(exc: BaseException) -> str | None:
 
 
 def _where(frame: traceback.FrameSummary) -> str:
-    return f"{_short(frame.filename)}:{frame.lineno}"
-
-
-def _short(path: str) -> str:
     try:
-        return os.path.relpath(path)
+        return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
     except ValueError:  # another drive
-        return path
+        return f"{frame.filename}:{frame.lineno}"
 
 
 def _in_bigbatch(path: str) -> bool:
@@ -223,30 +216,14 @@ def _is_user_code(path: str) -> bool:
     return "site-packages" not in resolved.parts and "dist-packages" not in resolved.parts
 
 
-_DEMO_DESCRIPTION = """\
-Train one model three ways on the CPU and show that they give the same result on less
-memory.
-
-The data are scikit-learn's 1,797 bundled 8x8 digit images (no download; 1,400 to train, 397
-held out). A wide MLP (64 -> 8192 -> 10, float64) is trained from the same initial weights on
-the same batches of --batch-size images with AdamW:
-
-  full batch    a plain PyTorch loop: the whole batch in one forward/backward per step
-  accumulated   bigbatch.Accumulator(micro_batch_size=--micro-batch-size)
-  auto          Accumulator(micro_batch_size="auto", memory_budget=half the full batch's peak)
-
-The table gives each run's micro-batch, peak memory per step (the process's resident-set
-high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
-difference from the full batch (float64 rounding: ~1e-15). The plot (--out) overlays the
-loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
-"""
-
-
 def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from bigbatch.app import demo as module
+
     demo = sub.add_parser(
         "demo",
-        help="train one model full-batch, accumulated and auto under a budget: same weights, less memory",
-        description=_DEMO_DESCRIPTION,
+        help="train one model full-batch, accumulated and auto under a budget: same weights, "
+        "less memory",
+        description=(module.__doc__ or "").split("\nNote [")[0],
         epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
         formatter_class=_Raw,
     )
@@ -383,19 +360,14 @@ examples:
   bigbatch train my_project.tasks:lm --config run.toml --lr 3e-4        # flags override the file
   bigbatch train my_project.tasks:lm --config run.toml --resume         # continue after a crash
 
-TASK is module:function (or file.py:function) returning bigbatch.Task(model=..., train_data=...,
-loss_fn=...). Batch sizes: any two of --batch-size, --micro-batch-size and
---gradient-accumulation-steps determine the third (batch = micro-batch x steps); the optimizer
-step is the exact big-batch step however the batch is cut. --lr is the rate at
---reference-batch-size; --lr-scaling linear uses lr x batch/reference, sqrt uses
-lr x sqrt(batch/reference). A TOML --config holds the same names with _ for - (batch_size = 256).
-Values are read in any case (--micro-batch-size Auto); transformers' names work too
-(--learning-rate, --max-steps, --num-train-epochs, --per-device-train-batch-size, --fp16, --bf16).
-The run folder (--out) gets metrics.csv (one row per optimizer step), train.log (a progress line
-every --log-every steps), snapshot-*.pt (resume state, written atomically; the newest
---keep-snapshots kept), model.pt (final state dict) and summary.json; `bigbatch report DIR`
-plots it. One run at a time per folder (a lock file). Ctrl-C or SIGTERM finishes the step in
-flight, writes a snapshot and says how to resume (exit 130/143); a second Ctrl-C stops at once.
+Any two of --batch-size, --micro-batch-size and --gradient-accumulation-steps give the third
+(batch = micro-batch x steps); the step is the exact big-batch step however the batch is cut.
+A TOML --config holds the same names with _ for - (batch_size = 256). Values are read in any case
+(--micro-batch-size Auto); transformers' names work too (--learning-rate, --max-steps,
+--num-train-epochs, --per-device-train-batch-size, --fp16, --bf16). The run folder (--out) gets
+metrics.csv, train.log, snapshots, model.pt and summary.json (`bigbatch report DIR` plots it);
+one run at a time per folder. Ctrl-C or SIGTERM finishes the step in flight, writes a snapshot
+and says how to resume (exit 130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
 """
 
 
@@ -404,17 +376,13 @@ def _train_description() -> str:
 
     import torch
 
-    from bigbatch.app.config import TrainConfig
-
     adamw = inspect.signature(torch.optim.AdamW).parameters
-    text = (
-        "Train TASK's model on its data: one exact optimizer step per effective batch, cut into "
-        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params, "
-        f"lr)), else torch.optim.AdamW(lr=--lr, default {TrainConfig.lr}; "
-        f"betas={adamw['betas'].default}, weight_decay={adamw['weight_decay'].default}), "
-        "its rate after --warmup-steps following --lr-schedule."
+    return (
+        "Train TASK's model on its data: one exact optimizer step per effective batch, cut into\n"
+        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params, lr)),\n"
+        f"else torch.optim.AdamW(lr=--lr, betas={adamw['betas'].default}, weight_decay="
+        f"{adamw['weight_decay'].default}), its rate\nfollowing --lr-schedule after --warmup-steps."
     )
-    return textwrap.fill(text, 96)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -458,29 +426,21 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
     else:
         shown = "{" + ",".join(words(f)) + "}" if meta["choices"] else None
         action = parser.add_argument(*names, type=_reader(f), metavar=shown, **common)
-    action.shown = f.default  # type: ignore[attr-defined]  # the help's default (Note [flags])
+    action.shown = f.default  # type: ignore[attr-defined]  # for the help (default: SUPPRESS)
     for switch, value in (a.split("=") for a in meta["aliases"] if "=" in a):
         parser.add_argument(switch, action="store_const", const=value, dest=f.name,
                             default=argparse.SUPPRESS, help=f"the same as {flag} {value}")  # fmt: skip
 
 
 def _reader(f: Any) -> Callable[[str], Any]:
-    """Reads a flag's text as setting ``f``: its words in any case, else its number type."""
+    """Reads a flag's text as setting ``f``: its words in any case, else as its type says."""
     from bigbatch.app.config import canonical, kinds, words
 
     types = [k for k in kinds(f) if k in (int, float, str)]
-    flag = "--" + f.name.replace("_", "-")
 
     def read(text: str) -> Any:
-        word, choices = canonical(f, text), f.metadata["choices"] or ()
-        if word in words(f):
-            return word
-        if bool in kinds(f):  # --resume, --resume auto, --no-resume
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: write {flag}, {flag} auto or --no-{flag[2:]}"
-            )
-        if choices:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(words(f))}")
+        if canonical(f, text) in words(f) or f.metadata["choices"]:
+            return canonical(f, text)  # a word, or a choice TrainConfig refuses naming the list
         for kind in types:
             with contextlib.suppress(ValueError):
                 return kind(text)
@@ -534,12 +494,5 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo,
-    _add_train,
-    _add_report,
-    _add_check,
-    _add_plan,
-]
-
-if __name__ == "__main__":
-    sys.exit(main())
+    _add_demo, _add_train, _add_report, _add_check, _add_plan
+]  # fmt: skip

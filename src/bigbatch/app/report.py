@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,33 +86,20 @@ def summarize(
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
     (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
-    column = _column(rows)
-    tokens = sum(column("count")) if column("tokens_per_s") else None
-    ends = [r for r in rows if _number(r, "round_loss") is not None]  # local rounds: rank 0's
-    if ends and tokens is not None:  # count is rank 0's share; round_count the round's
-        tokens = sum(_column(ends)("round_count"))
-    time_s = max(time_s, 1e-9)
-    samples, retried = int(sum(column("samples"))), column("retry_peak_bytes")
+    col, ends = _column(rows), _column([r for r in rows if r.get("round_loss")])  # local rounds
+    counted = ends("round_count") or col("count")  # under local rounds a row's count is rank 0's
+    tokens = sum(counted) if col("tokens_per_s") else None
+    time_s, samples, losses = max(time_s, 1e-9), int(sum(col("samples"))), ends("round_loss")
     summary = Summary(
-        steps=len(rows),
-        samples=samples,
-        tokens=tokens,
-        time_s=time_s,
-        samples_per_s=samples / time_s,
-        tokens_per_s=None if tokens is None else tokens / time_s,
-        peak_bytes=int(max(column("peak_bytes"), default=0)),
-        step_peak_bytes=int(max(column("step_peak_bytes"), default=0)),
-        final_loss=float(ends[-1]["round_loss"] if ends else rows[-1]["loss"] if rows else "nan"),
-        eval_loss=evaluation[0],
-        metric=evaluation[1],
-        batch_size=batch_size,
-        micro_batch_size=int(column("micro_batch_size")[-1])
-        if column("micro_batch_size")
-        else None,
-        out=out,
-        retry_peak_bytes=int(max(retried)) if retried else None,
-        skipped_steps=int(sum(column("skipped"))),
-    )
+        steps=len(rows), samples=samples, tokens=tokens, time_s=time_s,
+        samples_per_s=samples / time_s, tokens_per_s=None if tokens is None else tokens / time_s,
+        peak_bytes=int(max(col("peak_bytes"), default=0)),
+        step_peak_bytes=int(max(col("step_peak_bytes"), default=0)),
+        final_loss=(losses or col("loss") or [math.nan])[-1], eval_loss=evaluation[0],
+        metric=evaluation[1], batch_size=batch_size,
+        micro_batch_size=_whole(col("micro_batch_size")[-1:]), out=out,
+        retry_peak_bytes=_whole(col("retry_peak_bytes")), skipped_steps=int(sum(col("skipped"))),
+    )  # fmt: skip
     if write:
         plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}
         _write(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
@@ -173,10 +161,9 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
         summary = load_summary(out)
         if summary.steps == len(rows):
             return summary, None
-    column = _column(rows)
-    evaluation = (_last(column("eval_loss")), _last(column("metric")))
-    batch = int(max(column("samples"), default=0))
-    summary = summarize(out, sum(column("time_s")), batch, evaluation, write=False)
+    col = _column(rows)
+    evaluation = (next(reversed(col("eval_loss")), None), next(reversed(col("metric")), None))
+    summary = summarize(out, sum(col("time_s")), _whole(col("samples")) or 0, evaluation, False)
     if holder is not None:
         return summary, f"the run is still running (process {holder}), at step {len(rows)}"
     return summary, (
@@ -294,12 +281,13 @@ def _number(row: dict[str, str], key: str) -> float | None:
         return None
 
 
-def _column(rows: list[dict[str, str]]) -> Any:
+def _column(rows: list[dict[str, str]]) -> Callable[[str], list[float]]:
     return lambda key: [v for r in rows if (v := _number(r, key)) is not None]
 
 
-def _last(values: list[float]) -> float | None:
-    return values[-1] if values else None
+def _whole(values: list[float]) -> int | None:
+    """The largest of ``values`` as an integer (``None`` when there is none)."""
+    return int(max(values)) if values else None
 
 
 def _json_number(value: object) -> object:
