@@ -36,8 +36,9 @@ from bigbatch.app.signals import Stopped
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
+# Stopped is no error: a run stopped by a signal says how to resume (exit 130 / 143).
 CHECKED = (ValueError, TypeError, RuntimeError, OSError, MemoryError, FloatingPointError,
-           ImportError, Stopped)  # Stopped: a run stopped by a signal says how to resume  # fmt: skip
+           ImportError, Stopped)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -177,7 +178,7 @@ def _warnings_in_one_line(command: str) -> Iterator[None]:
 
 
 def explain(exc: BaseException) -> str | None:
-    """The line the user sees for ``exc``, or ``None`` for a bug in bigbatch (Note [error boundary])."""
+    """The line the user sees for ``exc``; ``None`` for a bug in bigbatch (Note [error boundary])."""
     frames = traceback.extract_tb(exc.__traceback__)
     origin = frames[-1] if frames else None
     user = next((f for f in reversed(frames) if _is_user_code(f.filename)), None)
@@ -227,11 +228,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
         formatter_class=_Raw,
     )
-    demo.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
-    demo.add_argument("--batch-size", type=int, default=512, help="samples per optimizer step")
-    demo.add_argument(
-        "--micro-batch-size", type=int, default=64, help="the accumulated run's micro-batch"
-    )
+    for flag, default, text in (
+        ("--steps", 40, "optimizer steps per run"),
+        ("--batch-size", 512, "samples per optimizer step"),
+        ("--micro-batch-size", 64, "the accumulated run's micro-batch"),
+    ):
+        demo.add_argument(flag, type=int, default=default, help=text)  # fmt: skip
     demo.add_argument(
         "--out", metavar="FILE.png", default="bigbatch-demo.png", help="where to write the plot"
     )
@@ -241,13 +243,6 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from bigbatch.app.demo import run_demo
 
-    try:
-        import sklearn.datasets  # noqa: F401  (the demo's data; imported here to say what to install)
-    except ImportError as exc:
-        raise ImportError(
-            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
-            '(or pip install -e ".[demo]" in a clone).'
-        ) from None
     result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
     return 0 if result.exact() else 1
 
@@ -379,9 +374,9 @@ def _train_description() -> str:
     adamw = inspect.signature(torch.optim.AdamW).parameters
     return (
         "Train TASK's model on its data: one exact optimizer step per effective batch, cut into\n"
-        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params, lr)),\n"
-        f"else torch.optim.AdamW(lr=--lr, betas={adamw['betas'].default}, weight_decay="
-        f"{adamw['weight_decay'].default}), its rate\nfollowing --lr-schedule after --warmup-steps."
+        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params,\n"
+        f"lr)), else torch.optim.AdamW(lr=--lr, betas={adamw['betas'].default}, weight_decay="
+        f"{adamw['weight_decay'].default}),\nits rate following --lr-schedule after --warmup-steps."
     )
 
 
@@ -428,8 +423,8 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
         action = parser.add_argument(*names, type=_reader(f), metavar=shown, **common)
     action.shown = f.default  # type: ignore[attr-defined]  # for the help (default: SUPPRESS)
     for switch, value in (a.split("=") for a in meta["aliases"] if "=" in a):
-        parser.add_argument(switch, action="store_const", const=value, dest=f.name,
-                            default=argparse.SUPPRESS, help=f"the same as {flag} {value}")  # fmt: skip
+        same = {**common, "help": f"the same as {flag} {value}"}
+        parser.add_argument(switch, action="store_const", const=value, **same)
 
 
 def _reader(f: Any) -> Callable[[str], Any]:

@@ -275,7 +275,8 @@ def _check_outer(config: TrainConfig) -> None:
     """The outer step of local rounds (Note [local rounds] in ``app.rounds``)."""
     _check_positive(
         "outer_lr", config.outer_lr,
-        "(1: the paper's normalised update; the value of --local-steps: average the ranks' models).",
+        "(1: the paper's normalised update; the value of --local-steps: average the ranks' "
+        "models).",
     )  # fmt: skip
     if not 0 <= config.outer_momentum < 1:
         raise ValueError(

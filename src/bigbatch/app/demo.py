@@ -97,8 +97,13 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
     Raises:
         ImportError: scikit-learn is not installed (``pip install scikit-learn``).
     """
-    from sklearn.datasets import load_digits as sklearn_digits
-
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as exc:
+        raise ImportError(
+            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
+            '(or pip install -e ".[demo]" in a clone).'
+        ) from None
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
@@ -259,21 +264,15 @@ def print_demo(result: DemoResult) -> None:
 
 def _verdict(result: DemoResult) -> str:
     full, accumulated, auto = (r.peak_bytes() for r in result.runs)
-    memory = (
-        f"peak memory {_mib(full)} -> {_mib(accumulated)} accumulated "
-        f"({full / max(accumulated, 1):.1f}x less) and {_mib(auto)} auto, under a "
-        f"{_mib(result.budget_bytes)} budget the full batch exceeds"
-    )
-    if result.exact():
-        return (
-            f"[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
-            f"difference {max(result.differences):.0e}), the same test accuracy "
-            f"({result.accuracies[0]:.2%}); {memory}."
-        )
-    accuracies = ", ".join(f"{a:.2%}" for a in result.accuracies)
+    accuracies = ", ".join(sorted({f"{a:.2%}" for a in result.accuracies}))
+    head = "[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
+    if not result.exact():
+        head = "[bold red]NOT as expected[/]: the weights differ (max relative "
     return (
-        f"[bold red]NOT as expected[/]: max relative weight difference "
-        f"{max(result.differences):.1e}, test accuracies {accuracies}; {memory}."
+        f"{head}difference {max(result.differences):.0e}), test accuracy {accuracies}; peak "
+        f"memory {_mib(full)} -> {_mib(accumulated)} accumulated ({full / max(accumulated, 1):.1f}x"
+        f" less) and {_mib(auto)} auto, under a {_mib(result.budget_bytes)} budget the full batch "
+        "exceeds."
     )
 
 

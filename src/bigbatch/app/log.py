@@ -116,21 +116,16 @@ class NullLog:
 
 def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
     """``step 3/10 | loss 0.6931 | 1,234 samples/s | micro-batch 4 x 3 | peak 1.2 MiB | ...``."""
-    if row.get("tokens_per_s") not in (None, ""):
-        speed = f"{float(row['tokens_per_s']):,.0f} tokens/s"
-    else:
-        speed = f"{float(row['samples_per_s']):,.0f} samples/s"
-    parts = [
-        f"step {row['step']}/{total_steps}",
-        f"loss {float(row['loss']):.4f}",
-        speed,
+    unit, left = "tokens" if row.get("tokens_per_s") not in (None, "") else "samples", round(left_s)
+    speed = f"{float(row[unit + '_per_s']):,.0f} {unit}/s"
+    evaluated = row.get("eval_loss") not in (None, "")
+    return " | ".join([
+        f"step {row['step']}/{total_steps}", f"loss {float(row['loss']):.4f}", speed,
         f"micro-batch {row['micro_batch_size']} x {row['micro_batches']}",
         f"peak {format_bytes(float(row['peak_bytes']))}",
-    ]
-    if row.get("eval_loss") not in (None, ""):
-        parts.append(f"eval loss {float(row['eval_loss']):.4f}")
-    left = round(left_s)
-    return " | ".join([*parts, f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left"])
+        *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
+        f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
+    ])  # fmt: skip
 
 
 def open_new(path: str, mode: str = "w") -> IO[Any]:
@@ -208,8 +203,8 @@ class _ProgressBar:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-            console=Console(stderr=True), transient=True,
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("{task.fields[info]}"), console=Console(stderr=True), transient=True,
         )  # fmt: skip
         self._task = self._progress.add_task("train", total=total, completed=done, info="")
         self._progress.start()

@@ -191,6 +191,7 @@ def _lock_holder(out: str) -> str | None:
 
 def summary_rows(summary: Summary) -> list[tuple[str, str]]:
     """The summary as (name, value) lines, for a table."""
+    retried = summary.retry_peak_bytes
     rows: list[tuple[str, Any]] = [
         ("optimizer steps", f"{summary.steps:,}"),
         ("effective batch", f"{summary.batch_size:,} (micro-batch {summary.micro_batch_size})"),
@@ -199,7 +200,7 @@ def summary_rows(summary: Summary) -> list[tuple[str, str]]:
         ("tokens/s", None if summary.tokens_per_s is None else f"{summary.tokens_per_s:,.0f}"),
         ("peak memory", format_bytes(summary.peak_bytes)),
         ("peak added by a step", format_bytes(summary.step_peak_bytes)),
-        ("... with redone attempts", summary.retry_peak_bytes and format_bytes(summary.retry_peak_bytes)),
+        ("... with redone attempts", retried and format_bytes(retried)),
         ("skipped steps", summary.skipped_steps and f"{summary.skipped_steps:,}"),
         ("final loss", "nan" if summary.final_loss is None else f"{summary.final_loss:.4f}"),
         ("eval loss", None if summary.eval_loss is None else f"{summary.eval_loss:.4f}"),
