@@ -123,7 +123,8 @@ def test_disk_full_while_writing_a_snapshot_keeps_the_previous_one(capsys, tmp_p
         assert one_line(err) == (
             f"{out / 'snapshot.pt'}: no space left on the device; the previous snapshot is kept"
         )
-        assert sorted(os.listdir(out)) == [".lock", "metrics.csv", "snapshot.pt", "tensorboard"]
+        assert sorted(os.listdir(out)) == [".lock", "metrics.csv", "snapshot.pt", "tensorboard",
+                                           "train.log"]  # fmt: skip
         snapshot = read_snapshot(str(out / "snapshot.pt"))  # whole, loadable
         assert snapshot.step == 3
         os.remove(mount / "filler")
@@ -449,3 +450,101 @@ def test_warnings_are_one_line_each(tmp_path):
         'a policy with bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm"), or '
         "run `bigbatch check` to see the effect.",
     ]
+
+
+def _stopped_run(capsys, out, monkeypatch):
+    """A run that stopped before its end: NaN at micro-batch 14 (step 5), rows of steps 1-4."""
+    monkeypatch.setenv("NAN_AT", "14")
+    code, err = train(capsys, "faulty", out)
+    assert code == 2 and "step 5:" in err
+    monkeypatch.delenv("NAN_AT")
+
+
+def test_report_on_a_crashed_run_says_it_is_partial(capsys, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    _stopped_run(capsys, out, monkeypatch)
+    assert main(["report", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "bigbatch report (partial)" in said and re.search(r"optimizer steps\s+│\s+4\s+│", said)
+    assert (
+        "partial report: the run stopped at step 4 before its end (a crash, a kill or Ctrl-C): "
+        "`bigbatch train ... --resume` continues it." in said
+    )
+    assert (out / "report.png").stat().st_size > 10_000
+
+
+def test_report_on_a_running_run_says_it_is_partial(capsys, tmp_path, monkeypatch):
+    """The run's lock is really held (by this process, as a run holds it) while report reads."""
+    from bigbatch.app.folder import RunFolder
+    from bigbatch.distributed.launch import Ranks
+
+    out = tmp_path / "r"
+    _stopped_run(capsys, out, monkeypatch)
+    with RunFolder(str(out), Ranks(0, 1, 0, torch.device("cpu"))):
+        assert main(["report", str(out)]) == 0
+    assert (
+        f"partial report: the run is still running (process {os.getpid()}), at step 4."
+        in capsys.readouterr().out
+    )
+    assert main(["report", str(out)]) == 0  # the lock released: stopped before its end
+    assert "the run stopped at step 4 before its end" in capsys.readouterr().out
+
+
+def test_a_failed_report_leaves_no_stale_plot(capsys, tmp_path):
+    out = tmp_path / "r"
+    code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "2", "--out", out, "--quiet")
+    assert code == 0, err
+    assert main(["report", str(out)]) == 0 and (out / "report.png").exists()
+    (out / "metrics.csv").write_text("when,value\n1,2\n")  # no longer the run's
+    code, err = run(capsys, "report", out)
+    assert code == 2 and "lacks the column(s) step, loss, samples, count" in one_line(err, "report")
+    assert not (out / "report.png").exists()
+
+
+@pytest.mark.parametrize(
+    "csv",
+    [
+        "step,loss,samples,count\n1,0.9,10,10\n2,0.8,10,10\n",  # the oldest columns alone
+        "step,loss,samples,count,peak_bytes,time_s,micro_batch_size,eval_loss\n"
+        "1,0.9,10,10,,,,\n2,,10,10,100,0.5,4,\n3,0.7,10,10,200,0.5,,0.6\n",  # empty cells
+        "step,loss,samples,count\n1,0.9,10,10\n2,0.8,1",  # a torn last row
+    ],
+    ids=["old", "empty-cells", "torn"],
+)
+def test_report_on_an_old_or_partial_csv(capsys, tmp_path, csv):
+    (tmp_path / "metrics.csv").write_text(csv)
+    code, err = run(capsys, "report", tmp_path)
+    assert code == 0, err
+    assert "Traceback" not in err and (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_report_on_a_file_is_one_line(capsys, tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,loss,samples,count\n1,0.9,10,10\n")
+    code, err = run(capsys, "report", path)
+    assert code == 2
+    assert one_line(err, "report") == (
+        f"run folder {str(path)!r} is a file, not a folder: give the --out folder of a run."
+    )
+
+
+def test_nothing_is_written_through_a_link_planted_in_the_run_folder(capsys, tmp_path):
+    """train.log refuses the link; summary.json and report.png replace theirs (never follow)."""
+    out, target = tmp_path / "r", tmp_path / "precious.txt"
+    target.write_text("mine")
+    out.mkdir()
+    (out / "train.log").symlink_to(target)
+    code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "1", "--out", out, "--quiet")
+    assert code == 2
+    assert one_line(err) == (
+        f"{out / 'train.log'}: is a symbolic link: bigbatch never writes through one; remove it"
+    )
+    (out / "train.log").unlink()
+    for name in ("summary.json", "report.png"):
+        (out / name).symlink_to(target)
+    code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "1", "--out", out, "--quiet",
+                    "--resume", "auto")  # fmt: skip
+    assert code == 0, err
+    assert main(["report", str(out)]) == 0
+    assert target.read_text() == "mine"
+    assert not (out / "summary.json").is_symlink() and not (out / "report.png").is_symlink()

@@ -153,3 +153,22 @@ def test_two_of_three_batch_numbers_never_say_give_only_two():
     )
     with pytest.raises(ValueError, match=r"Give only two of the three\.$"):  # three given: right
         TrainConfig(batch_size=10, micro_batch_size=4, gradient_accumulation_steps=2)
+
+
+def test_words_are_read_in_any_case_on_every_surface(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('micro_batch_size = "Auto"\nprecision = "BF16"\nresume = "AUTO"\n')
+    config = make_config(load_toml(str(path)), lr_schedule="Cosine", device="CPU")
+    assert (config.micro_batch_size, config.precision, config.resume) == ("auto", "bf16", "auto")
+    assert (config.lr_schedule, config.device) == ("cosine", "cpu")
+
+
+@pytest.mark.parametrize(
+    "key, closest",
+    [("learning_rate", "lr"), ("max_steps", "steps"), ("per_device_train_batch_size",
+     "micro_batch_size"), ("micro_batch", "micro_batch_size"), ("num_train_epochs", "epochs")],
+)  # fmt: skip
+def test_an_unknown_key_names_the_closest_setting(key, closest):
+    with pytest.raises(ValueError, match=rf"unknown setting\(s\) '{key}'; allowed: task, .* Did "
+                       rf"you mean '{closest}'\?$"):  # fmt: skip
+        make_config({key: 1})

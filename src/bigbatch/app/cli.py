@@ -1,53 +1,107 @@
 """The ``bigbatch`` command line: parse, build the settings, call the library, print.
 
 Each subcommand is registered by one ``_add_<name>(subparsers)`` function that sets ``run``.
-``bigbatch train``'s flags are made from the fields of ``TrainConfig`` (one list of settings).
-``main`` is the one error boundary (Note [error boundary]).
+``bigbatch train``'s flags are made from the fields of ``TrainConfig`` (one list of settings;
+docs/design-settings.md says why by hand on argparse). ``main`` is the one error boundary (Note
+[error boundary]); docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
 
 Note [error boundary]
-    Every error a user can cause ends in one line on stderr and exit code 2, never a traceback:
-    a bad flag or setting, a task that cannot be used, a run folder that is locked, read-only or
-    full, a step with NaN, no memory left. An error raised by bigbatch's own checks prints its
-    message (it names the setting and what is allowed); one raised inside the user's code (the
-    task function, the loss, the model) prints the user's frame instead: ``file:line in
-    function``, the exception, and the line of code, since bigbatch's internals would not help.
-    An error inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does
-    every error with ``BIGBATCH_TRACEBACK=1`` in the environment.
+    Every error a user can cause ends in one line on stderr and exit code 2, never a traceback
+    nor a usage block: a misspelt flag (with the closest one: "did you mean"), a bad value or
+    setting, a task that cannot be used, a run folder that is locked, read-only or full, a step
+    with NaN, no memory left. An error raised by bigbatch's own checks prints its message (it
+    names the setting and what is allowed); one raised inside the user's code (the task
+    function, the loss, the model) prints the user's frame instead: ``file:line in function``,
+    the exception, and the line of code, since bigbatch's internals would not help. An error
+    inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does every
+    error with ``BIGBATCH_TRACEBACK=1`` in the environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
+import re
 import sys
 import sysconfig
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from bigbatch.app.signals import Stopped
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
-CHECKED = (
-    ValueError,
-    TypeError,
-    RuntimeError,
-    OSError,
-    MemoryError,
-    FloatingPointError,
-    ImportError,
-    Stopped,  # not an error: a run stopped by SIGINT / SIGTERM says how to resume (exit 130 / 143)
-)
+# Stopped is no error: a run stopped by a signal says how to resume (exit 130 / 143).
+CHECKED = (ValueError, TypeError, RuntimeError, OSError, MemoryError, FloatingPointError,
+           ImportError, Stopped)  # fmt: skip
+
+
+class UsageError(Exception):
+    """A command line argparse cannot read, as one line (Note [error boundary])."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line for a mistake, "did you mean" and no abbreviated flags (an
+    abbreviation would change meaning as settings are added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def parse_known_args(  # type: ignore[override]  # typeshed's overloads: same behaviour
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        flags = [a for a in extra if a.startswith("-")]
+        if flags:  # (what follows an unknown flag is its value)
+            self.error(
+                f"unknown flag {flags[0]}{_did_you_mean(flags[0], self._option_string_actions)}"
+            )
+        if extra:
+            self.error(f"unexpected argument(s): {' '.join(extra)}")
+        return parsed, extra
+
+    def error(self, message: str) -> NoReturn:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:  # a misspelt subcommand
+            message += _did_you_mean(choice[1], re.findall(r"[\w-]+", choice[2]))
+        raise UsageError(f"{self.prog}: error: {message.removeprefix('argument ')}")
+
+
+def _did_you_mean(given: str, known: Iterable[str]) -> str:
+    name = given.split("=")[0]
+    close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, 1)
+    return f": did you mean {close[0]}?" if close else ""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already speaks of one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        shown, text = shown_default(action), action.help or ""
+        return text if shown is None or "default" in text else f"{text} (default {shown})"
+
+
+class _Raw(_Formatter, argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs kept as written (tables, examples)."""
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """The default a flag's help shows (``None``: none worth showing)."""
+    value = getattr(action, "shown", action.default)
+    if value is None or value is False or value in ("", argparse.SUPPRESS) or not action.help:
+        return None
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``bigbatch`` argument parser (also used to render ``--help``)."""
-    parser = argparse.ArgumentParser(
+    """The full ``bigbatch`` argument parser (also used to render ``--help`` and docs/cli.md)."""
+    parser = _Parser(
         prog="bigbatch",
         description="Train with the batch size you want on the memory you have: exact gradient "
         "accumulation for PyTorch.",
@@ -79,7 +133,11 @@ def run() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bigbatch`` command; returns the exit code (Note [error boundary])."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0
@@ -120,7 +178,7 @@ def _warnings_in_one_line(command: str) -> Iterator[None]:
 
 
 def explain(exc: BaseException) -> str | None:
-    """The line the user sees for ``exc``, or ``None`` for a bug in bigbatch (Note [error boundary])."""
+    """The line the user sees for ``exc``; ``None`` for a bug in bigbatch (Note [error boundary])."""
     frames = traceback.extract_tb(exc.__traceback__)
     origin = frames[-1] if frames else None
     user = next((f for f in reversed(frames) if _is_user_code(f.filename)), None)
@@ -139,14 +197,10 @@ def explain(exc: BaseException) -> str | None:
 
 
 def _where(frame: traceback.FrameSummary) -> str:
-    return f"{_short(frame.filename)}:{frame.lineno}"
-
-
-def _short(path: str) -> str:
     try:
-        return os.path.relpath(path)
+        return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
     except ValueError:  # another drive
-        return path
+        return f"{frame.filename}:{frame.lineno}"
 
 
 def _in_bigbatch(path: str) -> bool:
@@ -163,60 +217,32 @@ def _is_user_code(path: str) -> bool:
     return "site-packages" not in resolved.parts and "dist-packages" not in resolved.parts
 
 
-_DEMO_DESCRIPTION = """\
-Train one model three ways on the CPU and show that they give the same result on less
-memory.
-
-The data are scikit-learn's 1,797 bundled 8x8 digit images (no download; 1,400 to train, 397
-held out). A wide MLP (64 -> 8192 -> 10, float64) is trained from the same initial weights on
-the same batches of --batch-size images with AdamW:
-
-  full batch    a plain PyTorch loop: the whole batch in one forward/backward per step
-  accumulated   bigbatch.Accumulator(micro_batch_size=--micro-batch-size)
-  auto          Accumulator(micro_batch_size="auto", memory_budget=half the full batch's peak)
-
-The table gives each run's micro-batch, peak memory per step (the process's resident-set
-high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
-difference from the full batch (float64 rounding: ~1e-15). The plot (--out) overlays the
-loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
-"""
-
-
 def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from bigbatch.app import demo as module
+
     demo = sub.add_parser(
         "demo",
-        help="train one model full-batch, accumulated and auto under a budget: same weights, less memory",
-        description=_DEMO_DESCRIPTION,
+        help="train one model full-batch, accumulated and auto under a budget: same weights, "
+        "less memory",
+        description=(module.__doc__ or "").split("\nNote [")[0],
         epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Raw,
     )
-    demo.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
+    for flag, default, text in (
+        ("--steps", 40, "optimizer steps per run"),
+        ("--batch-size", 512, "samples per optimizer step"),
+        ("--micro-batch-size", 64, "the accumulated run's micro-batch"),
+    ):
+        demo.add_argument(flag, type=int, default=default, help=text)  # fmt: skip
     demo.add_argument(
-        "--batch-size", type=int, default=512, help="samples per optimizer step (default 512)"
+        "--out", metavar="FILE.png", default="bigbatch-demo.png", help="where to write the plot"
     )
-    demo.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=64,
-        help="the accumulated run's micro-batch (default 64)",
-    )
-    demo.add_argument(
-        "--out", metavar="FILE.png", default="bigbatch-demo.png",
-        help="where to write the plot (default bigbatch-demo.png)",
-    )  # fmt: skip
     demo.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from bigbatch.app.demo import run_demo
 
-    try:
-        import sklearn.datasets  # noqa: F401  (the demo's data; imported here to say what to install)
-    except ImportError as exc:
-        raise ImportError(
-            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
-            '(or pip install -e ".[demo]" in a clone).'
-        ) from None
     result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
     return 0 if result.exact() else 1
 
@@ -322,10 +348,6 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def _float_list(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
-
-
 _TRAIN_EPILOG = """\
 examples:
   bigbatch train my_project/tasks.py:mnist --batch-size 1024 --micro-batch-size 64 --epochs 3
@@ -333,18 +355,29 @@ examples:
   bigbatch train my_project.tasks:lm --config run.toml --lr 3e-4        # flags override the file
   bigbatch train my_project.tasks:lm --config run.toml --resume         # continue after a crash
 
-TASK is module:function (or file.py:function) returning bigbatch.Task(model=..., train_data=...,
-loss_fn=...). Batch sizes: any two of --batch-size, --micro-batch-size and
---gradient-accumulation-steps determine the third (batch = micro-batch x steps); the optimizer
-step is the exact big-batch step however the batch is cut. --lr is the rate at
---reference-batch-size; --lr-scaling linear uses lr x batch/reference, sqrt uses
-lr x sqrt(batch/reference). A TOML --config holds the same names with _ for - (batch_size = 256).
-The run folder (--out) gets metrics.csv (one row per optimizer step), snapshot-*.pt (resume
-state, written atomically; the newest --keep-snapshots kept), model.pt (final state dict) and
-summary.json; `bigbatch report DIR` plots it. One run at a time per folder (a lock file). Ctrl-C
-or SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit 130/143);
-a second Ctrl-C stops at once.
+Any two of --batch-size, --micro-batch-size and --gradient-accumulation-steps give the third
+(batch = micro-batch x steps); the step is the exact big-batch step however the batch is cut.
+A TOML --config holds the same names with _ for - (batch_size = 256). Values are read in any case
+(--micro-batch-size Auto); transformers' names work too (--learning-rate, --max-steps,
+--num-train-epochs, --per-device-train-batch-size, --fp16, --bf16). The run folder (--out) gets
+metrics.csv, train.log, snapshots, model.pt and summary.json (`bigbatch report DIR` plots it);
+one run at a time per folder. Ctrl-C or SIGTERM finishes the step in flight, writes a snapshot
+and says how to resume (exit 130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
 """
+
+
+def _train_description() -> str:
+    import inspect
+
+    import torch
+
+    adamw = inspect.signature(torch.optim.AdamW).parameters
+    return (
+        "Train TASK's model on its data: one exact optimizer step per effective batch, cut into\n"
+        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params,\n"
+        f"lr)), else torch.optim.AdamW(lr=--lr, betas={adamw['betas'].default}, weight_decay="
+        f"{adamw['weight_decay'].default}),\nits rate following --lr-schedule after --warmup-steps."
+    )
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -352,11 +385,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     train = sub.add_parser(
         "train",
-        help="train a task with exact gradient accumulation (progress bar, CSV, resume, report)",
-        description="Train TASK's model on its data: one exact optimizer step per effective batch, "
-        "cut into micro-batches that fit in memory.",
+        help="train a task with exact gradient accumulation (progress, CSV, resume, report)",
+        description=_train_description(),
         epilog=_TRAIN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Raw,
     )
     train.add_argument(
         "--config", metavar="FILE.toml", default=None,
@@ -368,64 +400,61 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
-    """One flag for one ``TrainConfig`` field; only the flags given override ``--config``."""
-    from bigbatch.app.config import setting_types
+    """The flags of one ``TrainConfig`` field; only the flags given override ``--config``."""
+    from bigbatch.app.config import kinds, words
 
-    kind, meta = setting_types()[f.name], f.metadata
-    default = "" if f.default in (None, False, 0, "") else f" (default {f.default})"
-    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": meta["help"] + default}
+    flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+    names = [flag, *(a for a in meta["aliases"] if "=" not in a)]
+    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": meta["help"]}
     if f.name == "task":
-        parser.add_argument("task", metavar="TASK", nargs="?", **{**common, "help": meta["help"]})
-    elif f.name == "resume":
-        parser.add_argument(
-            "--resume", nargs="?", const=True, type=_flag_type(meta["parse"]), **common
+        parser.add_argument("task", metavar="TASK", nargs="?", **common)
+        return
+    common["dest"] = f.name
+    if kinds(f) == (bool,):
+        action = parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
+    elif bool in kinds(f):  # --resume, --resume auto, --no-resume
+        action = parser.add_argument(
+            *names, nargs="?", const=True, type=_reader(f), metavar="|".join(words(f)), **common
         )
-        parser.add_argument(
-            "--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS
-        )
-    elif kind is bool:
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, **common
-        )
+        no = f"not {flag} (overrides --config)"
+        parser.add_argument(f"--no-{flag[2:]}", action="store_false", **{**common, "help": no})
     else:
-        choices = [c for c in (meta["choices"] or ()) if c is not None] or None
-        parse = meta["parse"] or next(t for t in (int, float, str) if t in (kind, *_args(kind)))
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=_flag_type(parse), choices=choices, **common)
+        shown = "{" + ",".join(words(f)) + "}" if meta["choices"] else None
+        action = parser.add_argument(*names, type=_reader(f), metavar=shown, **common)
+    action.shown = f.default  # type: ignore[attr-defined]  # for the help (default: SUPPRESS)
+    for switch, value in (a.split("=") for a in meta["aliases"] if "=" in a):
+        same = {**common, "help": f"the same as {flag} {value}"}
+        parser.add_argument(switch, action="store_const", const=value, **same)
 
 
-def _args(kind: Any) -> tuple[Any, ...]:
-    import typing
+def _reader(f: Any) -> Callable[[str], Any]:
+    """Reads a flag's text as setting ``f``: its words in any case, else as its type says."""
+    from bigbatch.app.config import canonical, kinds, words
 
-    return typing.get_args(kind)
-
-
-def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` with argparse's error for text it cannot read."""
+    types = [k for k in kinds(f) if k in (int, float, str)]
 
     def read(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(
-                str(exc)
-                if parse not in (int, float)
-                else f"{text!r} is not {'an integer' if parse is int else 'a number'}"
-            ) from None
+        if canonical(f, text) in words(f) or f.metadata["choices"]:
+            return canonical(f, text)  # a word, or a choice TrainConfig refuses naming the list
+        for kind in types:
+            with contextlib.suppress(ValueError):
+                return kind(text)
+        wanted = [{int: "an integer", float: "a number"}[k] for k in types] + words(f)
+        raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(wanted)}")
 
-    read.__name__ = getattr(parse, "__name__", "value")
+    read.__name__ = f.name
     return read
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from bigbatch.app.config import field_names, load_toml, make_config
+    from bigbatch.app.config import load_toml, make_config, settings
     from bigbatch.app.loop import fit
     from bigbatch.app.task import load_task
     from bigbatch.core import _rng
 
+    names = {f.name for f in settings()}
     file_settings = load_toml(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items() if k in field_names()}
-    config = make_config(file_settings, **flags)
+    config = make_config(file_settings, **{k: v for k, v in vars(args).items() if k in names})
     if not config.task:
         raise ValueError(
             'no task: give TASK (module:function) or `task = "module:function"` in --config.'
@@ -439,40 +468,26 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser(
         "report",
         help="summarise a run folder and plot its loss and memory over steps (PNG)",
-        description="Print the summary of a finished `bigbatch train` run and draw DIR/report.png: "
-        "the loss per optimizer step and the peak memory per step.",
-        epilog="example:\n  bigbatch report runs/bigbatch",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Print the summary of a `bigbatch train` run and draw DIR/report.png: the "
+        "loss per optimizer step and the peak memory per step. A run still running, or stopped "
+        "before its end, gets a partial report that says so.",
     )
     report.add_argument("out", metavar="DIR", help="the --out folder of a `bigbatch train` run")
-    report.add_argument(
-        "--png", default=None, help="where to write the plot (default DIR/report.png)"
-    )
+    report.add_argument("--png", help="where to write the plot (default DIR/report.png)")
     report.set_defaults(run=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from bigbatch.app.report import load_summary, plot_run, print_summary
+    from bigbatch.app.report import print_summary, report
 
-    if not os.path.isdir(args.out):
-        raise FileNotFoundError(
-            f"run folder {args.out!r} does not exist: give the --out folder of a run."
-        )
-    path = plot_run(args.out, args.png)
-    print_summary(load_summary(args.out), title="bigbatch report")
+    summary, partial, path = report(args.out, args.png)
+    print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
+    if partial:
+        print(f"partial report: {partial}.")
     print(f"plot: {path}")
     return 0
 
 
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo,
-    _add_train,
-    _add_report,
-    _add_check,
-    _add_plan,
-]
-
-TracebackLike = TracebackType | None
-
-if __name__ == "__main__":
-    sys.exit(main())
+    _add_demo, _add_train, _add_report, _add_check, _add_plan
+]  # fmt: skip

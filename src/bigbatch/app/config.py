@@ -2,10 +2,10 @@
 
 Every field is a ``bigbatch train`` flag (``micro_batch_size`` -> ``--micro-batch-size``) and a
 key of a ``--config`` TOML file; the CLI overrides the file, the file overrides the defaults.
-Each field carries its help text, its allowed values (imported from the module that owns them)
-and, where the type alone does not say it, how a flag's text is read (``setting(...)``): the
-command line, the TOML reader and the checks are all made from this one list, so adding a
-setting is one field here.
+Each field carries its help text, its allowed values (imported from the module that owns them),
+the least value of an integer and the other names users type for it (``setting(...)``): the
+command line, its reference (docs/cli.md), the TOML reader and the checks are all made from this
+one list, so adding a setting is one field here (docs/design-settings.md).
 
 Note [batch arithmetic]
     ``batch_size`` is the effective batch, the samples one optimizer step averages over.
@@ -27,12 +27,13 @@ Note [learning-rate scaling]
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import sys
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from bigbatch.core._precision import PRECISIONS
 from bigbatch.core._stepping import NONFINITE
@@ -40,28 +41,10 @@ from bigbatch.core._units import parse_bytes
 from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
 from bigbatch.distributed.launch import DEVICES
 
-LR_SCALINGS = ("none", "linear", "sqrt")
-LR_SCHEDULES = ("constant", "cosine")
 BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
-RESUMES = (False, True, "auto")
 OUTER = ("outer_lr", "outer_momentum", "outer_nesterov")  # used only with local_steps > 1
 DEFAULT_BATCH_SIZE = 32
 MAX_SEED = 2**63 - 1
-
-
-def _int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer or auto") from None
-
-
-def _resume_flag(text: str) -> bool | str:
-    if text == "auto":
-        return "auto"
-    raise ValueError(f"{text!r}: write --resume, --resume auto or --no-resume")
 
 
 def setting(
@@ -69,19 +52,25 @@ def setting(
     help: str,
     *,
     choices: tuple[Any, ...] | None = None,
-    parse: Callable[[str], Any] | None = None,
+    low: int | None = None,
+    allowed: str | None = None,
+    aliases: tuple[str, ...] = (),
     resumable: bool = False,
 ) -> Any:
     """A ``TrainConfig`` field with what the command line and the checks need to know about it.
 
     Args:
         default: the default value.
-        help: one line for ``bigbatch train --help`` (the default is appended).
-        choices: the allowed values, when there is a list.
-        parse: reads a flag's text when the field's type alone does not say how.
+        help: one line for ``bigbatch train --help`` (the default is shown beside it).
+        choices: the allowed values, when there is a list (matched without regard to case).
+        low: for an integer, the least value allowed.
+        allowed: what the error says is allowed, when "a positive integer" does not say it.
+        aliases: other flags for it, as users of other tools type them: ``"--learning-rate"``
+            takes a value like ``--lr``; ``"--fp16=fp16"`` is a switch that sets the value.
         resumable: may differ between a run and its resume (it does not change the result).
     """
-    meta = {"help": help, "choices": choices, "parse": parse, "resumable": resumable}
+    meta = {"help": help, "choices": choices, "low": low, "allowed": allowed,
+            "aliases": aliases, "resumable": resumable}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -96,16 +85,23 @@ class TrainConfig:
         None, "module:function (or file.py:function) returning a bigbatch.Task"
     )
     batch_size: int | None = setting(
-        None, "effective batch: samples per optimizer step, over all ranks (default 32)"
+        None, "effective batch: samples per optimizer step, over all ranks (default 32)", low=1
     )
-    micro_batch_size: int | str | None = setting(
-        None, "samples per forward/backward, or auto: the largest that fits", parse=_int_or_auto
+    micro_batch_size: int | Literal["auto"] | None = setting(
+        None,
+        "samples per forward/backward on each rank, or auto: the largest that fits",
+        low=1,
+        aliases=("--per-device-train-batch-size",),
     )
-    gradient_accumulation_steps: int | None = setting(None, "micro-batches per optimizer step")
+    gradient_accumulation_steps: int | None = setting(
+        None, "micro-batches per optimizer step", low=1
+    )
     gradient_checkpointing: bool = setting(
         False, "recompute the model's repeated blocks in backward (less memory, ~1 more forward)"
     )
-    precision: str = setting("fp32", "autocast precision", choices=PRECISIONS)
+    precision: str = setting(
+        "fp32", "autocast precision", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16")
+    )
     batchnorm: str | None = setting(
         "keep",
         "BatchNorm under accumulation (a micro-batch's statistics are not the full batch's): "
@@ -121,35 +117,59 @@ class TrainConfig:
         "snapshot), skip it, or apply it",
         choices=NONFINITE,
     )
-    lr: float = setting(1e-3, "learning rate at --reference-batch-size")
-    lr_scaling: str = setting("none", "scale --lr with batch/reference", choices=LR_SCALINGS)
-    reference_batch_size: int | None = setting(None, "the batch size --lr was tuned for")
+    lr: float = setting(
+        1e-3,
+        "learning rate at --reference-batch-size, for the task's optimizer or AdamW",
+        aliases=("--learning-rate",),
+    )
+    lr_scaling: str = setting(
+        "none", "scale --lr with batch/reference", choices=("none", "linear", "sqrt")
+    )
+    reference_batch_size: int | None = setting(None, "the batch size --lr was tuned for", low=1)
     lr_schedule: str = setting(
-        "constant", "after warm-up: constant or cosine to 0", choices=LR_SCHEDULES
+        "constant", "after warm-up: constant or cosine to 0", choices=("constant", "cosine")
     )
-    warmup_steps: int = setting(0, "optimizer steps of linear warm-up")
-    steps: int | None = setting(None, "optimizer steps to run (or give --epochs)")
-    epochs: int | None = setting(None, "passes over the data (default 1 when --steps is not given)")
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up", low=0)
+    steps: int | None = setting(
+        None, "optimizer steps to run (or give --epochs)", low=1, aliases=("--max-steps",)
+    )
+    epochs: int | None = setting(
+        None,
+        "passes over the data (default 1 when --steps is not given)",
+        low=1,
+        aliases=("--num-train-epochs",),
+    )
     memory_budget: str | int | None = setting(
-        None, "cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)", parse=str
+        None, "cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)"
     )
-    seed: int = setting(0, "seeds the model, dropout and the data order")
+    seed: int = setting(0, "seeds the model, dropout and the data order", low=0)
     out: str = setting("runs/bigbatch", "run folder", resumable=True)
     save_every: int = setting(
-        0, "resume snapshot every N steps (0: each epoch's end and the run's)", resumable=True
+        0,
+        "resume snapshot every N steps (0: each epoch's end and the run's)",
+        low=0,
+        resumable=True,
     )
     keep_snapshots: int = setting(
-        2, "snapshots kept in the run folder (the newest N; at least 1)", resumable=True
+        2, "snapshots kept in the run folder (the newest N; at least 1)", low=1, resumable=True
     )
     resume: bool | str = setting(
         False,
         "continue the run in --out from its last snapshot; auto: resume if there is one, "
         "else start",
-        choices=RESUMES,
-        parse=_resume_flag,
+        choices=(False, True, "auto"),
         resumable=True,
     )
-    eval_every: int = setting(0, "evaluate every N steps (0: only at the end)", resumable=True)
+    eval_every: int = setting(
+        0, "evaluate every N steps (0: only at the end)", low=0, resumable=True
+    )
+    log_every: int = setting(
+        0,
+        "a progress line every N steps in DIR/train.log, and on stderr when it is not a "
+        "terminal (0: about 20 lines per run)",
+        low=0,
+        resumable=True,
+    )
     device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
     local_steps: int = setting(
         1,
@@ -160,6 +180,9 @@ class TrainConfig:
         "not the exact big-batch step; each rank keeps its own optimizer state; the log's "
         "loss is rank 0's share, round_loss the round's over all ranks; snapshots, "
         "evaluation and Ctrl-C wait for the round's end; not with FSDP",
+        low=1,
+        allowed="a whole number >= 1, the optimizer steps each rank takes between two "
+        "exchanges (1, the default: the exact data-parallel step)",
     )
     outer_lr: float = setting(
         1.0,
@@ -184,13 +207,15 @@ class TrainConfig:
         if self.batchnorm is None:  # the same run as "keep" (the resume identity compares these)
             object.__setattr__(self, "batchnorm", "keep")
         for f in fields(self):
-            value, choices = getattr(self, f.name), f.metadata.get("choices")
-            if choices is not None:
-                _check_choice(f.name, value, choices)
-            elif int not in typing.get_args(_types()[f.name]) + (_types()[f.name],):
-                _check_type(f.name, value, _types()[f.name])  # integers: _check_numbers
+            value = canonical(f, getattr(self, f.name))  # "Auto", "FP16": any case will do
+            object.__setattr__(self, f.name, value)
+            if f.metadata["choices"] is not None:
+                _check_choice(f.name, value, f.metadata["choices"])
+            elif f.metadata["low"] is not None:
+                _check_int(f, value, type(None) in kinds(f))
+            elif int not in kinds(f):
+                _check_type(f.name, value, kinds(f))
         _check_numbers(self)
-        _check_local(self)
         resolve_batch(self)  # contradictions are reported when the config is made
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,29 +223,44 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def settings() -> list[dataclasses.Field]:
+    """The settings with their metadata (help, choices, low, aliases, resumable), in order."""
+    return list(fields(TrainConfig))
+
+
+def kinds(f: dataclasses.Field) -> tuple[Any, ...]:
+    """The types setting ``f`` admits: ``(int, Literal["auto"], NoneType)``."""
+    hint = _hints()[f.name]
+    return typing.get_args(hint) or (hint,)
+
+
+def words(f: dataclasses.Field) -> list[Any]:
+    """The values of setting ``f`` that are words (choices, ``"auto"``), as written."""
+    literals = [w for k in kinds(f) if typing.get_origin(k) is Literal for w in typing.get_args(k)]
+    return [w for w in (f.metadata["choices"] or literals) if isinstance(w, str)]
+
+
+def canonical(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` as setting ``f`` spells it when it is one of its words in another case."""
+    if isinstance(value, str):
+        return next((w for w in words(f) if w.lower() == value.strip().lower()), value)
+    return value
+
+
 def _check_numbers(config: TrainConfig) -> None:
-    for name in ("batch_size", "gradient_accumulation_steps", "steps", "epochs"):
-        _check_positive_int(name, getattr(config, name))
-    _check_positive_int("reference_batch_size", config.reference_batch_size)
-    for name in ("save_every", "eval_every", "warmup_steps"):
-        _check_positive_int(name, getattr(config, name), zero=True)
-    _check_positive_int("keep_snapshots", config.keep_snapshots)
-    _check_positive_int("seed", config.seed, zero=True)
-    if config.micro_batch_size != "auto":
-        _check_positive_int("micro_batch_size", config.micro_batch_size, auto=True)
+    """What one field's type and range do not say."""
     if config.steps is not None and config.epochs is not None:
         raise ValueError(
             f"steps={config.steps} and epochs={config.epochs} are both given: choose one "
             "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
         )
-    _check_positive_finite("lr", config.lr, "(finite), e.g. lr=3e-4.")
+    _check_positive("lr", config.lr, "(finite), e.g. lr=3e-4.")
     if config.max_grad_norm is not None:
-        _check_positive_finite(
-            "max_grad_norm",
-            config.max_grad_norm,
-            "(finite, e.g. 1.0), or leave it out for no clipping.",
-        )
-    if not 0 <= config.seed <= MAX_SEED:
+        _check_positive(
+            "max_grad_norm", config.max_grad_norm, "(finite, e.g. 1.0), or leave it out for no "
+            "clipping.",
+        )  # fmt: skip
+    if config.seed > MAX_SEED:
         raise ValueError(f"seed={config.seed} is not allowed: use an integer from 0 to 2**63 - 1.")
     parse_bytes(config.memory_budget)  # refuses what is not a finite, positive size
     if config.lr_scaling != "none" and config.reference_batch_size is None:
@@ -228,21 +268,16 @@ def _check_numbers(config: TrainConfig) -> None:
             f"lr_scaling={config.lr_scaling!r} needs reference_batch_size, the batch size lr "
             "was tuned for: e.g. --reference-batch-size 256."
         )
+    _check_outer(config)
 
 
-def _check_local(config: TrainConfig) -> None:
-    """``local_steps`` and the outer settings (Note [local rounds] in ``train.rounds``)."""
-    steps = config.local_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(
-            f"local_steps={steps!r} is not allowed: use a whole number >= 1, the optimizer steps "
-            "each rank takes between two exchanges (1, the default: the exact data-parallel step)."
-        )
-    _check_positive_finite(
-        "outer_lr",
-        config.outer_lr,
-        "(1: the paper's normalised update; the value of --local-steps: average the ranks' models).",
-    )
+def _check_outer(config: TrainConfig) -> None:
+    """The outer step of local rounds (Note [local rounds] in ``app.rounds``)."""
+    _check_positive(
+        "outer_lr", config.outer_lr,
+        "(1: the paper's normalised update; the value of --local-steps: average the ranks' "
+        "models).",
+    )  # fmt: skip
     if not 0 <= config.outer_momentum < 1:
         raise ValueError(
             f"outer_momentum={config.outer_momentum!r} is not allowed: use a number in [0, 1) "
@@ -255,7 +290,7 @@ def _check_local(config: TrainConfig) -> None:
         )
     defaults = {f.name: f.default for f in fields(config)}
     outer = [f"{k}={getattr(config, k)!r}" for k in OUTER if getattr(config, k) != defaults[k]]
-    if steps == 1 and outer:
+    if config.local_steps == 1 and outer:
         raise ValueError(
             f"{', '.join(outer)} has no effect with local_steps=1, the exact data-parallel step "
             "(one all-reduce per step, no outer step): add --local-steps λ > 1 for local "
@@ -283,7 +318,7 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
                 f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
             )
         return (config.batch_size or DEFAULT_BATCH_SIZE), "auto", None
-    given_m = int(config.micro_batch_size) if config.micro_batch_size is not None else None
+    given_m = config.micro_batch_size
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     if k is not None and math.ceil(b / m) != k:
@@ -327,24 +362,9 @@ def scaled_lr(config: TrainConfig, batch_size: int) -> float:
     return float(config.lr) * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
 
 
-def field_names() -> list[str]:
-    """The settings' names, in order (TOML keys; CLI flags with ``-`` for ``_``)."""
-    return [f.name for f in fields(TrainConfig)]
-
-
-def settings() -> list[dataclasses.Field]:
-    """The settings with their metadata (help, choices, parse, resumable), in order."""
-    return list(fields(TrainConfig))
-
-
-def setting_types() -> dict[str, Any]:
-    """Each setting's type annotation, resolved (``int | None``...)."""
-    return dict(_types())
-
-
 def resumable_changes() -> frozenset[str]:
     """Settings that may change between a run and its resume (they do not change the result)."""
-    return frozenset(f.name for f in fields(TrainConfig) if f.metadata.get("resumable"))
+    return frozenset(f.name for f in fields(TrainConfig) if f.metadata["resumable"])
 
 
 def make_config(
@@ -353,17 +373,31 @@ def make_config(
     """A ``TrainConfig`` from a config, a dict of settings and/or keyword arguments.
 
     Raises:
-        ValueError: a key is not a setting (the message lists the allowed ones), or a value is bad.
+        ValueError: a key is not a setting (the message lists the allowed ones and the closest
+            name, HF's names included), or a value is bad.
         TypeError: a value of the wrong type (``shuffle = "false"`` in a TOML file).
     """
     base = config.to_dict() if isinstance(config, TrainConfig) else dict(config or {})
     given = {**base, **overrides}
-    unknown = sorted(set(given) - set(field_names()))
+    names = [f.name for f in fields(TrainConfig)]
+    unknown = sorted(set(given) - set(names))
     if unknown:
         raise ValueError(
-            f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(field_names())}."
+            f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(names)}."
+            + "".join(f" {suggest(key)}" for key in unknown if suggest(key))
         )
     return TrainConfig(**given)
+
+
+def suggest(key: str) -> str:
+    """``"Did you mean 'lr'?"`` for a misspelt setting or another tool's name for it (or "")."""
+    spelled = {f.name: f.name for f in fields(TrainConfig)}
+    for f in fields(TrainConfig):
+        spelled.update(
+            {a[2:].split("=")[0].replace("-", "_"): f.name for a in f.metadata["aliases"]}
+        )
+    close = difflib.get_close_matches(key.lstrip("-").replace("-", "_"), spelled, n=1)
+    return f"Did you mean {spelled[close[0]]!r}?" if close else ""
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -379,46 +413,34 @@ def load_toml(path: str) -> dict[str, Any]:
         import tomli as tomllib
     try:
         with open(path, "rb") as file:
-            data = tomllib.load(file)
+            return tomllib.load(file)
     except FileNotFoundError:
         raise FileNotFoundError(f"config file {path!r} does not exist.") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}.") from None
     except OSError as exc:
         raise ValueError(f"config file {path!r} cannot be read: {exc.strerror}.") from None
-    return data
 
 
-def _types() -> dict[str, Any]:
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 
 
-_EXAMPLES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _check_type(name: str, value: Any, annotation: Any) -> None:
-    """Refuse a value whose type the annotation does not admit (a bool is not an int here)."""
-    allowed = typing.get_args(annotation) or (annotation,)
-    for kind in allowed:
-        if kind is type(None) and value is None:
-            return
-        if kind is bool and isinstance(value, bool):
-            return
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return
-        if kind is str and isinstance(value, str):
-            return
-    wanted = " or ".join(_EXAMPLES.get(k, "none") for k in allowed if k is not type(None))
+def _check_type(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """Refuse a value whose type the annotation does not admit (a bool is not a number here)."""
+    given = type(value)
+    if given in allowed or (given is int and float in allowed):
+        return
+    wanted = " or ".join(_KINDS[k] for k in allowed if k in _KINDS)
+    article = "an" if given.__name__[:1] in "aeiou" else "a"
     raise TypeError(
-        f"{name}={value!r} is {_a(type(value).__name__)}: {name} takes {wanted}"
+        f"{name}={value!r} is {article} {given.__name__}: {name} takes {wanted}"
         + (" (or is left out)." if type(None) in allowed else ".")
     )
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -427,16 +449,16 @@ def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: use one of {shown}.")
 
 
-def _check_positive_finite(name: str, value: float, advice: str) -> None:
+def _check_int(f: dataclasses.Field, value: Any, optional: bool) -> None:
+    low, given = f.metadata["low"], words(f)
+    if (value is None and optional) or value in given:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = f.metadata["allowed"] or ("a positive integer" if low else "a non-negative integer")
+        what += "".join(f' or "{w}"' for w in given)
+        raise ValueError(f"{f.name}={value!r} is not allowed: use {what}.")
+
+
+def _check_positive(name: str, value: float, advice: str) -> None:
     if not (0 < value < math.inf):
         raise ValueError(f"{name}={value!r} is not allowed: use a positive number {advice}")
-
-
-def _check_positive_int(name: str, value: Any, zero: bool = False, auto: bool = False) -> None:
-    if value is None and not zero:
-        return
-    low = 0 if zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        what = "a non-negative integer" if zero else "a positive integer"
-        what += ' or "auto"' if auto else ""
-        raise ValueError(f"{name}={value!r} is not allowed: use {what}.")

@@ -1,15 +1,18 @@
-"""The Quick start job: one model trained three ways, the same weights, less memory.
+"""Train one model three ways on the CPU and show that they give the same result on less
+memory.
 
-``bigbatch demo`` trains a wide MLP on scikit-learn's bundled 8x8 digits (no download) in
-float64, from the same initial weights on the same batches, three ways:
+The data are scikit-learn's 1,797 bundled 8x8 digit images (no download; 1,400 to train, 397
+held out). A wide MLP (64 -> 8192 -> 10, float64) is trained from the same initial weights on
+the same batches of --batch-size images with AdamW:
 
-1. **full batch**: a plain PyTorch loop, one forward/backward of the whole batch per step;
-2. **accumulated**: ``Accumulator(micro_batch_size=64)``, the batch cut into micro-batches;
-3. **auto**: ``Accumulator(micro_batch_size="auto", memory_budget=...)`` under a budget of half
-   the peak the full batch was measured to need, so the full batch does not fit.
+  full batch    a plain PyTorch loop: the whole batch in one forward/backward per step
+  accumulated   bigbatch.Accumulator(micro_batch_size=--micro-batch-size)
+  auto          Accumulator(micro_batch_size="auto", memory_budget=half the full batch's peak)
 
-It shows that the three reach the same weights (float64 rounding) and test accuracy while the
-peak memory falls, as a table and a PNG plot.
+The table gives each run's micro-batch, peak memory per step (the process's resident-set
+high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
+difference from the full batch (float64 rounding: ~1e-15). The plot (--out) overlays the
+loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
 
 Note [demo peaks]
     A run's peak is the most memory one optimizer step added above what was in use before it
@@ -27,9 +30,9 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +40,11 @@ import torch.nn.functional as F
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.peak import measure_peak, small_mmap_threshold
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 EXACT = 1e-10  # float64: a difference above this is not rounding
 MIN_BATCH = 256  # below, half the full batch's peak is less than the parameters' share alone
 
 
-@dataclass(frozen=True)
-class Digits:
+class Digits(NamedTuple):
     """The digits, scaled to [0, 1], split into a training and a held-out test set."""
 
     x_train: torch.Tensor
@@ -54,18 +55,8 @@ class Digits:
 
 @dataclass
 class Run:
-    """What one of the three runs did.
-
-    Attributes:
-        name: ``"full batch"``, ``"accumulated"`` or ``"auto"``.
-        model: the trained model.
-        losses: the loss of each optimizer step (the batch's mean, before the step).
-        step_peaks: bytes each step added above what was in use before it.
-        micro_batch_sizes: micro-batch size of each step (the whole batch for the full batch).
-        retries: windows redone after going over the memory budget, per step.
-        time_s: training time in seconds.
-        batch_size: samples per optimizer step.
-    """
+    """What one of the three runs did: per optimizer step, the loss (before the step), the
+    bytes the step added, its micro-batch size and the windows redone over the budget."""
 
     name: str
     model: torch.nn.Module
@@ -81,125 +72,11 @@ class Run:
         kept = [p for p, r in zip(self.step_peaks[1:], self.retries[1:], strict=True) if not r]
         return max(kept or self.step_peaks)
 
-    def micro_batch_size(self) -> int:
-        """The micro-batch size of the last step."""
-        return self.micro_batch_sizes[-1]
-
-
-def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
-    """scikit-learn's 1,797 bundled 8x8 digit images, shuffled and split, in float64.
-
-    Raises:
-        ImportError: scikit-learn is not installed (``pip install scikit-learn``).
-    """
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    x = torch.tensor(digits.data, dtype=torch.float64) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    return Digits(x[test_samples:], y[test_samples:], x[:test_samples], y[:test_samples])
-
-
-def make_model(hidden: int = 8192, seed: int = 0) -> torch.nn.Module:
-    """A wide one-hidden-layer MLP, 64 pixels -> ``hidden`` -> 10 digits, in float64."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
-    ).double()
-
-
-def loss_fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy of a ``(images, labels)`` batch."""
-    return F.cross_entropy(model(batch[0]), batch[1])
-
-
-def batch_order(n_samples: int, batch_size: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """Each step's sample indices: ``batch_size`` distinct samples drawn afresh every step."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randperm(n_samples, generator=gen)[:batch_size] for _ in range(steps)]
-
-
-def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Fraction of ``x`` whose highest logit is the label ``y``."""
-    with torch.no_grad():
-        return float((model(x).argmax(dim=1) == y).double().mean())
-
-
-def max_relative_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    """Largest ``‖a_i - b_i‖ / ‖a_i‖`` over the parameter tensors of two models."""
-    return max(
-        float((p - q).detach().norm() / p.detach().norm())
-        for p, q in zip(a.parameters(), b.parameters(), strict=True)
-    )
-
-
-StepFn = Callable[[Batch], tuple[float, int, int]]  # batch -> (loss, micro-batch, retries)
-
-
-def train(run: Run, step: StepFn, data: Digits, order: Sequence[torch.Tensor], tick: Any) -> Run:
-    """Take one step per index tensor of ``order``, measuring each step's peak and the time."""
-    start = time.perf_counter()
-    for idx in order:
-        batch = (data.x_train[idx], data.y_train[idx])
-        with measure_peak("cpu") as peak:
-            loss, size, retries = step(batch)
-        run.losses.append(loss)
-        run.step_peaks.append(peak.peak_bytes)
-        run.micro_batch_sizes.append(size)
-        run.retries.append(retries)
-        tick()
-    run.time_s = time.perf_counter() - start
-    return run
-
-
-def full_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
-    """The plain PyTorch step the other runs must reproduce: the whole batch at once."""
-
-    def step(batch: Batch) -> tuple[float, int, int]:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach()), len(batch[1]), 0
-
-    return step
-
-
-def accumulated_step(acc: Accumulator) -> StepFn:
-    """One ``Accumulator.train_step``: the batch cut into micro-batches, one optimizer step."""
-
-    def step(batch: Batch) -> tuple[float, int, int]:
-        result = acc.train_step(batch, loss_fn)
-        return result.loss, int(result.micro_batch_size or 0), result.oom_retries
-
-    return step
-
-
-def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The demo's optimizer: AdamW, the same settings for the three runs."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
-
-
-def warm_up(init: torch.nn.Module, data: Digits, batch_size: int) -> None:
-    """One untimed full-batch step on a throwaway copy, so no run pays one-time allocations."""
-    model = copy.deepcopy(init)
-    idx = torch.arange(min(batch_size, len(data.y_train)))
-    full_batch_step(model, optimizer_for(model))((data.x_train[idx], data.y_train[idx]))
-
 
 @dataclass(frozen=True)
 class DemoResult:
-    """The three runs and how they compare.
-
-    Attributes:
-        runs: full batch, accumulated, auto (in that order).
-        budget_bytes: the auto run's ``memory_budget``: half the full batch's measured peak.
-        accuracies: test accuracy of each run.
-        differences: max relative parameter difference of each run vs the full batch.
-        plot_path: where the PNG was written.
-    """
+    """The three runs (full batch, accumulated, auto), auto's budget (half the full batch's
+    peak), each run's test accuracy and largest relative weight difference from the full batch."""
 
     runs: list[Run]
     budget_bytes: int
@@ -210,11 +87,33 @@ class DemoResult:
     def exact(self) -> bool:
         """Same weights to float64 rounding, the same accuracy, and auto under its budget."""
         full, _, auto = self.runs
-        return (
-            max(self.differences) < EXACT
-            and len(set(self.accuracies)) == 1
-            and auto.peak_bytes() <= self.budget_bytes < full.peak_bytes()
-        )
+        same = max(self.differences) < EXACT and len(set(self.accuracies)) == 1
+        return same and auto.peak_bytes() <= self.budget_bytes < full.peak_bytes()
+
+
+def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
+    """scikit-learn's 1,797 bundled 8x8 digit images, shuffled and split, in float64.
+
+    Raises:
+        ImportError: scikit-learn is not installed (``pip install scikit-learn``).
+    """
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as exc:
+        raise ImportError(
+            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
+            '(or pip install -e ".[demo]" in a clone).'
+        ) from None
+    digits = sklearn_digits()
+    order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
+    x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
+    y = torch.tensor(digits.target, dtype=torch.long)[order]
+    return Digits(x[test_samples:], y[test_samples:], x[:test_samples], y[:test_samples])
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy of an ``(images, labels)`` batch."""
+    return F.cross_entropy(model(batch[0]), batch[1])
 
 
 def run_demo(
@@ -231,7 +130,7 @@ def run_demo(
         batch_size: samples per optimizer step, the same for the three runs.
         micro_batch_size: the accumulated run's micro-batch.
         out: path of the PNG plot (its folder is created).
-        hidden: width of the MLP's hidden layer.
+        hidden: width of the MLP's hidden layer (64 -> hidden -> 10).
 
     Returns:
         The ``DemoResult``; ``.exact()`` says whether the runs agree.
@@ -242,25 +141,25 @@ def run_demo(
     """
     data = load_digits()
     _check_sizes(steps, batch_size, micro_batch_size, len(data.y_train))
-    order = batch_order(len(data.y_train), batch_size, steps)
-    init = make_model(hidden)
-    with small_mmap_threshold():  # clear CPU readings: Note [honest CPU peaks] in memory.peak
-        warm_up(init, data, batch_size)
-        with _progress() as bar:
-            full = _run("full batch", init, batch_size, data, order, bar, None, None)
-            budget = full.peak_bytes() // 2
-            accumulated = _run(
-                "accumulated", init, batch_size, data, order, bar, micro_batch_size, None
-            )
-            auto = _run("auto", init, batch_size, data, order, bar, "auto", budget)
-    runs = [full, accumulated, auto]
-    result = DemoResult(
-        runs,
-        budget,
-        [accuracy(r.model, data.x_test, data.y_test) for r in runs],
-        [max_relative_difference(full.model, r.model) for r in runs],
-        plot_demo(runs, budget, out),
-    )
+    gen = torch.Generator().manual_seed(0)  # each step: batch_size distinct samples, afresh
+    order = [torch.randperm(len(data.y_train), generator=gen)[:batch_size] for _ in range(steps)]
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
+    ).double()
+    with small_mmap_threshold(), _progress() as bar:  # Note [honest CPU peaks] in memory.peak
+        _train("warm-up", init, data, order[:1], None, None, bar)  # one-time allocations
+        full = _train("full batch", init, data, order, None, None, bar)
+        budget = full.peak_bytes() // 2
+        accumulated = _train("accumulated", init, data, order, micro_batch_size, None, bar)
+        runs = [full, accumulated, _train("auto", init, data, order, "auto", budget, bar)]
+    with torch.no_grad():
+        hits = [
+            float((r.model(data.x_test).argmax(1) == data.y_test).double().mean()) for r in runs
+        ]
+        pairs = [zip(full.model.parameters(), r.model.parameters(), strict=True) for r in runs]
+        differences = [max(float((p - q).norm() / p.norm()) for p, q in pair) for pair in pairs]
+    result = DemoResult(runs, budget, hits, differences, plot_demo(runs, budget, out))
     print_demo(result)
     return result
 
@@ -281,49 +180,56 @@ def _check_sizes(steps: int, batch_size: int, micro_batch_size: int, n_train: in
         )
 
 
-def _run(
+def _train(
     name: str,
     init: torch.nn.Module,
-    batch_size: int,
     data: Digits,
-    order: Sequence[torch.Tensor],
-    bar: Any,
+    order: list[torch.Tensor],
     micro_batch_size: int | str | None,
     budget: int | None,
+    bar: Any,
 ) -> Run:
+    """One run: a plain full-batch loop (``micro_batch_size=None``) or an ``Accumulator``."""
     model = copy.deepcopy(init)
-    optimizer = optimizer_for(model)
-    if micro_batch_size is None:
-        step = full_batch_step(model, optimizer)
-    else:
-        step = accumulated_step(
-            Accumulator(model, optimizer, micro_batch_size, memory_budget=budget)
-        )
-    task = bar.add_task(name, total=len(order))
-    return train(Run(name, model, batch_size), step, data, order, lambda: bar.advance(task))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    acc = (
+        None
+        if micro_batch_size is None
+        else Accumulator(model, optimizer, micro_batch_size, memory_budget=budget)
+    )
+    run, start = Run(name, model, len(order[0])), time.perf_counter()
+    tick: Callable[[], None] = _ticker(bar, name, len(order))
+    for idx in order:
+        batch = (data.x_train[idx], data.y_train[idx])
+        with measure_peak("cpu") as peak:
+            if acc is None:  # the plain PyTorch step the others must reproduce
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model, batch)
+                loss.backward()
+                optimizer.step()
+                step = (float(loss.detach()), len(idx), 0)
+            else:
+                result = acc.train_step(batch, loss_fn)
+                step = (result.loss, int(result.micro_batch_size or 0), result.oom_retries)
+        run.losses.append(step[0])
+        run.micro_batch_sizes.append(step[1])
+        run.retries.append(step[2])
+        run.step_peaks.append(peak.peak_bytes)
+        tick()
+    run.time_s = time.perf_counter() - start
+    return run
 
 
 def _progress() -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    return Progress(
-        "{task.description:>12}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-    )
+    columns = ("{task.description:>12}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns)
 
 
-def _row(run: Run, full: Run, acc: float, diff: float) -> list[str]:
-    size = run.micro_batch_size()
-    peak = run.peak_bytes()
-    return [
-        run.name,
-        f"{size} x {-(-run.batch_size // size)}",
-        _mib(peak),
-        f"{peak / full.peak_bytes():.0%}",
-        f"{run.time_s:.1f} s",
-        f"{run.batch_size * len(run.losses) / run.time_s:,.0f}",
-        f"{acc:.2%}",
-        "—" if run is full else f"{diff:.0e}",
-    ]
+def _ticker(bar: Any, name: str, total: int) -> Callable[[], None]:
+    task = bar.add_task(name, total=total, visible=name != "warm-up")
+    return lambda: bar.advance(task)
 
 
 def print_demo(result: DemoResult) -> None:
@@ -343,7 +249,13 @@ def print_demo(result: DemoResult) -> None:
     for name in headers + ["test\naccuracy", "weights:\nmax diff"]:
         table.add_column(name, justify="left" if name in headers[:2] else "right")
     for run, acc, diff in zip(result.runs, result.accuracies, result.differences, strict=True):
-        table.add_row(*_row(run, full, acc, diff))
+        size, peak = run.micro_batch_sizes[-1], run.peak_bytes()
+        table.add_row(
+            run.name, f"{size} x {-(-run.batch_size // size)}", _mib(peak),
+            f"{peak / full.peak_bytes():.0%}", f"{run.time_s:.1f} s",
+            f"{run.batch_size * len(run.losses) / run.time_s:,.0f}", f"{acc:.2%}",
+            "—" if run is full else f"{diff:.0e}",
+        )  # fmt: skip
     console = Console()
     console.print(table)
     console.print(_verdict(result))
@@ -351,23 +263,16 @@ def print_demo(result: DemoResult) -> None:
 
 
 def _verdict(result: DemoResult) -> str:
-    full, accumulated, auto = result.runs
-    saved = full.peak_bytes() / max(accumulated.peak_bytes(), 1)
-    memory = (
-        f"peak memory {_mib(full.peak_bytes())} -> {_mib(accumulated.peak_bytes())} accumulated "
-        f"({saved:.1f}x less) and {_mib(auto.peak_bytes())} auto, under a "
-        f"{_mib(result.budget_bytes)} budget the full batch exceeds"
-    )
-    if result.exact():
-        return (
-            f"[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
-            f"difference {max(result.differences):.0e}), the same test accuracy "
-            f"({result.accuracies[0]:.2%}); {memory}."
-        )
-    accuracies = ", ".join(f"{a:.2%}" for a in result.accuracies)
+    full, accumulated, auto = (r.peak_bytes() for r in result.runs)
+    accuracies = ", ".join(sorted({f"{a:.2%}" for a in result.accuracies}))
+    head = "[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
+    if not result.exact():
+        head = "[bold red]NOT as expected[/]: the weights differ (max relative "
     return (
-        f"[bold red]NOT as expected[/]: max relative weight difference "
-        f"{max(result.differences):.1e}, test accuracies {accuracies}; {memory}."
+        f"{head}difference {max(result.differences):.0e}), test accuracy {accuracies}; peak "
+        f"memory {_mib(full)} -> {_mib(accumulated)} accumulated ({full / max(accumulated, 1):.1f}x"
+        f" less) and {_mib(auto)} auto, under a {_mib(result.budget_bytes)} budget the full batch "
+        "exceeds."
     )
 
 
@@ -375,7 +280,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def plot_demo(runs: Sequence[Run], budget: int, path: str) -> str:
+def plot_demo(runs: list[Run], budget: int, path: str) -> str:
     """Draw the loss curves of the runs overlaid and their peak memory as bars; return ``path``."""
     import matplotlib
 
@@ -385,17 +290,12 @@ def plot_demo(runs: Sequence[Run], budget: int, path: str) -> str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     styles = [("-", 6, 0.35), ("--", 2.5, 1.0), (":", 2.5, 1.0)]
     for run, (style, width, alpha) in zip(runs, styles, strict=True):
-        left.plot(
-            range(1, len(run.losses) + 1), run.losses, style, lw=width, alpha=alpha, label=run.name
-        )
+        steps = range(1, len(run.losses) + 1)
+        left.plot(steps, run.losses, style, lw=width, alpha=alpha, label=run.name)
     left.set(xlabel="optimizer step", ylabel="training loss", title="the same loss curve")
     left.legend()
-    mib = [r.peak_bytes() / 2**20 for r in runs]
-    right.bar(
-        [f"{r.name}\nmicro-batch {r.micro_batch_size()}" for r in runs],
-        mib,
-        color=["C0", "C1", "C2"],
-    )
+    names = [f"{r.name}\nmicro-batch {r.micro_batch_sizes[-1]}" for r in runs]
+    right.bar(names, [r.peak_bytes() / 2**20 for r in runs], color=["C0", "C1", "C2"])
     right.axhline(budget / 2**20, color="C3", ls="--", label=f"auto's budget ({_mib(budget)})")
     right.set(ylabel="peak memory per step (MiB)", title="less memory")
     right.legend()

@@ -1,18 +1,29 @@
 """What a run records, once per optimizer step (never per micro-batch).
 
 ``RunLog.step(row)`` appends one row to ``DIR/metrics.csv``, writes the numbers to TensorBoard
-when it is installed (``DIR/tensorboard``), and advances the progress bar (rich, on stderr):
-loss, samples/s (tokens/s when the loss counts tokens), micro-batch x accumulation steps and
-peak memory. Under ``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own
-share, and ``round_loss`` / ``round_count`` (at a round's last step) the whole round's over every
-rank (Note [local rounds] in ``train.rounds``).
+when it is installed (``DIR/tensorboard``) and shows the progress (Note [progress]). Under
+``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own share, and
+``round_loss`` / ``round_count`` (at a round's last step) the whole round's over every rank
+(Note [local rounds] in ``app.rounds``).
+
+Note [progress]
+    A progress line (step, loss, samples/s or tokens/s, micro-batch x steps, peak memory, time
+    left) goes to ``DIR/train.log`` every ``log_every`` steps (0: about ``LINES_PER_RUN`` lines a
+    run) and at the last step, so a run under nohup, Slurm or a pipe can be followed with
+    ``tail -f``. On stderr: a bar when stderr is a terminal, else the same lines (a bar's frames
+    in a file are noise, and its last frame is cut to 80 columns). The bar is transient: when it
+    ends, the last line is printed whole, wrapped by the terminal, not cut to its width.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import math
 import os
-from typing import Any
+import sys
+import time
+from typing import IO, Any
 
 from bigbatch.core._units import format_bytes
 
@@ -22,60 +33,75 @@ COLUMNS = [
     "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
     "round_loss", "round_count",
 ]  # fmt: skip
+TENSORBOARD = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric",
+               "round_loss")  # fmt: skip
 METRICS_CSV = "metrics.csv"
+TRAIN_LOG = "train.log"
+LINES_PER_RUN = 20
 
 
 class RunLog:
-    """The per-step log of one run: CSV, optional TensorBoard and a progress bar.
+    """The per-step log of one run: CSV, train.log, optional TensorBoard, progress on stderr.
 
     Args:
         out: the run folder.
         total_steps: optimizer steps the run will take (the bar's length).
         start_step: steps already done (a resumed run; later CSV rows are dropped).
-        quiet: no progress bar.
+        quiet: nothing on stderr (the files are written all the same).
+        every: a progress line every N steps (0: about ``LINES_PER_RUN`` in the run).
     """
 
     def __init__(
-        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False
+        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False, every: int = 0
     ) -> None:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
         new = not os.path.exists(path)
-        self._file = open(path, "a", newline="")  # noqa: SIM115 - closed in close()
+        self._file = open_new(path, "a")
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         if new:
             self._csv.writeheader()
+        self._text = open_new(os.path.join(out, TRAIN_LOG), "a")
+        self._write(f"{'resumed after' if start_step else 'started at'} step {start_step}")
         self._tensorboard = _tensorboard_writer(out)
-        self._bar = None if quiet else _ProgressBar(total_steps, start_step)
+        self._total, self._every = total_steps, every or math.ceil(total_steps / LINES_PER_RUN)
+        self._start, self._first = time.monotonic(), start_step
+        self._bar = None if quiet or not _terminal() else _ProgressBar(total_steps, start_step)
+        self._echo = not quiet and self._bar is None
+        self._line = ""
 
     def step(self, row: dict[str, Any]) -> None:
         """Record one optimizer step (``row`` keys from ``COLUMNS``)."""
         self._csv.writerow(row)
         self._file.flush()
-        if self._tensorboard is not None:
-            for key in (
-                "loss",
-                "lr",
-                "grad_norm",
-                "samples_per_s",
-                "tokens_per_s",
-                "peak_bytes",
-                "metric",
-                "round_loss",
-            ):
-                if row.get(key) not in (None, ""):
-                    self._tensorboard.add_scalar(f"train/{key}", float(row[key]), int(row["step"]))
+        step = int(row["step"])
+        for key in TENSORBOARD if self._tensorboard is not None else ():
+            if row.get(key) not in (None, ""):
+                self._tensorboard.add_scalar(f"train/{key}", float(row[key]), step)
+        left = (time.monotonic() - self._start) / (step - self._first) * (self._total - step)
+        self._line = progress_line(row, self._total, left)
         if self._bar is not None:
-            self._bar.update(row)
+            self._bar.update(step, self._line)
+        if step % self._every == 0 or step == self._total:
+            self._write(self._line)
+            if self._echo:
+                print(self._line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Flush and close everything (the bar stays on screen)."""
+        """Flush and close everything; the bar gives way to the last line, whole."""
         if self._bar is not None:
             self._bar.close()
+            if self._line:
+                print(self._line, file=sys.stderr, flush=True)
         if self._tensorboard is not None:
             self._tensorboard.close()
         self._file.close()
+        self._text.close()
+
+    def _write(self, line: str) -> None:
+        self._text.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+        self._text.flush()
 
 
 class NullLog:
@@ -88,15 +114,44 @@ class NullLog:
         """Nothing to close."""
 
 
+def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
+    """``step 3/10 | loss 0.6931 | 1,234 samples/s | micro-batch 4 x 3 | peak 1.2 MiB | ...``."""
+    unit, left = "tokens" if row.get("tokens_per_s") not in (None, "") else "samples", round(left_s)
+    speed = f"{float(row[unit + '_per_s']):,.0f} {unit}/s"
+    evaluated = row.get("eval_loss") not in (None, "")
+    return " | ".join([
+        f"step {row['step']}/{total_steps}", f"loss {float(row['loss']):.4f}", speed,
+        f"micro-batch {row['micro_batch_size']} x {row['micro_batches']}",
+        f"peak {format_bytes(float(row['peak_bytes']))}",
+        *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
+        f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
+    ])  # fmt: skip
+
+
+def open_new(path: str, mode: str = "w") -> IO[Any]:
+    """Open ``path`` to write (``"w"``, ``"wb"``) or append (``"a"``), never through a symlink
+    planted there: the open fails instead."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OSError(
+            exc.errno, "is a symbolic link: bigbatch never writes through one; remove it", path
+        ) from None
+    return os.fdopen(fd, mode, newline=None if "b" in mode else "")
+
+
 def read_csv(path: str) -> list[dict[str, str]]:
     """The whole rows of a ``metrics.csv``, in order (empty when there is no file).
 
     A row cut short by a kill (a torn last line) or damaged is left out; so are rows whose step
-    is not a number.
+    or loss is not a number. Columns that older versions did not write are simply absent.
 
     Raises:
-        ValueError: the file lacks a column bigbatch writes (the message names the file and
-            the columns), e.g. it is not a ``metrics.csv`` of ``bigbatch train``.
+        ValueError: the file lacks a column every version writes (the message names the file
+            and the columns), e.g. it is not a ``metrics.csv`` of ``bigbatch train``.
     """
     if not os.path.exists(path):
         return []
@@ -128,53 +183,43 @@ def truncate_csv(path: str, last_step: int) -> None:
     """Keep exactly the rows of steps 1..``last_step``: a resumed run redoes the steps its
     snapshot did not hold (a torn last row, left by a kill mid-write, goes too)."""
     if last_step == 0:
-        if os.path.exists(path):
+        if os.path.lexists(path):
             os.remove(path)
         return
     kept = [r for r in read_csv(path) if int(r["step"]) <= last_step]
     temp = path + ".tmp"
-    with open(temp, "w", newline="") as file:
+    if os.path.lexists(temp):
+        os.remove(temp)  # a kill's leftover, or a planted link: never written through
+    with open_new(temp) as file:
         writer = csv.DictWriter(file, COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(kept)
     os.replace(temp, path)  # a kill now leaves the old file or the new one
 
 
-def speed_text(row: dict[str, Any]) -> str:
-    """``"1,234 samples/s"`` or ``"56,789 tokens/s"`` (when the loss counts tokens)."""
-    if row.get("tokens_per_s") not in (None, ""):
-        return f"{float(row['tokens_per_s']):,.0f} tokens/s"
-    return f"{float(row['samples_per_s']):,.0f} samples/s"
-
-
 class _ProgressBar:
     def __init__(self, total: int, done: int) -> None:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=Console(stderr=True),
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("{task.fields[info]}"), console=Console(stderr=True), transient=True,
         )  # fmt: skip
         self._task = self._progress.add_task("train", total=total, completed=done, info="")
         self._progress.start()
 
-    def update(self, row: dict[str, Any]) -> None:
-        micro = f"{row['micro_batch_size']} x {row['micro_batches']}"
-        info = (
-            f"loss {float(row['loss']):.4f} | {speed_text(row)} | micro-batch {micro} | "
-            f"peak {format_bytes(float(row['peak_bytes']))}"
-        )
-        self._progress.update(self._task, completed=int(row["step"]), info=info)
+    def update(self, step: int, line: str) -> None:
+        self._progress.update(self._task, completed=step, info=line.split(" | ", 1)[-1])
 
     def close(self) -> None:
         self._progress.stop()
+
+
+def _terminal() -> bool:
+    from rich.console import Console
+
+    return Console(stderr=True).is_terminal
 
 
 def _tensorboard_writer(out: str) -> Any:

@@ -140,7 +140,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         run = _prepare(task, config, ranks, folder)
         progress = _start(run)
         log = (
-            RunLog(folder.out, run.total_steps, progress.step, config.quiet)
+            RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
             if ranks.is_main
             else NullLog()
         )

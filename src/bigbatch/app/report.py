@@ -1,18 +1,31 @@
 """The end of a run: the summary (a table on screen, ``summary.json``) and the PNG plot.
 
-``bigbatch report DIR`` reads ``DIR/metrics.csv`` and ``DIR/summary.json`` and draws the loss
-curve and the peak memory over optimizer steps into ``DIR/report.png``.
+``bigbatch report DIR`` reads ``DIR/metrics.csv`` (and ``DIR/summary.json`` when the run
+finished) and draws the loss curve and the peak memory over optimizer steps into
+``DIR/report.png`` (Note [partial reports]).
+
+Note [partial reports]
+    A run folder may hold a run still in progress (another process holds its lock), or one that
+    stopped before its end (a crash, a kill, a Ctrl-C: no ``summary.json``, or one that counts
+    other steps than ``metrics.csv``). Its report is then computed from the rows written so far
+    and says so, on screen and in the plot's title. Files are replaced atomically; a report that
+    fails removes the ``DIR/report.png`` it would have replaced, so no plot is left that does
+    not match the folder. Rows and columns are read leniently (columns older versions did not
+    write are left out); what cannot be read at all is one line naming the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from bigbatch.app.log import METRICS_CSV, read_csv
+from bigbatch.app.log import METRICS_CSV, open_new, read_csv
 from bigbatch.core._units import format_bytes
 
 SUMMARY_JSON = "summary.json"
@@ -73,43 +86,24 @@ def summarize(
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
     (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
-    samples = sum(int(r["samples"]) for r in rows)
-    count = sum(float(r["count"]) for r in rows)
-    tokens = count if any(r["tokens_per_s"] for r in rows) else None
-    ends = [r for r in rows if r.get("round_loss")]  # local rounds: a row's count is rank 0's
-    if ends:
-        tokens = sum(float(r["round_count"]) for r in ends) if tokens is not None else None
-    time_s = max(time_s, 1e-9)
-    retried = [int(r["retry_peak_bytes"]) for r in rows if r.get("retry_peak_bytes")]
+    col, ends = _column(rows), _column([r for r in rows if r.get("round_loss")])  # local rounds
+    counted = ends("round_count") or col("count")  # under local rounds a row's count is rank 0's
+    tokens = sum(counted) if col("tokens_per_s") else None
+    time_s, samples, losses = max(time_s, 1e-9), int(sum(col("samples"))), ends("round_loss")
     summary = Summary(
-        steps=len(rows),
-        samples=samples,
-        tokens=tokens,
-        time_s=time_s,
-        samples_per_s=samples / time_s,
-        tokens_per_s=None if tokens is None else tokens / time_s,
-        peak_bytes=max((int(r["peak_bytes"]) for r in rows), default=0),
-        step_peak_bytes=max((int(r["step_peak_bytes"]) for r in rows), default=0),
-        final_loss=float(ends[-1]["round_loss"] if ends else rows[-1]["loss"])
-        if rows
-        else float("nan"),
-        eval_loss=evaluation[0],
-        metric=evaluation[1],
-        batch_size=batch_size,
-        micro_batch_size=int(rows[-1]["micro_batch_size"]) if rows else None,
-        out=out,
-        retry_peak_bytes=max(retried) if retried else None,
-        skipped_steps=sum(int(r.get("skipped") or 0) for r in rows),
-    )
+        steps=len(rows), samples=samples, tokens=tokens, time_s=time_s,
+        samples_per_s=samples / time_s, tokens_per_s=None if tokens is None else tokens / time_s,
+        peak_bytes=int(max(col("peak_bytes"), default=0)),
+        step_peak_bytes=int(max(col("step_peak_bytes"), default=0)),
+        final_loss=(losses or col("loss") or [math.nan])[-1], eval_loss=evaluation[0],
+        metric=evaluation[1], batch_size=batch_size,
+        micro_batch_size=_whole(col("micro_batch_size")[-1:]), out=out,
+        retry_peak_bytes=_whole(col("retry_peak_bytes")), skipped_steps=int(sum(col("skipped"))),
+    )  # fmt: skip
     if write:
         plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}
-        with open(os.path.join(out, SUMMARY_JSON), "w") as file:
-            json.dump(plain, file, indent=2, allow_nan=False)  # valid JSON: NaN becomes null
+        _write(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
     return summary
-
-
-def _json_number(value: object) -> object:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def load_summary(out: str) -> Summary:
@@ -133,31 +127,86 @@ def load_summary(out: str) -> Summary:
         ) from None
 
 
+def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
+    """``bigbatch report``: the summary, why it is partial (``None``: the run finished) and the
+    plot's path (Note [partial reports]).
+
+    Raises:
+        FileNotFoundError: ``out`` is not a run folder, or holds no steps.
+        ValueError: ``metrics.csv`` or ``summary.json`` cannot be read (the message names it).
+    """
+    if not os.path.isdir(out):
+        what = "is a file, not a folder" if os.path.exists(out) else "does not exist"
+        raise FileNotFoundError(f"run folder {out!r} {what}: give the --out folder of a run.")
+    default = os.path.join(out, REPORT_PNG)
+    path = png or default
+    try:
+        rows = read_csv(os.path.join(out, METRICS_CSV))
+        if not rows:
+            raise FileNotFoundError(
+                f"{os.path.join(out, METRICS_CSV)} is missing or empty: give the --out folder of "
+                "a `bigbatch train` run that took a step."
+            )
+        summary, partial = _summary_so_far(out, rows)
+        return summary, partial, plot_run(out, path, rows, partial)
+    except BaseException:
+        if path == default and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)  # a plot that does not match the folder is worse than none
+        raise
+
+
+def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str | None]:
+    holder = _lock_holder(out)
+    if holder is None and os.path.exists(os.path.join(out, SUMMARY_JSON)):
+        summary = load_summary(out)
+        if summary.steps == len(rows):
+            return summary, None
+    col = _column(rows)
+    evaluation = (next(reversed(col("eval_loss")), None), next(reversed(col("metric")), None))
+    summary = summarize(out, sum(col("time_s")), _whole(col("samples")) or 0, evaluation, False)
+    if holder is not None:
+        return summary, f"the run is still running (process {holder}), at step {len(rows)}"
+    return summary, (
+        f"the run stopped at step {len(rows)} before its end (a crash, a kill or Ctrl-C): "
+        "`bigbatch train ... --resume` continues it"
+    )
+
+
+def _lock_holder(out: str) -> str | None:
+    """The PID written in ``out/.lock`` while a run holds it (Note [one writer]), else None."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(out, ".lock"), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing releases the shared lock at once
+
+
 def summary_rows(summary: Summary) -> list[tuple[str, str]]:
     """The summary as (name, value) lines, for a table."""
-    rows = [
+    retried = summary.retry_peak_bytes
+    rows: list[tuple[str, Any]] = [
         ("optimizer steps", f"{summary.steps:,}"),
         ("effective batch", f"{summary.batch_size:,} (micro-batch {summary.micro_batch_size})"),
         ("time", f"{summary.time_s:.1f} s"),
         ("samples/s", f"{summary.samples_per_s:,.1f}"),
-    ]
-    if summary.tokens_per_s is not None:
-        rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
-    rows += [
+        ("tokens/s", None if summary.tokens_per_s is None else f"{summary.tokens_per_s:,.0f}"),
         ("peak memory", format_bytes(summary.peak_bytes)),
         ("peak added by a step", format_bytes(summary.step_peak_bytes)),
-    ]
-    if summary.retry_peak_bytes is not None:
-        rows.append(("... with redone attempts", format_bytes(summary.retry_peak_bytes)))
-    if summary.skipped_steps:
-        rows.append(("skipped steps", f"{summary.skipped_steps:,}"))
-    final = summary.final_loss
-    rows.append(("final loss", f"{final:.4f}" if final is not None else "nan"))
-    if summary.eval_loss is not None:
-        rows.append(("eval loss", f"{summary.eval_loss:.4f}"))
-    if summary.metric is not None:
-        rows.append(("eval metric", f"{summary.metric:.4f}"))
-    return rows
+        ("... with redone attempts", retried and format_bytes(retried)),
+        ("skipped steps", summary.skipped_steps and f"{summary.skipped_steps:,}"),
+        ("final loss", "nan" if summary.final_loss is None else f"{summary.final_loss:.4f}"),
+        ("eval loss", None if summary.eval_loss is None else f"{summary.eval_loss:.4f}"),
+        ("eval metric", None if summary.metric is None else f"{summary.metric:.4f}"),
+    ]  # fmt: skip
+    return [(name, value) for name, value in rows if value]
 
 
 def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
@@ -173,57 +222,74 @@ def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
     Console().print(table)
 
 
-def plot_run(out: str, path: str | None = None) -> str:
-    """Draw the loss and the peak memory over optimizer steps; return the PNG's path.
-
-    Raises:
-        FileNotFoundError: ``out`` has no ``metrics.csv``.
-    """
-    rows = read_csv(os.path.join(out, METRICS_CSV))
-    if not rows:
-        raise FileNotFoundError(
-            f"{os.path.join(out, METRICS_CSV)} is missing or empty: give the --out folder of a "
-            "`bigbatch train` run."
-        )
+def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | None = None) -> str:
+    """Draw the loss and the peak memory over optimizer steps into ``path``; return it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [int(r["step"]) for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
-    ends = [r for r in rows if r.get("round_loss")]  # local rounds (Note [local rounds])
-    label = "train loss (rank 0's share)" if ends else "train loss"
-    top.plot(steps, [float(r["loss"]) for r in rows], color="tab:blue", label=label)
-    if ends:
-        round_steps = [int(r["step"]) for r in ends]
-        round_loss = [float(r["round_loss"]) for r in ends]
-        top.plot(round_steps, round_loss, "s-", color="tab:green", label="round loss (all ranks)")
-    evals = [r for r in rows if r["eval_loss"]]
-    if evals:
-        eval_steps = [int(r["step"]) for r in evals]
-        eval_loss = [float(r["eval_loss"]) for r in evals]
-        top.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="eval loss")
-    top.set_ylabel("loss")
-    top.set_title(f"bigbatch run {os.path.basename(os.path.abspath(out))}: loss per optimizer step")
-    top.legend()
-    top.grid(alpha=0.3)
-    mib = 2.0**20
-    bottom.plot(
-        steps, [int(r["peak_bytes"]) / mib for r in rows], color="tab:red", label="peak in use"
-    )
-    bottom.plot(
-        steps,
-        [int(r["step_peak_bytes"]) / mib for r in rows],
-        color="tab:purple",
-        label="added by the step",
-    )
-    bottom.set_ylabel("memory (MiB)")
-    bottom.set_xlabel("optimizer step")
-    bottom.set_ylim(bottom=0)
-    bottom.legend()
-    bottom.grid(alpha=0.3)
-    path = path or os.path.join(out, REPORT_PNG)
-    fig.savefig(path, dpi=110)
+    local = any(_number(r, "round_loss") is not None for r in rows)  # Note [local rounds]
+    curves = [
+        (top, "loss", "-", "tab:blue", "train loss (rank 0's share)" if local else "train loss"),
+        (top, "round_loss", "s-", "tab:green", "round loss (all ranks)"),
+        (top, "eval_loss", "o-", "tab:orange", "eval loss"),
+        (bottom, "peak_bytes", "-", "tab:red", "peak in use"),
+        (bottom, "step_peak_bytes", "-", "tab:purple", "added by the step"),
+    ]
+    for axes, key, style, color, label in curves:
+        points = [(int(r["step"]), _number(r, key)) for r in rows if _number(r, key) is not None]
+        scale = 2.0**20 if axes is bottom else 1.0
+        if points:
+            steps, values = zip(*points, strict=True)
+            axes.plot(steps, [v / scale for v in values], style, color=color, label=label)
+    name = os.path.basename(os.path.abspath(out))
+    state = " (partial: still running)" if partial and "running" in partial else (
+        " (partial: stopped before its end)" if partial else ""
+    )  # fmt: skip
+    top.set(ylabel="loss", title=f"bigbatch run {name}{state}: loss per optimizer step")
+    bottom.set(ylabel="memory (MiB)", xlabel="optimizer step", ylim=(0, None))
+    for axes in (top, bottom):
+        axes.grid(alpha=0.3)
+        if axes.lines:
+            axes.legend()
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format="png")
     plt.close(fig)
+    _write(path, image.getvalue())
     return path
+
+
+def _write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` at once, never writing through a planted symlink."""
+    temp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+    try:
+        if os.path.lexists(temp):
+            os.remove(temp)
+        with open_new(temp, "wb") as file:
+            file.write(data)
+        os.replace(temp, path)
+    except OSError as exc:  # named by the file the user asked for, not the temporary one
+        raise OSError(exc.errno, exc.strerror, path) from None
+
+
+def _number(row: dict[str, str], key: str) -> float | None:
+    """The cell as a number; ``None`` when the column is absent (an older version) or empty."""
+    try:
+        return float(row.get(key) or "")
+    except ValueError:
+        return None
+
+
+def _column(rows: list[dict[str, str]]) -> Callable[[str], list[float]]:
+    return lambda key: [v for r in rows if (v := _number(r, key)) is not None]
+
+
+def _whole(values: list[float]) -> int | None:
+    """The largest of ``values`` as an integer (``None`` when there is none)."""
+    return int(max(values)) if values else None
+
+
+def _json_number(value: object) -> object:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
