@@ -222,3 +222,43 @@ def test_named_terms_in_a_cached_batch_loss(gen):
     acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), 4)
     acc.train_step(batch, loss)
     assert max_relative_error(ref, model) < 1e-10
+
+
+def test_a_term_counted_in_fractions_below_one_is_exact(gen):
+    """Counts are sums of sample weights (below 1 over the whole window), beside a token term."""
+    torch.manual_seed(0)
+    init = TinyCausalLM().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    batch = make_batch(10, gen)
+    batch["w"] = torch.rand(10, generator=gen, dtype=torch.float64) / 20  # Σ w < 1
+
+    def loss(m, mb):
+        logits = m(mb["input_ids"])
+        per_sample = terms.sequence_logps(logits, mb["labels"])
+        return {**terms.token_nll(logits, mb["labels"]),
+                "weighted": (-(mb["w"] * per_sample).sum(), mb["w"].sum(), 0.5)}  # fmt: skip
+
+    def plain(m, b):
+        logits = m(b["input_ids"])
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten())
+        weighted = -(b["w"] * terms.sequence_logps(logits, b["labels"])).sum() / b["w"].sum()
+        return nll + 0.5 * weighted
+
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), plain, batch)
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), 4)
+    acc.train_step(batch, loss)
+    assert max_relative_error(ref, model) < 1e-10
+
+
+def test_one_term_of_any_name_needs_no_count_pass(gen):
+    calls = []
+    model = TinyCausalLM().double()
+
+    def loss(m, mb):
+        calls.append(len(mb["input_ids"]))
+        return terms.token_nll(m(mb["input_ids"]), mb["labels"], name="lm")
+
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    for _ in range(2):
+        result = acc.train_step(make_batch(10, gen), loss)
+    assert calls == [4, 4, 2] * 2 and set(result.terms) == {"lm"}

@@ -31,13 +31,18 @@ T = TypeVar("T")
 
 
 def prepass(
-    model: torch.nn.Module, pieces: Sequence[Any], fn: Callable[[Any], T], device: torch.device
+    state: torch.nn.Module | Sequence[torch.Tensor],
+    pieces: Sequence[Any],
+    fn: Callable[[Any], T],
+    device: torch.device,
 ) -> tuple[list[T], list[_rng.RngState]]:
-    """``fn`` on every piece without gradients; the random state before each; buffers put back.
+    """``fn`` on every piece without gradients; the random state before each; the mutable
+    ``state`` (a module's buffers, or the tensors an ``Accumulator`` tracks) put back.
 
     Note [passes before the window]. The random state afterwards is the one after the pass.
     """
-    saved = [b.detach().clone() for b in model.buffers()]
+    tensors = list(state.buffers()) if isinstance(state, torch.nn.Module) else list(state)
+    saved = [b.detach().clone() for b in tensors]
     states, outputs = [], []
     try:
         with torch.no_grad():
@@ -46,7 +51,7 @@ def prepass(
                 outputs.append(fn(piece))
     finally:  # also after a failure: a redone window starts from the same buffers
         with torch.no_grad():
-            for b, value in zip(model.buffers(), saved, strict=True):
+            for b, value in zip(tensors, saved, strict=True):
                 b.copy_(value)
     return outputs, states
 
@@ -84,7 +89,7 @@ def agree(
 
 
 def run_prepass(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.Tensor],
     pieces: Sequence[Any],
     fn: Callable[[Any], T],
     device: torch.device,

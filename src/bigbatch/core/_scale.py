@@ -43,9 +43,9 @@ def plan(
     w: Window, batch: Any, counts: Sequence[Any] | None, samples: int, sync: GradSync, fp16: bool
 ) -> None:
     """Choose the window's scales before it runs (``counts``: each piece's, when known)."""
-    if counts is not None:
+    if counts is not None:  # exactly 1 / C_k (a count may be a fraction: a sum of weights)
         w.expected = global_counts(total_counts(counts), samples, sync)[0]
-        w.scales = {k: 1.0 / clamp_count(c) for k, c in w.expected.items()}
+        w.scales = {k: _reciprocal(c) for k, c in w.expected.items()}
     elif sync.world_size > 1 and not fp16:
         w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
     else:
@@ -100,3 +100,11 @@ def overflowed(
     local = stack_values([bad, w.count("loss")], device)
     any_bad = float(sync.all_reduce_sum(local)[0]) if sync.world_size > 1 else float(bad)
     return float(local[1]) if any_bad else None
+
+
+def _reciprocal(count: Any) -> Any:
+    """``1 / count``, or 1 where the count is 0 (a term with no items in this window)."""
+    if isinstance(count, torch.Tensor):
+        count = count.to(torch.float64)
+        return torch.where(count > 0, 1.0 / count.clamp_min(1e-300), torch.ones_like(count))
+    return 1.0 / count if count > 0 else 1.0

@@ -329,7 +329,10 @@ class Stepper:
             )
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         scale = float(w.scales[first])  # type: ignore[index]  # set by the first backward
-        factor = self.sync.world_size / (counts[first] * scale) if counts[first] else 1.0
+        if w.expected is not None and len(counts) > 1:  # every s_k is exactly 1 / C_k
+            factor = float(self.sync.world_size)
+        else:  # one term: whatever s was, W / (C s) makes it exact
+            factor = self.sync.world_size / (counts[first] * scale) if counts[first] else 1.0
         if w.deferred:  # Note [several forwards]: each rank's own factor, then the average
             scale_grads_(params, factor)
             self.sync.reduce_grads(params)

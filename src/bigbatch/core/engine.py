@@ -300,7 +300,7 @@ class Accumulator:
         states = None
         if stats_fn is not None:
             outputs, states = run_prepass(
-                self.model,
+                self._runner.buffers.all(),
                 pieces,
                 functools.partial(self._under_autocast(stats_fn), self.model),
                 self.device,
@@ -338,7 +338,8 @@ class Accumulator:
 
         if not self._count_pass:
             return None, states
-        return run_prepass(self.model, pieces, count, self.device, self._sync, states)
+        state = self._runner.buffers.all()  # with what track() added (Keras' variables)
+        return run_prepass(state, pieces, count, self.device, self._sync, states)
 
     def _under_autocast(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Piece], Any]:
         def run(model: Any, piece: Piece) -> Any:
@@ -402,7 +403,10 @@ class Accumulator:
             w.scales = {"loss": 1.0}
             w.follow = "all" if self._precision.scaler is not None else ""
         if set(terms) != set(w.scales):
-            self._need_counts(terms)
+            if len(terms) == len(w.scales) == 1 and w.expected is None:  # one term, any name
+                w.scales = {next(iter(terms)): next(iter(w.scales.values()))}
+            else:
+                self._need_counts(terms)
         count = terms["loss"].count if "loss" in terms else None
         if w.follow == "all" or w.follow and isinstance(count, torch.Tensor):
             follow(w, count, bool(self._last), self._sync, self._params_with_grad)
