@@ -123,13 +123,14 @@ def _weights(fit: dict[str, Any], gen: torch.Generator, per_token: bool) -> None
     fit["sample_weight"] = torch.rand(shape, generator=gen, dtype=torch.float64).numpy()
 
 
-# builder, its options, data kind, optimizer, micro_batch_size, fit options, and whether the last
-# window is redone (a masked divisor beside another loss term; Note [keras loss shares]). The
-# masked data's last batch always mispredicts its divisor (keras_cases.data), so "masked-adamw"
-# is exact only if the single-term rescaling works.
+# builder, its options, data kind, optimizer, micro_batch_size, fit options, and whether the
+# engine counts a divisor before each window (a masked divisor beside another loss term; Note
+# [keras loss terms]). The masked data's micro-batches hold very uneven real tokens
+# (keras_cases.data): a masked term alone is exact only if the engine divides by the window's
+# total count.
 CASES = {
     "dense-sgd-sample-weight": (dense, {}, "dense", "sgd", 4, {"sample_weight": "per-sample"}, 0),
-    "masked-adamw": (masked, {}, "masked", "adamw", 4, {}, 0),  # one term: rescaled
+    "masked-adamw": (masked, {}, "masked", "adamw", 4, {}, 0),  # one term: no count pass
     "masked-l2-sgd": (masked, {"regularized": True}, "masked", "sgd", 3, {}, 1),
     "conv-adamw": (conv, {}, "conv", "adamw", 4, {}, 0),
     "conv-sgd-micro-3": (conv, {}, "conv", "sgd", 3, {}, 0),
@@ -163,7 +164,7 @@ QUICK = {"dense-sgd-sample-weight", "masked-adamw", "masked-l2-sgd"}
     [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_fit_with_accumulate_equals_fit_with_the_full_batch(case: str, gen) -> None:
-    builder, options, kind, optimizer, micro, extra, redone = CASES[case]
+    builder, options, kind, optimizer, micro, extra, counted = CASES[case]
     fit = data(kind, N, gen, two_outputs=options.get("two_outputs", False))
     if "sample_weight" in extra:
         _weights(fit, gen, per_token=extra["sample_weight"] == "per-token")
@@ -177,7 +178,7 @@ def test_fit_with_accumulate_equals_fit_with_the_full_batch(case: str, gen) -> N
     last = acc["handle"].last
     assert (last.samples, last.micro_batch_size) == (5, min(micro, 5))  # the short last batch
     assert last.micro_batches == -(-5 // micro)
-    assert last.redone is bool(redone)
+    assert last.counted is bool(counted)
 
 
 @pytest.mark.slow
