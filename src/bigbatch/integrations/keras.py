@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._auto import AutoState
+from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.split import batch_size
@@ -46,31 +47,27 @@ __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
 def _import_keras() -> Any:
     """Keras 3 on the torch backend, or an ImportError saying in one line what to do."""
+    setting = f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch"
     try:
         import keras
     except ModuleNotFoundError as exc:
-        if exc.name != "keras":  # Keras is there; the backend it was asked for is not
-            backend = os.environ.get("KERAS_BACKEND", "default")
+        if exc.name == "keras":
             raise ImportError(
-                f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its "
-                f"{backend!r} backend ({exc}): set KERAS_BACKEND=torch before keras is first "
-                "imported."
-            ) from exc
+                'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
+                "KERAS_BACKEND=torch."
+            ) from None
+        raise ImportError(  # Keras is there; the backend it was asked for is not
+            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its backend "
+            f"({exc}; {setting} before keras is first imported)."
+        ) from exc
+    if not keras.__version__.startswith("3."):
         raise ImportError(
-            'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
-            "KERAS_BACKEND=torch."
-        ) from None
-    version = getattr(keras, "__version__", "0")
-    if int(version.split(".")[0]) < 3:
-        raise ImportError(
-            f'bigbatch.keras needs Keras 3, found Keras {version}: pip install "bigbatch[keras]".'
+            f'bigbatch.keras needs Keras 3, found {keras.__version__}: pip install "bigbatch[keras]".'
         )
-    backend = keras.backend.backend()
-    if backend != "torch":
+    if keras.backend.backend() != "torch":
         raise ImportError(
-            f"bigbatch.keras needs Keras' torch backend, but Keras runs on {backend!r} "
-            f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}): set KERAS_BACKEND=torch "
-            "before keras is first imported."
+            f"bigbatch.keras needs Keras' torch backend, but Keras runs on "
+            f"{keras.backend.backend()!r} ({setting} before keras is first imported)."
         )
     return keras
 
@@ -229,7 +226,7 @@ class Accumulation:
         if n < self._samples and not self._warned:  # cut in several pieces: see BatchNorm
             _warn_batch_norm(model)
             self._warned = True
-        y_pred = model(x, training=True) if _has_training_arg(model) else model(x)
+        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
         ensure_built(model, y, y_pred, sample_weight)
         record = Recording(n, self._samples)
         with recording(model, record):
@@ -296,18 +293,10 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
 
 
 def _check_micro_batch_size(value: object) -> None:
-    if value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f'micro_batch_size={value!r} is not allowed: use a positive integer, "auto", or '
-            "None to undo (e.g. micro_batch_size=64)."
-        )
-    if value <= 0:
-        raise ValueError(
-            f'micro_batch_size={value} is not allowed: use a positive integer, "auto", or None '
-            "to undo (e.g. micro_batch_size=64)."
-        )
+    try:
+        make_sizing(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
 
 
 def _check_own_train_step(model: Any) -> None:
@@ -343,12 +332,11 @@ def _check_compiled(model: Any) -> None:
 
 def _warn_batch_norm(model: Any) -> None:
     """One BigBatchWarning naming the trainable BatchNormalization layers, if there are any."""
-    found, todo = [], list(model.layers)
-    while todo:
-        layer = todo.pop(0)
-        todo += list(getattr(layer, "layers", []))  # nested models
-        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable:
-            found.append(layer.name)
+    found = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False)  # nested models too
+        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable
+    ]
     if found:
         warnings.warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
@@ -356,12 +344,8 @@ def _warn_batch_norm(model: Any) -> None:
             "(layer.trainable = False) or use keras.layers.GroupNormalization / "
             "LayerNormalization for exact accumulation.",
             BigBatchWarning,
-            stacklevel=4,
+            stacklevel=2,
         )
-
-
-def _has_training_arg(model: Any) -> bool:
-    return bool(getattr(model, "_call_has_training_arg", True))
 
 
 def _overrides_compute_loss(model: Any) -> bool:
@@ -370,17 +354,15 @@ def _overrides_compute_loss(model: Any) -> bool:
 
 
 def _warn_float32_matmuls(model: Any) -> None:
-    """Say once that float64 weights do not make Keras compute in float64 (issue 21, 4b)."""
-    if _keras.backend.result_type("float64", "float64") == "float64":
-        return
-    if any(w.dtype == "float64" for w in model.weights):
+    """Say that float64 weights do not make Keras compute in float64 (issue 21, 4b)."""
+    if _keras.backend.result_type("float64", "float64") != "float64" and any(
+        w.dtype == "float64" for w in model.weights
+    ):
         warnings.warn(
-            "the model's weights are float64, but Keras computes float64 layers in float32 (its "
-            "type promotion follows JAX's default: keras.backend.result_type('float64', "
-            "'float64') is 'float32'), so fit's own full-batch step is accurate to float32 "
-            "rounding and fit with accumulate agrees with it to about 1e-7, not to float64's "
-            "1e-16. The accumulation adds no error of its own (docs/keras.md, 'Testing in "
-            "float64').",
+            "the model's weights are float64, but Keras computes float64 layers in float32 "
+            "(keras.backend.result_type('float64', 'float64') is 'float32', as in JAX), its own "
+            "full-batch fit included: fit with accumulate agrees with it to float32 rounding "
+            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64').",
             BigBatchWarning,
             stacklevel=2,
         )
