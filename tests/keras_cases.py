@@ -65,7 +65,7 @@ def data(kind: str, n: int, gen: torch.Generator, two_outputs: bool = False) -> 
         ids = torch.randint(1, VOCAB, (n, STEPS), generator=gen)
         lengths = torch.randint(1, STEPS + 1, (n,), generator=gen)
         lengths[0] = lengths[-5] = STEPS  # full sequences, others as short as one token
-        lengths[-2:] = 1  # the last batch of 5 ends short: its first micro-batch mispredicts
+        lengths[-2:] = 1  # the last batch of 5 ends short: its micro-batches hold uneven tokens
         ids[torch.arange(STEPS)[None, :] >= lengths[:, None]] = 0
         y: Any = torch.randint(0, VOCAB, (n, STEPS), generator=gen).numpy()
         if two_outputs:

@@ -36,12 +36,14 @@ from reference import full_batch_step, max_relative_error  # noqa: E402
 
 import bigbatch  # noqa: E402
 import bigbatch.keras  # noqa: E402
+from bigbatch.core._auto import AutoState  # noqa: E402
 
 # Keras' own np.array(tensor) calls warn under numpy 2 (keras/src/backend/torch/core.py).
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 TESTS = Path(__file__).resolve().parent
 N, BATCH = 25, 10  # one epoch: fit steps of 10, 10 and a short last 5 samples
 OPTIMIZERS = {
+    "plain-sgd": lambda: keras.optimizers.SGD(learning_rate=0.1),  # no momentum, no schedule
     "sgd": lambda: keras.optimizers.SGD(
         learning_rate=keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5),
         momentum=0.9,
@@ -117,19 +119,19 @@ def _numpy(variable: Any) -> np.ndarray:
     return keras.ops.convert_to_numpy(variable)
 
 
-def _weights(fit: dict[str, Any], gen: torch.Generator, per_token: bool) -> None:
+def _weights(fit: dict[str, Any], gen: torch.Generator, per_token: bool, scale: float) -> None:
     n = len(fit["x"])
     shape = (n, fit["x"].shape[1]) if per_token else (n,)
-    fit["sample_weight"] = torch.rand(shape, generator=gen, dtype=torch.float64).numpy()
+    fit["sample_weight"] = torch.rand(shape, generator=gen, dtype=torch.float64).numpy() * scale
 
 
-# builder, its options, data kind, optimizer, micro_batch_size, fit options, and whether the last
-# window is redone (a masked divisor beside another loss term; Note [keras loss shares]). The
-# masked data's last batch always mispredicts its divisor (keras_cases.data), so "masked-adamw"
-# is exact only if the single-term rescaling works.
+# builder, its options, data kind, optimizer, micro_batch_size, fit options, and whether the
+# engine counts a divisor before each window (a masked divisor beside another loss term; Note
+# [keras loss terms]). The masked data's micro-batches hold very uneven real tokens
+# (keras_cases.data): a masked term alone is exact only if the engine divides by the window's
+# total count.
 CASES = {
-    "dense-sgd-sample-weight": (dense, {}, "dense", "sgd", 4, {"sample_weight": "per-sample"}, 0),
-    "masked-adamw": (masked, {}, "masked", "adamw", 4, {}, 0),  # one term: rescaled
+    "masked-adamw": (masked, {}, "masked", "adamw", 4, {}, 0),  # one term: no count pass
     "masked-l2-sgd": (masked, {"regularized": True}, "masked", "sgd", 3, {}, 1),
     "conv-adamw": (conv, {}, "conv", "adamw", 4, {}, 0),
     "conv-sgd-micro-3": (conv, {}, "conv", "sgd", 3, {}, 0),
@@ -144,6 +146,15 @@ CASES = {
         {"sample_weight": "per-token"},
         0,
     ),
+    "masked-l2-sample-weights-below-1": (  # each window's divisor, a sum of weights, is < 1
+        masked,
+        {"regularized": True, "reduction": "mean_with_sample_weight"},
+        "masked",
+        "sgd",
+        4,
+        {"sample_weight": "per-token", "scale": 1e-3},
+        1,
+    ),
     "dense-sum-class-weight": (
         dense,
         {"reduction": "sum"},
@@ -154,7 +165,15 @@ CASES = {
         0,
     ),
 }
-QUICK = {"dense-sgd-sample-weight", "masked-adamw", "masked-l2-sgd"}
+# Issue 21, 4b: the fit steps of 10 cut as 10, 5+5, 4+4+2 and 2x5, with and without sample
+# weights, SGD with and without momentum.
+for _split, _micro in {"10": 10, "5+5": 5, "4+4+2": 4, "2x5": 2}.items():
+    for _sgd in ("sgd", "plain-sgd"):
+        CASES[f"dense-{_sgd}-{_split}"] = (dense, {}, "dense", _sgd, _micro, {}, 0)
+        CASES[f"dense-{_sgd}-{_split}-sample-weight"] = (
+            dense, {}, "dense", _sgd, _micro, {"sample_weight": "per-sample"}, 0
+        )  # fmt: skip
+QUICK = {"dense-sgd-4+4+2-sample-weight", "dense-plain-sgd-2x5", "masked-adamw", "masked-l2-sgd"}
 
 
 @pytest.mark.usefixtures("float64")
@@ -163,10 +182,11 @@ QUICK = {"dense-sgd-sample-weight", "masked-adamw", "masked-l2-sgd"}
     [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
 )
 def test_fit_with_accumulate_equals_fit_with_the_full_batch(case: str, gen) -> None:
-    builder, options, kind, optimizer, micro, extra, redone = CASES[case]
+    builder, options, kind, optimizer, micro, extra, counted = CASES[case]
     fit = data(kind, N, gen, two_outputs=options.get("two_outputs", False))
     if "sample_weight" in extra:
-        _weights(fit, gen, per_token=extra["sample_weight"] == "per-token")
+        per_token = extra["sample_weight"] == "per-token"
+        _weights(fit, gen, per_token, extra.get("scale", 1.0))
     if "class_weight" in extra:
         fit["class_weight"] = extra["class_weight"]
     seed = int(torch.randint(0, 2**16, (1,), generator=gen))
@@ -177,7 +197,7 @@ def test_fit_with_accumulate_equals_fit_with_the_full_batch(case: str, gen) -> N
     last = acc["handle"].last
     assert (last.samples, last.micro_batch_size) == (5, min(micro, 5))  # the short last batch
     assert last.micro_batches == -(-5 // micro)
-    assert last.redone is bool(redone)
+    assert last.counted is bool(counted)
 
 
 @pytest.mark.slow
@@ -211,6 +231,71 @@ def test_auto_survives_out_of_memory_and_stays_exact(gen) -> None:
     handle = acc["handle"]
     assert handle.auto_state.ceiling is not None and handle.last.micro_batch_size <= 3
     assert handle.last.oom_retries == 0  # found in the first step, kept afterwards
+
+
+def test_auto_grows_after_ten_clean_steps_not_after_the_batch_size(gen) -> None:
+    """Issue 21, 4b: fit steps of 12; 12 and 6 run out of memory, 3 fits. After 10 clean steps
+    "auto" probes half-way to the ceiling (4, which fits); waiting for 12 would stay at 3."""
+    fit = data("dense", 11 * 12, gen)
+    sizes: list[int] = []
+    model, kwargs = dense(5, limit=4)
+    model.compile(optimizer="sgd", **kwargs)
+    handle = bigbatch.keras.accumulate(model, "auto")
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: sizes.append(handle.last.micro_batch_size)
+    )
+    model.fit(batch_size=12, shuffle=False, verbose=0, callbacks=[record], **fit)
+    assert sizes == [3] * 10 + [4]
+    assert handle.auto_state == AutoState(size=4, ceiling=6, clean_windows=1, fits=4)
+
+
+def test_plain_float64_keras_is_float32_accurate_and_says_so(gen, monkeypatch) -> None:
+    """Issue 21, 4b: under ``set_floatx("float64")`` alone Keras computes float64 layers in
+    float32 (``float64`` fixture), its own full-batch step included: the accumulated run is as
+    close to float64 arithmetic as the full batch is, and a warning says why both are ~1e-7."""
+    from keras.src.backend.common import dtypes
+
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    fit = data("dense", N, gen)
+    full = _fit(dense(3), "sgd", None, **fit)
+    match = r"weights are float64, but Keras computes float64 layers in float32"
+    with pytest.warns(bigbatch.BigBatchWarning, match=match):
+        acc = _fit(dense(3), "sgd", 4, **fit)
+    monkeypatch.setitem(dtypes.BIT64_TO_BIT32_DTYPE, "float64", "float64")
+    exact = _fit(dense(3), "sgd", None, **fit)  # float64 arithmetic: the judge of both
+    full_error = weights_error(exact["model"], full["model"])
+    assert full_error > 1e-10  # Keras' own full batch is float32-accurate ...
+    assert weights_error(exact["model"], acc["model"]) < 10 * full_error  # ... and so is this
+
+
+def _dropout_tagger(seed: int, regularized: bool) -> tuple[keras.Model, dict[str, Any]]:
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((7,), dtype="int32")
+    h = keras.layers.Dropout(0.3, seed=1)(keras.layers.Embedding(11, 8, mask_zero=True)(ids))
+    reg = keras.regularizers.L2(0.01) if regularized else None
+    tokens = keras.layers.Dense(11, kernel_regularizer=reg)(h)
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return keras.Model(ids, tokens), {"loss": ce, "metrics": ["accuracy"]}
+
+
+def test_the_count_pass_moves_no_keras_state(gen) -> None:
+    """A masked loss beside a regulariser is counted in a pass without gradients before each
+    window: its forwards must not move the seed generators or the metrics (the unregularised
+    twin, which needs no count pass, draws as many dropout masks)."""
+    fit = data("masked", N, gen)
+    seeds, counts = [], []
+    for regularized in (False, True):
+        model, kwargs = _dropout_tagger(0, regularized)
+        model.compile(optimizer="sgd", **kwargs)
+        handle = bigbatch.keras.accumulate(model, 4)
+        model.fit(batch_size=BATCH, shuffle=False, verbose=0, **fit)
+        assert handle.last.counted is regularized
+        dropout = next(layer for layer in model.layers if isinstance(layer, keras.layers.Dropout))
+        seeds.append(_numpy(dropout.seed_generator.state))
+        counts.append([_numpy(v) for v in model.metrics_variables if v.path.endswith("count")])
+    np.testing.assert_array_equal(seeds[0], seeds[1])
+    assert len(counts[1]) == 2 and counts[0] == counts[1]  # loss and accuracy: every sample once
 
 
 @pytest.mark.slow

@@ -1,102 +1,80 @@
-"""Each micro-batch's share of a Keras model's full-batch loss (used by ``bigbatch.keras``).
+"""A Keras model's loss as named terms for the engine (used by ``bigbatch.keras``).
 
-Note [keras loss shares]
-    Keras reduces each compiled loss term k to ``S_k / D_k``: the weighted sum of its per-item
-    losses over the batch divided by a divisor that its ``reduction`` chooses: the number of
-    items (``"sum_over_batch_size"``, ``"mean"``; the number of *unmasked* items when ``y_pred``
-    carries a Keras mask), the sum of the sample weights (``"mean_with_sample_weight"``), or 1
-    (``"sum"``). The full-batch loss is ``L = Σ_k w_k S_k / D_k + R``, ``R`` the model's own
-    losses (weight and activity regularisers, ``add_loss``), which Keras keeps as per-sample
-    means or constants.
+Note [keras loss terms]
+    Keras reduces each compiled loss term k to ``v_k = S_k / D_k``: the weighted sum of its
+    per-item losses over the batch divided by a divisor that its ``reduction`` chooses: the
+    number of items (``"sum_over_batch_size"``, ``"mean"``; the number of *unmasked* items when
+    ``y_pred`` or the loss's values carry a Keras mask), the sum of the sample weights
+    (``"mean_with_sample_weight"``), or 1 (``"sum"``). The full-batch loss is
+    ``L = Σ_k w_k S_k / D_k + R``, ``w_k`` its ``loss_weights`` and ``R`` the model's own losses
+    (weight and activity regularisers, ``add_loss``, a ``compute_loss`` of the user's), which
+    Keras keeps as per-sample means or constants.
 
-    A micro-batch ``i`` holding ``n_i`` of the window's ``N`` samples back-propagates its share
+    Micro-batch ``i`` (``n_i`` of the window's ``N`` samples) gives the engine named terms (Note
+    [named terms] in ``bigbatch.core.loss``), which it totals over the window before dividing:
 
-        ℓ_i = Σ_k w_k S_{k,i} / D_k + (n_i / N) R_i,        Σ_i ℓ_i = L,
+    * a term whose divisor grows with the samples (no mask, and no ``"mean_with_sample_weight"``
+      with sample weights: ``D_{k,i} = q_k n_i``, ``q_k`` the items per sample, the same in every
+      micro-batch cut from one batch) stays in Keras' total ``T_i``, and so does a ``"sum"``
+      term, multiplied by ``N / n_i``. ``T_i`` (with ``R_i``) is the per-sample term
+      ``"loss": (T_i n_i, n_i)``: ``Σ_i T_i n_i / N = Σ_k w_k S_k / D_k + R``;
+    * a term whose divisor depends on the data (a mask, or sample weights it divides by) is a
+      term of its own, ``(v_{k,i} D_{k,i}, D_{k,i}, w_k)``, and adds 0 to ``T_i``.
 
-    so the gradients the micro-batches leave in ``.grad`` add up to the full-batch gradient and
-    nothing is divided afterwards. Keras itself computes the micro-batch's loss, with its own
-    masking, sample weighting and reduction, as ``L_{k,i} = S_{k,i} / D_{k,i}``; bigbatch
-    multiplies term k by ``g_{k,i} = N D_{k,i} / (n_i D_k)`` (``N / n_i`` for ``"sum"``) and
-    the whole loss by ``n_i / N``. ``D_{k,i}`` is measured by Keras' own code: the term is
-    reduced once more, without gradients, with every per-item loss replaced by 1 and the
-    reduction set to ``"sum"`` (see ``divisor``).
-
-    The window's divisor ``D_k`` is only known after the last micro-batch. It is predicted from
-    the first one (``D_{k,1} N / n_1``, right whenever the divisor grows with the samples: no
-    mask, no ``"mean_with_sample_weight"``) and checked at the end (``Divisors.missed``). When
-    the prediction was wrong, a window with one loss term and nothing else in the loss is fixed
-    by scaling the gradient by ``predicted / measured``; any other window is redone with the
-    divisors it measured, which makes the redo exact by construction.
+    One term needs nothing before the window. A data-dependent divisor beside other terms needs
+    its total before the first backward, which the engine counts in a pass without gradients
+    (``bigbatch.keras`` puts back what that pass's forwards move). ``D_{k,i}`` is counted by
+    Keras' own code: the term is reduced again, without gradients, with every per-item loss
+    replaced by 1 and the reduction set to ``"sum"`` (``divisor``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bigbatch.core.loss import Term
+
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 @dataclass
-class Divisors:
-    """The window's divisor bookkeeping (Note [keras loss shares]).
+class Recording:
+    """One micro-batch's compiled terms, as seen while Keras computes its loss.
 
     Attributes:
-        samples: ``N``, samples in the window.
-        known: the exact ``D_k`` per term (a redone window); ``None`` to predict them.
-        predicted: ``D_k`` as predicted from each term's first micro-batch.
-        seen: ``Σ_i D_{k,i}`` measured so far.
-        micro_samples: ``n_i``, samples in the micro-batch being computed.
+        samples: ``n_i``, samples in the micro-batch.
+        window_samples: ``N``, samples in the window.
+        data: the terms whose divisor depends on the data, by their index in the compiled loss.
+        folded: how many compiled terms stayed in Keras' total.
     """
 
     samples: int
-    known: dict[int, float] | None = None
-    predicted: dict[int, float] = field(default_factory=dict)
-    seen: dict[int, float] = field(default_factory=dict)
-    micro_samples: int = 0
-
-    def factor(self, term: int, divisor: float | None) -> float:
-        """``g_{k,i}`` for term ``term`` whose micro-batch divisor is ``divisor`` (None: "sum")."""
-        if divisor is None:
-            return self.samples / self.micro_samples
-        self.seen[term] = self.seen.get(term, 0.0) + divisor
-        if self.known is not None:
-            total = self.known[term]
-        else:
-            total = self.predicted.setdefault(term, divisor * self.samples / self.micro_samples)
-        return self.samples * divisor / (self.micro_samples * total) if total > 0 else 0.0
-
-    def missed(self) -> dict[int, tuple[float, float]]:
-        """``{term: (predicted, measured)}`` for every term whose prediction was wrong."""
-        used = self.known if self.known is not None else self.predicted
-        return {
-            k: (used[k], seen)
-            for k, seen in self.seen.items()
-            if not math.isclose(used[k], seen, rel_tol=1e-12, abs_tol=0.0)
-        }
+    window_samples: int
+    data: dict[int, Term] = field(default_factory=dict)
+    folded: int = 0
 
 
 class _Term:
-    """Stands in for one compiled loss term while a bigbatch step runs: Keras' value times g."""
+    """Stands in for one compiled loss term while a micro-batch's loss is computed."""
 
-    def __init__(self, loss: Any, index: int, divisors: Divisors) -> None:
-        self.loss, self.index, self.divisors = loss, index, divisors
+    def __init__(self, loss: Any, index: int, weight: float | None, record: Recording) -> None:
+        self.loss, self.index, self.record = loss, index, record
+        self.weight = 1.0 if weight is None else float(weight)
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         seen: list[Any] = []
-
-        def recording(y_t: Any, y_p: Any) -> Any:
-            values = real_call(y_t, y_p)
-            seen.append(values)
-            return values
-
         real_call = self.loss.call
-        with _calling(self.loss, recording, self.loss.reduction):
+
+        def recording_call(y_t: Any, y_p: Any) -> Any:
+            seen.append(real_call(y_t, y_p))
+            return seen[-1]
+
+        with _calling(self.loss, recording_call):
             value = self.loss(y_true, y_pred, sample_weight)
         if len(seen) != 1:
             raise TypeError(
@@ -104,59 +82,71 @@ class _Term:
                 "not compute its per-item losses through Loss.call, so bigbatch.keras cannot tell "
                 "what Keras divides them by: implement call(y_true, y_pred) instead of __call__."
             )
-        d = divisor(self.loss, seen[0], y_true, y_pred, sample_weight)
-        g = self.divisors.factor(self.index, d)
-        return value if g == 1.0 else value * g
+        record, kind = self.record, _kind(self.loss, seen[0], y_pred, sample_weight)
+        if kind == "data":
+            # x 2**40, exact: the engine scales a term by 1 / max(total count, 1), which a total
+            # of sample weights below 1 would not survive beside another term.
+            d = divisor(self.loss, seen[0], y_true, y_pred, sample_weight) * 2.0**40
+            record.data[self.index] = Term(value * d, d, self.weight)
+            return value * 0.0
+        record.folded += 1
+        return value * (record.window_samples / record.samples) if kind == "sum" else value
 
     def __getattr__(self, name: str) -> Any:  # name, reduction, ... as the loss it stands for
         return getattr(self.loss, name)
 
 
-def divisor(
-    loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any = None
-) -> float | None:
-    """What Keras divided ``loss``'s weighted sum by; ``None`` for ``"sum"``.
-
-    ``values`` are the per-item losses that ``loss.call`` returned for this batch. Keras' own
-    ``loss.__call__`` runs again with them replaced by ones and ``reduction="sum"``, without
-    gradients: it applies the same masks (``y_pred``'s and the values' own) and, for
-    ``"mean_with_sample_weight"``, the same sample weights, and so counts its divisor. ``y_pred``
-    is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
-
-    Raises:
-        ValueError: the loss is not reduced to a scalar (``reduction=None`` or ``"none"``).
-    """
+def _kind(loss: Any, values: Any, y_pred: Any, sample_weight: Any) -> str:
+    """``"sum"``, ``"sample"`` (divisor proportional to the samples) or ``"data"``."""
     reduction = getattr(loss, "reduction", None)
     if reduction == "sum":
-        return None
+        return "sum"
     if reduction not in MEAN_REDUCTIONS:
         raise ValueError(
             f"loss {getattr(loss, 'name', loss)!r} has reduction={reduction!r}; fit needs a "
             'scalar loss: compile with reduction="sum_over_batch_size" (the default), "mean", '
             '"mean_with_sample_weight" or "sum".'
         )
+    masked = _mask(y_pred) is not None or _mask(values) is not None
+    weighted = reduction == "mean_with_sample_weight" and sample_weight is not None
+    return "data" if masked or weighted else "sample"
+
+
+def divisor(loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> torch.Tensor:
+    """What Keras divided ``loss``'s weighted sum by, as a float64 0-dim tensor (no host sync).
+
+    ``values`` are the per-item losses that ``loss.call`` returned for this batch. Keras' own
+    ``loss.__call__`` runs again with them replaced by ones and ``reduction="sum"``, without
+    gradients: it applies the same masks (``y_pred``'s and the values' own) and, for
+    ``"mean_with_sample_weight"``, the same sample weights, and so counts its divisor. ``y_pred``
+    is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
+    """
     ones = torch.ones(values.shape, dtype=values.dtype, device=values.device)
     _carry_mask(values, ones)  # a loss may mask its own values
     stand_in = torch.zeros(1, dtype=values.dtype, device=values.device)
     _carry_mask(y_pred, stand_in)
-    weight = sample_weight if reduction == "mean_with_sample_weight" else None
+    weight = sample_weight if loss.reduction == "mean_with_sample_weight" else None
     if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
         weight = weight.clone()
     with _calling(loss, lambda y_t, y_p: ones, "sum"), torch.no_grad():
-        return float(loss(y_true, stand_in, weight))
+        return torch.as_tensor(loss(y_true, stand_in, weight)).to(torch.float64)
+
+
+def _mask(tensor: Any) -> Any:
+    return getattr(tensor, "_keras_mask", None)  # where Keras keeps a tensor's mask on torch
 
 
 def _carry_mask(source: Any, target: torch.Tensor) -> None:
-    mask = getattr(source, "_keras_mask", None)  # where Keras keeps a tensor's mask on torch
+    mask = _mask(source)
     if mask is not None:
         target._keras_mask = mask  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
-def _calling(loss: Any, call: Any, reduction: Any) -> Iterator[None]:
-    """``loss.call`` and ``loss.reduction`` replaced on the instance for the block."""
+def _calling(loss: Any, call: Any, reduction: Any = None) -> Iterator[None]:
+    """``loss.call`` (and ``loss.reduction`` when given) replaced on the instance for the block."""
     own_call, own_reduction = vars(loss).get("call"), loss.reduction
-    loss.call, loss.reduction = call, reduction
+    loss.call, loss.reduction = call, reduction or own_reduction
     try:
         yield
     finally:
@@ -168,15 +158,15 @@ def _calling(loss: Any, call: Any, reduction: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def shares(model: Any, divisors: Divisors) -> Iterator[int]:
-    """Within the context the model's compiled loss computes shares; yields the term count.
+def recording(model: Any, record: Recording) -> Iterator[None]:
+    """Within the block the model's compiled loss fills ``record`` (Note [keras loss terms]).
 
-    The compiled loss must be built (``ensure_built``). A model compiled without a loss (its
-    own ``compute_loss``) yields 0 and is left as it is.
+    The compiled loss must be built (``ensure_built``); a model compiled without a loss is left
+    as it is.
     """
     compiled = getattr(model, "_compile_loss", None)
     if compiled is None:
-        yield 0
+        yield
         return
     entries = getattr(compiled, "_flat_losses", None)
     if entries is None:
@@ -186,9 +176,11 @@ def shares(model: Any, divisors: Divisors) -> Iterator[int]:
             '"bigbatch[keras]" for a tested one.'
         )
     original = list(entries)
-    entries[:] = [e._replace(loss=_Term(e.loss, k, divisors)) for k, e in enumerate(original)]
+    entries[:] = [
+        e._replace(loss=_Term(e.loss, k, e.loss_weights, record)) for k, e in enumerate(original)
+    ]
     try:
-        yield len(original)
+        yield
     finally:
         entries[:] = original
 
@@ -202,3 +194,16 @@ def ensure_built(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
         compiled(y, y_pred, sample_weight)
     for metric in compiled.metrics:  # per-output loss trackers created just now by build
         metric.reset_state()
+
+
+def add_to_trackers(model: Any, values: dict[int, float], samples: int) -> None:
+    """Give the per-output loss trackers their data-dependent terms' window values.
+
+    Keras updated them on every micro-batch with what each term returned, weighted by its
+    samples: right for the terms left in its total, 0 for the data-dependent ones, whose value
+    ``Σ S / Σ D`` is known only after the window (Note [keras loss terms]).
+    """
+    trackers = model._compile_loss.metrics  # one per compiled term when there are several
+    for k, value in values.items():
+        if len(trackers) > k:
+            trackers[k].total.assign_add(value * samples)

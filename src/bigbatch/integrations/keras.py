@@ -12,66 +12,62 @@ Note [keras train step]
     model at each step (``TorchTrainer.make_train_function``). ``accumulate`` sets that
     attribute on the model *instance* (the class is untouched; ``accumulate(model, None)``
     deletes it), so ``fit``, its data adapters, callbacks, progress bar and history run as
-    they always do. The step cuts the batch with ``bigbatch.core.split``, back-propagates each
-    micro-batch's share of the full-batch loss (Note [keras loss shares] in
-    ``bigbatch.integrations._keras_loss``), updates the compiled metrics on every micro-batch, and calls
-    ``model.optimizer.apply`` once: its iteration counter, learning-rate schedule, clipping
-    and EMA act once per fit step, and callbacks see one step.
-
-    Before each window the model's changing state (BatchNorm statistics, seed generators,
-    metrics) and the RNG are saved, and put back when the window fails or is redone: a failed
-    step leaves the model and the optimizer as they were, and with ``"auto"`` an out-of-memory
-    error redoes the window at a smaller micro-batch (Note [auto micro-batch] in
-    ``bigbatch.core._auto``).
+    they always do. The step is ``bigbatch.Accumulator.train_step`` over the Keras model (a
+    ``torch.nn.Module`` on this backend): the engine's window runner cuts and sizes the batch,
+    redoes it smaller after running out of memory, and puts back what a failed window changed,
+    here also the Keras state a forward moves (BatchNorm statistics, seed generators, metric
+    totals: ``Accumulator.track``). Each micro-batch's loss is Keras' own, handed over as named
+    terms (Note [keras loss terms] in ``bigbatch.integrations._keras_loss``), and updates the
+    compiled metrics. The optimizer the engine steps stands for ``model.optimizer``: its
+    ``step`` is one ``model.optimizer.apply``, so the iteration counter, learning-rate schedule,
+    clipping and EMA act once per fit step and callbacks see one step; the backward goes through
+    ``model.optimizer.scale_loss`` (``LossScaleOptimizer``), and non-finite gradients are left to
+    the Keras optimizer, as in Keras' own step.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import os
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bigbatch.core import _auto as auto
+from bigbatch.core._auto import AutoState
+from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core.oom import is_out_of_memory, release_memory
-from bigbatch.core.split import batch_size, split
-from bigbatch.integrations._keras_loss import Divisors, ensure_built, shares
+from bigbatch.core.engine import Accumulator
+from bigbatch.core.split import batch_size
+from bigbatch.integrations._keras_loss import Recording, add_to_trackers, ensure_built, recording
 
 __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
 
 def _import_keras() -> Any:
     """Keras 3 on the torch backend, or an ImportError saying in one line what to do."""
+    setting = f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch"
     try:
         import keras
     except ModuleNotFoundError as exc:
-        if exc.name != "keras":  # Keras is there; the backend it was asked for is not
-            backend = os.environ.get("KERAS_BACKEND", "default")
+        if exc.name == "keras":
             raise ImportError(
-                f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its "
-                f"{backend!r} backend ({exc}): set KERAS_BACKEND=torch before keras is first "
-                "imported."
-            ) from exc
+                'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
+                "KERAS_BACKEND=torch."
+            ) from None
+        raise ImportError(  # Keras is there; the backend it was asked for is not
+            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its backend "
+            f"({exc}; {setting} before keras is first imported)."
+        ) from exc
+    if not keras.__version__.startswith("3."):
         raise ImportError(
-            'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
-            "KERAS_BACKEND=torch."
-        ) from None
-    version = getattr(keras, "__version__", "0")
-    if int(version.split(".")[0]) < 3:
-        raise ImportError(
-            f'bigbatch.keras needs Keras 3, found Keras {version}: pip install "bigbatch[keras]".'
+            f'bigbatch.keras needs Keras 3, found {keras.__version__}: pip install "bigbatch[keras]".'
         )
-    backend = keras.backend.backend()
-    if backend != "torch":
+    if keras.backend.backend() != "torch":
         raise ImportError(
-            f"bigbatch.keras needs Keras' torch backend, but Keras runs on {backend!r} "
-            f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}): set KERAS_BACKEND=torch "
-            "before keras is first imported."
+            f"bigbatch.keras needs Keras' torch backend, but Keras runs on "
+            f"{keras.backend.backend()!r} ({setting} before keras is first imported)."
         )
     return keras
 
@@ -88,165 +84,178 @@ class StepInfo:
         micro_batches: micro-batches it was cut into.
         micro_batch_size: samples per micro-batch (the last may be smaller).
         oom_retries: windows redone at a smaller micro-batch after running out of memory.
-        redone: ``True`` when the window was computed twice because a loss divisor depended
-            on the data in a way one pass could not settle (Note [keras loss shares]).
+        counted: ``True`` when a pass without gradients counted a data-dependent loss divisor
+            before the window (a mask beside another loss term: Note [keras loss terms]).
     """
 
     samples: int
     micro_batches: int
     micro_batch_size: int
     oom_retries: int = 0
-    redone: bool = False
+    counted: bool = False
 
 
-@dataclass
-class _Window:
-    loss: torch.Tensor
-    logs: dict[str, Any]
-    micro_batches: int
-    divisors: dict[int, float]  # each term's measured divisor D_k (Note [keras loss shares])
-    missed: dict[int, tuple[float, float]]
-    rescalable: bool
+class _Optimizer:
+    """``model.optimizer`` as the engine steps it (Note [keras train step])."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [{"params": [v.value for v in self.model.trainable_variables]}]
+
+    def step(self) -> None:
+        variables = self.model.trainable_variables
+        with torch.no_grad():
+            self.model.optimizer.apply([v.value.grad for v in variables], variables)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+class _Precision:
+    """Keras' own precision handling, as the engine's precision object (``Precision``'s methods).
+
+    Keras casts inside its layers, and a ``LossScaleOptimizer`` scales the loss and unscales and
+    checks the gradients in ``apply``: the engine only back-propagates through ``scale_loss``.
+    """
+
+    name, scaler, autocast_dtype = "keras", None, None
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def autocast(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.optimizer.scale_loss(loss).backward()
+
+    def step(self, optimizer: _Optimizer) -> bool:
+        optimizer.step()
+        return False  # whether Keras skipped it is the LossScaleOptimizer's own business
+
+    def unscale_(self, optimizer: Any) -> None: ...
+    def discard(self) -> None: ...
+    def state_dict(self) -> None: ...
+    def load_state_dict(self, state: Any) -> None: ...
 
 
 class Accumulation:
-    """The ``train_step`` that ``accumulate`` puts on a Keras model; holds the sizing state.
+    """The ``train_step`` that ``accumulate`` puts on a Keras model (Note [keras train step]).
 
     Attributes:
         model: the Keras model.
         micro_batch_size: samples per micro-batch, or ``"auto"``.
-        auto_state: the automatic sizing search (``None`` for a fixed size).
+        accumulator: the ``bigbatch.Accumulator`` running the steps (built at the first step).
         last: the last step's ``StepInfo`` (``None`` before the first step).
     """
 
     def __init__(self, model: Any, micro_batch_size: int | str) -> None:
         self.model = model
         self.micro_batch_size = micro_batch_size
-        self.auto_state = auto.AutoState() if micro_batch_size == "auto" else None
+        self.accumulator: Accumulator | None = None
         self.last: StepInfo | None = None
-        self._changing: set[int] | None = None  # ids of state seen changing; None: not known
-        self._layers_checked = False  # warn once about BatchNormalization
+        self._samples = 0  # N: samples in the fit step being computed
+        self._counted = False  # the engine ran a count pass in this step
+        self._warned = False  # about BatchNormalization, once
+
+    @property
+    def auto_state(self) -> AutoState | None:
+        """Where ``"auto"``'s search stands (``None`` for a fixed size or before the first step)."""
+        if self.accumulator is None or self.micro_batch_size != "auto":
+            return None
+        sizing = self.accumulator.state_dict()["sizing"]
+        return AutoState(**{k: v for k, v in sizing.items() if k != "policy"})
 
     def __call__(self, data: Any) -> dict[str, Any]:
         """One ``fit`` step over the whole batch ``data`` (Note [keras train step])."""
         model = self.model
         _check_compiled(model)
+        if not model.trainable_weights:  # nothing to accumulate: Keras' own step (it warns)
+            return type(model).train_step(model, data)
         x, y, sample_weight = _keras.utils.unpack_x_y_sample_weight(data)
         batch = (x, y, sample_weight)
-        n = batch_size(batch)
-        saved = _Saved(model, self._changing)
-        window, size, retries, redone = self._settle(batch, n, saved)
-        self._changing = (self._changing or set()) | saved.changed()
+        self._samples, self._counted = batch_size(batch), False
+        if self.accumulator is None:
+            self.accumulator = self._build()
+        model.zero_grad(set_to_none=True)  # as Keras' own step: leftovers are not this step's
+        result = self.accumulator.train_step(batch, self._loss)
+        data_terms = {int(k[len("loss_") :]): v for k, v in result.terms.items() if k != "loss"}
+        add_to_trackers(model, data_terms, self._samples)
+        model._loss_tracker.update_state(result.loss, sample_weight=self._samples)
+        self.last = StepInfo(
+            self._samples, result.micro_batches, int(result.micro_batch_size or 0),
+            result.oom_retries, self._counted,
+        )  # fmt: skip
+        return model.get_metrics_result()  # type: ignore[no-any-return]
+
+    def _build(self) -> Accumulator:
+        model = self.model
+        _warn_float32_matmuls(model)
+        acc = Accumulator(
+            model, _Optimizer(model), self.micro_batch_size,  # type: ignore[arg-type]  # duck-typed
+            precision=_Precision(model), nonfinite="apply",  # type: ignore[arg-type]  # as Keras
+        )  # fmt: skip
+        acc.track(self._state)
+        return acc
+
+    def _state(self) -> list[torch.Tensor]:
+        """What a forward moves besides the weights: BatchNorm statistics, seeds, metric totals."""
+        model = self.model
+        return [v.value for v in [*model.non_trainable_variables, *model.metrics_variables]]
+
+    def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
+        """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
+        if torch.is_grad_enabled():
+            return self._terms(batch, update_metrics=True)
+        self._counted = True  # the engine's count pass: put back what its forward moved
+        state = self._state()
+        saved = [t.detach().clone() for t in state]
         try:
-            logs = self._apply(window, n)
-        except BaseException:
-            saved.restore()
-            raise
-        if self.auto_state is not None:
-            self.auto_state = auto.after_success(self.auto_state, size, n)
-        self.last = StepInfo(n, window.micro_batches, size, retries, redone)
-        return logs
+            return self._terms(batch, update_metrics=False)
+        finally:
+            with torch.no_grad():
+                for tensor, value in zip(state, saved, strict=True):
+                    tensor.copy_(value)
 
-    def _settle(self, batch: Any, n: int, saved: _Saved) -> tuple[_Window, int, int, bool]:
-        """Run the window until it completes: ``(window, size, oom_retries, redone)``.
-
-        An out-of-memory error with ``"auto"`` redoes it smaller; a mispredicted divisor that
-        rescaling cannot fix redoes it once with the measured divisors (Note [keras loss
-        shares]); each redo starts from the state ``saved`` holds.
-        """
-        retries, known = 0, None
-        while True:
-            size, failed = self._size_for(n), None
-            try:
-                window = self._window(batch, n, size, known)
-            except BaseException as exc:
-                saved.restore()
-                if self.auto_state is None or not is_out_of_memory(exc):
-                    raise
-                traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
-                failed = size
-            if failed is not None:  # retried outside the except: the exception pins tensors
-                release_memory(_device_of(self.model))
-                self.auto_state = auto.after_oom(self.auto_state, failed)  # type: ignore[arg-type]
-                retries += 1
-            elif not window.missed or window.rescalable or known is not None:
-                # (a redone window used measured divisors: a second miss could only come from
-                # masks that change between passes, and is not redone again)
-                return window, size, retries, known is not None
-            else:
-                saved.restore()
-                known = window.divisors
-
-    def _size_for(self, n: int) -> int:
-        if self.auto_state is not None:
-            return auto.size_for(self.auto_state, n)
-        return min(int(self.micro_batch_size), n)
-
-    def _window(self, batch: Any, n: int, size: int, known: dict[int, float] | None) -> _Window:
-        """Back-propagate every micro-batch's share of the full-batch loss; update metrics."""
-        model, divisors = self.model, Divisors(samples=n, known=known)
-        model.zero_grad(set_to_none=True)
-        pieces = split(batch, size)
-        if len(pieces) > 1 and not self._layers_checked:  # one piece is the full batch: exact
+    def _terms(self, batch: Any, update_metrics: bool) -> dict[str, Any]:
+        model, (x, y, sample_weight) = self.model, batch
+        n = batch_size(batch)
+        if n < self._samples and not self._warned:  # cut in several pieces: see BatchNorm
             _warn_batch_norm(model)
-            self._layers_checked = True
-        loss_sum: Any = 0.0
-        logs: dict[str, Any] = {}
-        terms, extra = 0, _overrides_compute_loss(model)
-        for x, y, sample_weight in pieces:
-            divisors.micro_samples = n_i = batch_size((x, y, sample_weight))
-            y_pred = model(x, training=True) if _has_training_arg(model) else model(x)
-            ensure_built(model, y, y_pred, sample_weight)
-            extra = extra or bool(model.losses)
-            with shares(model, divisors) as count:
-                terms = count
-                share = _compute_loss(model, x, y, y_pred, sample_weight) * (n_i / n)
-            if model.trainable_weights:
-                model.optimizer.scale_loss(share).backward()
-            loss_sum = loss_sum + share.detach()
-            logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        missed = divisors.missed()
-        rescalable = terms == 1 and not extra and all(p > 0 for p, _ in missed.values())
-        return _Window(loss_sum, logs, len(pieces), dict(divisors.seen), missed, rescalable)
-
-    def _apply(self, window: _Window, n: int) -> dict[str, Any]:
-        """Fix a mispredicted single divisor, step the Keras optimizer once, record the loss."""
-        model, loss = self.model, window.loss
-        trainable = model.trainable_weights[:]
-        grads = [v.value.grad for v in trainable]
-        for predicted, seen in window.missed.values():  # one term at most (rescalable)
-            with torch.no_grad():
-                for g in grads:
-                    if g is not None:
-                        g.mul_(predicted / seen)
-            loss = loss * (predicted / seen)
-        if trainable:
-            with torch.no_grad():
-                model.optimizer.apply(grads, trainable)
-        else:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        model.zero_grad(set_to_none=True)
-        tracker = getattr(model, "_loss_tracker", None)  # the "loss" that fit reports
-        if tracker is not None:
-            tracker.update_state(loss, sample_weight=n)
-        return {**window.logs, **model.get_metrics_result()}
+            self._warned = True
+        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+        ensure_built(model, y, y_pred, sample_weight)
+        record = Recording(n, self._samples)
+        with recording(model, record):
+            total = model._compute_loss(x, y, y_pred, sample_weight, training=True)
+        if update_metrics:
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
+        terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
+        terms.update({f"loss_{k}": term for k, term in record.data.items()})
+        return terms if len(terms) > 1 else {"loss": next(iter(terms.values()))}  # no count pass
 
 
 def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulation | None:
     """Make each ``model.fit`` step one exact optimizer step over the whole fit batch.
 
-    Inside every ``fit`` step the batch is cut into micro-batches of ``micro_batch_size``; each
-    back-propagates its share of the full-batch loss (honouring ``sample_weight``,
-    ``class_weight``, Keras masks, each loss's reduction and the model's own losses), the
-    compiled metrics are updated on every sample, and the Keras optimizer applies the summed
-    gradient once. The parameters after ``fit`` equal those of ``fit`` with the whole batch in
-    one piece, up to rounding (see Note [keras loss shares] in ``bigbatch.integrations._keras_loss``).
+    Inside every ``fit`` step ``bigbatch.Accumulator`` cuts the batch into micro-batches of
+    ``micro_batch_size`` and back-propagates each one's part of the full-batch loss (Keras' own
+    loss, with ``sample_weight``, ``class_weight``, Keras masks, each loss's reduction and the
+    model's own losses: Note [keras loss terms] in ``bigbatch.integrations._keras_loss``); the
+    compiled metrics are updated on every sample, and the Keras optimizer applies the gradient
+    once. The parameters after ``fit`` equal those of ``fit`` with the whole batch in one piece,
+    up to rounding.
 
     Args:
         model: a Keras 3 ``Model`` (torch backend), compiled before or after this call.
         micro_batch_size: samples per micro-batch; ``"auto"`` for the largest that fits (the
-            first step runs whole, an out-of-memory error halves it and redoes the step);
-            ``None`` to undo a previous ``accumulate``.
+            first step runs whole, an out-of-memory error halves it and redoes the step, and
+            after 10 clean steps it probes a larger one: Note [auto micro-batch]); ``None`` to
+            undo a previous ``accumulate``.
 
     Returns:
         The ``Accumulation`` now acting as ``model.train_step`` (its ``last`` attribute tells
@@ -284,18 +293,10 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
 
 
 def _check_micro_batch_size(value: object) -> None:
-    if value == "auto":
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f'micro_batch_size={value!r} is not allowed: use a positive integer, "auto", or '
-            "None to undo (e.g. micro_batch_size=64)."
-        )
-    if value <= 0:
-        raise ValueError(
-            f'micro_batch_size={value} is not allowed: use a positive integer, "auto", or None '
-            "to undo (e.g. micro_batch_size=64)."
-        )
+    try:
+        make_sizing(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
 
 
 def _check_own_train_step(model: Any) -> None:
@@ -331,12 +332,11 @@ def _check_compiled(model: Any) -> None:
 
 def _warn_batch_norm(model: Any) -> None:
     """One BigBatchWarning naming the trainable BatchNormalization layers, if there are any."""
-    found, todo = [], list(model.layers)
-    while todo:
-        layer = todo.pop(0)
-        todo += list(getattr(layer, "layers", []))  # nested models
-        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable:
-            found.append(layer.name)
+    found = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False)  # nested models too
+        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable
+    ]
     if found:
         warnings.warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
@@ -344,62 +344,25 @@ def _warn_batch_norm(model: Any) -> None:
             "(layer.trainable = False) or use keras.layers.GroupNormalization / "
             "LayerNormalization for exact accumulation.",
             BigBatchWarning,
-            stacklevel=4,
+            stacklevel=2,
         )
 
 
-def _has_training_arg(model: Any) -> bool:
-    return bool(getattr(model, "_call_has_training_arg", True))
-
-
 def _overrides_compute_loss(model: Any) -> bool:
-    """A ``compute_loss`` of the user's may add terms bigbatch cannot see (no rescaling then)."""
+    """A ``compute_loss`` of the user's may add terms of its own (read as per-sample means)."""
     return type(model).compute_loss is not _keras.Model.compute_loss
 
 
-def _compute_loss(model: Any, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
-    """``model.compute_loss`` with ``training=True`` where its signature takes it (as Keras)."""
-    if "training" in inspect.signature(model.compute_loss).parameters:
-        return model.compute_loss(x, y, y_pred, sample_weight, training=True)
-    return model.compute_loss(x, y, y_pred, sample_weight)
-
-
-def _device_of(model: Any) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-class _Saved:
-    """The model state a window changes: put back when it fails or is redone.
-
-    Saves the non-trainable variables (BatchNorm statistics, seed generators, metric totals)
-    and the torch RNG. ``changing`` narrows the copies to the variables seen changing in an
-    earlier step (a frozen backbone is not copied at every step).
-    """
-
-    def __init__(self, model: Any, changing: set[int] | None) -> None:
-        self.model = model
-        variables = {id(v): v for v in [*model.non_trainable_variables, *model.metrics_variables]}
-        self.versions = {i: v.value._version for i, v in variables.items()}
-        self.variables = variables
-        self.values = {
-            i: v.value.detach().clone()
-            for i, v in variables.items()
-            if changing is None or i in changing
-        }
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for i, value in self.values.items():
-                self.variables[i].value.copy_(value)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def changed(self) -> set[int]:
-        """Ids of the saved variables whose value was written since they were saved."""
-        return {i for i, v in self.variables.items() if v.value._version != self.versions[i]}
+def _warn_float32_matmuls(model: Any) -> None:
+    """Say that float64 weights do not make Keras compute in float64 (issue 21, 4b)."""
+    if _keras.backend.result_type("float64", "float64") != "float64" and any(
+        w.dtype == "float64" for w in model.weights
+    ):
+        warnings.warn(
+            "the model's weights are float64, but Keras computes float64 layers in float32 "
+            "(keras.backend.result_type('float64', 'float64') is 'float32', as in JAX), its own "
+            "full-batch fit included: fit with accumulate agrees with it to float32 rounding "
+            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64').",
+            BigBatchWarning,
+            stacklevel=2,
+        )
