@@ -84,9 +84,7 @@ class _Term:
             )
         record, kind = self.record, _kind(self.loss, seen[0], y_pred, sample_weight)
         if kind == "data":
-            # x 2**40, exact: the engine scales a term by 1 / max(total count, 1), which a total
-            # of sample weights below 1 would not survive beside another term.
-            d = divisor(self.loss, seen[0], y_true, y_pred, sample_weight) * 2.0**40
+            d = divisor(self.loss, seen[0], y_true, y_pred, sample_weight)
             record.data[self.index] = Term(value * d, d, self.weight)
             return value * 0.0
         record.folded += 1

@@ -208,17 +208,9 @@ class Accumulation:
 
     def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
         """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
-        if torch.is_grad_enabled():
-            return self._terms(batch, update_metrics=True)
-        self._counted = True  # the engine's count pass: put back what its forward moved
-        state = self._state()
-        saved = [t.detach().clone() for t in state]
-        try:
-            return self._terms(batch, update_metrics=False)
-        finally:
-            with torch.no_grad():
-                for tensor, value in zip(state, saved, strict=True):
-                    tensor.copy_(value)
+        if not torch.is_grad_enabled():  # the engine's count pass (it puts the state back)
+            self._counted = True
+        return self._terms(batch, update_metrics=torch.is_grad_enabled())
 
     def _terms(self, batch: Any, update_metrics: bool) -> dict[str, Any]:
         model, (x, y, sample_weight) = self.model, batch
@@ -236,7 +228,7 @@ class Accumulation:
         own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
         terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
         terms.update({f"loss_{k}": term for k, term in record.data.items()})
-        return terms if len(terms) > 1 else {"loss": next(iter(terms.values()))}  # no count pass
+        return terms
 
 
 def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulation | None:
