@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core.split import batch_size
 from bigbatch.verifier._probes import ROUNDING, observe_precision
 from bigbatch.verifier._runs import differences
 
@@ -138,6 +139,17 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
         for t in batches
     ]
     return torch.cat(padded)
+
+
+def count_items(batch: Any, shifts: bool) -> Any:
+    """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
+    of each row when the loss ``shifts``; ``shift_labels`` as given), else its samples."""
+    labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
+    if labels is None and isinstance(batch, Mapping) and batch.get("labels") is not None:
+        labels = batch["labels"][..., 1:] if shifts else batch["labels"]
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+        return (labels != -100).sum()
+    return batch_size(batch)
 
 
 def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -241,18 +253,18 @@ def _diagnose(
     def close(inverse: list[float]) -> bool:  # a_i = 1 / inverse_i for every micro-batch
         return all(abs(ai * t - 1) < 1e-3 for ai, t in zip(a, inverse, strict=True))
 
-    if close([total / n if n else math.inf for n in counts]):  # the right weights
-        weighted = sum(x * n for x, n in zip(own, counts, strict=True)) / total
-        if abs(weighted - loss) > max(tolerance, 1e-6) * abs(loss):
-            return "loss couples samples across micro-batches"
-        return "gradients differ where the losses agree"
-    if close([k] * m):
+    if k > 1 and close([k] * m) and (m < k or len(set(counts)) > 1):
         return "last window mis-scaled" if m < k else "per-micro-batch mean on padded data"
-    if close([1.0] * m):
+    if k > 1 and close([1.0] * m):
         return "÷ accumulation steps missing"
-    if close([k * k] * m):
+    if k > 1 and close([k * k] * m):
         return "÷ accumulation steps applied twice"
-    return "loss term normalised locally"
+    if not close([total / n if n else math.inf for n in counts]):  # not the right weights
+        return "loss term normalised locally"
+    weighted = sum(x * n for x, n in zip(own, counts, strict=True)) / total
+    if abs(weighted - loss) > max(tolerance, 1e-6) * abs(loss):
+        return "loss couples samples across micro-batches"
+    return "gradients differ where the losses agree"
 
 
 def _norm(grads: dict[str, torch.Tensor]) -> float:

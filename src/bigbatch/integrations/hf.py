@@ -44,6 +44,7 @@ from bigbatch.integrations._audit import (
     Audit,
     aside,
     check_steps,
+    count_items,
     gradients,
     join,
     judge,
@@ -250,17 +251,6 @@ class _Backward:
 
     def load_state_dict(self, state: Any) -> None:
         pass
-
-
-def count_items(batch: Any, shifts: bool) -> Any:
-    """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
-    of each row when the loss ``shifts``; ``shift_labels`` as given), else its samples."""
-    labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
-    if labels is None and isinstance(batch, Mapping) and batch.get("labels") is not None:
-        labels = batch["labels"][..., 1:] if shifts else batch["labels"]
-    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-        return (labels != -100).sum()
-    return batch_size(batch)
 
 
 def paired(trainer_class: type) -> bool:
