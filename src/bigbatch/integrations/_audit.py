@@ -146,7 +146,8 @@ def count_items(batch: Any, shifts: bool) -> Any:
     of each row when the loss ``shifts``; ``shift_labels`` as given), else its samples."""
     labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
     if labels is None and isinstance(batch, Mapping) and batch.get("labels") is not None:
-        labels = batch["labels"][..., 1:] if shifts else batch["labels"]
+        labels = batch["labels"]
+        labels = labels[..., 1:] if shifts and labels.dim() >= 2 else labels
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return (labels != -100).sum()
     return batch_size(batch)

@@ -167,6 +167,8 @@ class TrainerWindow:
         else:
             loss_fn = functools.partial(self._loss, self.loss_fn, num_items)
         count_fn = self.count if self.plain and self.loss_fn is None else None
+        if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
+            num_items = self.window_count(batch)
         with t.compute_loss_context_manager():
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
@@ -195,8 +197,19 @@ class TrainerWindow:
             return out
         if n is None:
             return out * count, count
-        ranks = t.accelerator.num_processes if t.args.average_tokens_across_devices else 1
-        return out * (n / ranks), count  # compute_loss multiplied by the ranks DDP averages over
+        return out * (n / self.ranks()), count  # compute_loss multiplied by the ranks DDP averages
+
+    def window_count(self, batch: Any) -> torch.Tensor:
+        """The window's count, every rank's where the Trainer averages tokens across them."""
+        n = torch.as_tensor(count_items(batch, self.shifts), device=self.trainer.args.device)
+        if self.ranks() > 1:
+            torch.distributed.all_reduce(n)
+        return n
+
+    def ranks(self) -> int:
+        """The ranks transformers' ``compute_loss`` multiplies a ``num_items`` loss by."""
+        t = self.trainer
+        return t.accelerator.num_processes if t.args.average_tokens_across_devices else 1
 
     def count(self, micro_batch: Any) -> Any:
         """``count_items`` with this trainer's shift (the engine's ``count_fn``)."""
@@ -298,12 +311,12 @@ def stock_compute_loss(trainer_class: type) -> bool:
 def shifts_labels(model: Any) -> bool:
     """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
     tf = _transformers()
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.loss.loss_utils import ForCausalLMLoss
 
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
-        if isinstance(m, tf.PreTrainedModel):
+        if isinstance(m, tf.PreTrainedModel):  # the loss it computes (GPT-2's loss_type is None)
             decoder_only = not getattr(m.config, "is_encoder_decoder", False)
-            return decoder_only and LOSS_MAPPING.get(getattr(m, "loss_type", None)) is ForCausalLMLoss
+            return decoder_only and m.loss_function is ForCausalLMLoss
     return False
 
 
@@ -383,33 +396,32 @@ class _Watch:
         t, k = self.trainer, self.trainer.current_gradient_accumulation_steps
         acc = gradients(model)
         batches = [t._prepare_inputs(b) for b in w.batches]
-        if self.paired:
-            whole = unpairs(join([pairs(b) for b in batches], pad_id(t)))
-        else:
-            whole = join(batches, pad_id(t))
+        joined = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
         t.current_gradient_accumulation_steps = 1
         try:
             with aside(model, w, t.args.device):
-                one = one_batch(model, lambda: self._loss(model, whole), average=False)
+                one = one_batch(model, lambda: self._loss(model, joined), average=False)
                 mine = getattr(t, "bigbatch_window", None) is not None
                 return judge(w, acc, one, None if mine else lambda: self._weights(model, batches))
         finally:
             t.current_gradient_accumulation_steps = k
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
-        """The trainer's loss on ``batch`` as one batch (what it does with one accumulation step)."""
-        t = self.trainer
-        window = getattr(t, "bigbatch_window", None)
-        if window is not None and window.loss_fn is not None:
-            out = window.loss_fn(model, batch)
+        """The trainer's loss on ``batch`` as one batch (what it does with one accumulation
+        step); bigbatch's reads it as its window does (Note [trainer window])."""
+        t, window = self.trainer, getattr(self.trainer, "bigbatch_window", None)
+        if window is not None:
+            n = window.window_count(batch) if window.plain and window.loss_fn is None else None
+            out = window._loss(window.loss_fn, n, model, batch)
         else:
+            batch = unpairs(batch) if self.paired else batch
             n = t._get_num_items_in_batch([batch], t.args.device)
             out = t.compute_loss(model, dict(batch), num_items_in_batch=n)
         return mean_of(as_terms(out, batch_size(batch)))
 
     def _weights(self, model: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
         with torch.no_grad():
-            own = [float(self._loss(model, b)) for b in batches]
+            own = [float(self._loss(model, pairs(b) if self.paired else b)) for b in batches]
         return own, [float(count_items(b, self.shifts)) for b in batches]
 
 
