@@ -57,7 +57,8 @@ class Terms(bigbatch.hf.Trainer):
 
 def terms(model, inputs):
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-    per_sequence = logits.pow(2).mean(-1).sum(-1) / inputs["attention_mask"].sum(-1)
+    mask = inputs["attention_mask"]
+    per_sequence = (logits.pow(2).mean(-1) * mask).sum(-1) / mask.sum(-1)
     lm = token_cross_entropy(logits, inputs["labels"], shift=True)
     return {"lm": lm, "aux": (per_sequence.sum(), len(per_sequence), 0.1)}
 

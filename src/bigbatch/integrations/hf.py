@@ -158,7 +158,6 @@ class TrainerWindow:
         if self.calls < len(self.pending):
             return torch.zeros((), device=t.args.device)
         window, self.pending, self.calls = self.pending or [inputs], [], 0
-        t.current_gradient_accumulation_steps = 1  # what a loss that divides by it sees: one batch
         model.train()
         batches = [t._prepare_inputs(b) for b in window]
         batch = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
@@ -169,7 +168,7 @@ class TrainerWindow:
         count_fn = self.count if self.plain and self.loss_fn is None else None
         if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
             num_items = self.window_count(batch)
-        with t.compute_loss_context_manager():
+        with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
 
@@ -264,6 +263,18 @@ class _Backward:
 
     def load_state_dict(self, state: Any) -> None:
         pass
+
+
+@contextlib.contextmanager
+def one_step(trainer: Any) -> Iterator[None]:
+    """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
+    that divides by them (``current_gradient_accumulation_steps``, ``args``) sees one batch."""
+    args, before = trainer.args, (trainer.args.gradient_accumulation_steps, trainer.current_gradient_accumulation_steps)  # fmt: skip
+    args.gradient_accumulation_steps = trainer.current_gradient_accumulation_steps = 1
+    try:
+        yield
+    finally:
+        args.gradient_accumulation_steps, trainer.current_gradient_accumulation_steps = before
 
 
 def paired(trainer_class: type) -> bool:
@@ -393,18 +404,13 @@ class _Watch:
         return loss
 
     def _compare(self, model: Any, w: Any) -> Any:
-        t, k = self.trainer, self.trainer.current_gradient_accumulation_steps
-        acc = gradients(model)
+        t, acc = self.trainer, gradients(model)
         batches = [t._prepare_inputs(b) for b in w.batches]
         joined = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
-        t.current_gradient_accumulation_steps = 1
-        try:
-            with aside(model, w, t.args.device):
-                one = one_batch(model, lambda: self._loss(model, joined), average=False)
-                mine = getattr(t, "bigbatch_window", None) is not None
-                return judge(w, acc, one, None if mine else lambda: self._weights(model, batches))
-        finally:
-            t.current_gradient_accumulation_steps = k
+        with aside(model, w, t.args.device), one_step(t):
+            one = one_batch(model, lambda: self._loss(model, joined), average=False)
+            mine = getattr(t, "bigbatch_window", None) is not None
+            return judge(w, acc, one, None if mine else lambda: self._weights(model, batches))
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
         """The trainer's loss on ``batch`` as one batch (what it does with one accumulation
