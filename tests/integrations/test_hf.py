@@ -17,16 +17,28 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
-from integrations.hf_models import (  # noqa: E402
-    VOCAB, Wrapper, adamw, arguments, collate, distance, gpt2, llama, sgd, texts,
-)  # fmt: skip
+from integrations.hf_models import (  # noqa: E402  # noqa: E402
+    VOCAB,
+    Wrapper,
+    adamw,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    llama,
+    sgd,
+    texts,
+)
 from reference import full_batch_step  # noqa: E402
 
 import bigbatch.hf  # noqa: E402
 from bigbatch.core.loss import token_cross_entropy  # noqa: E402
 
 MODELS = {"gpt2": gpt2, "llama": llama}
-TOLERANCE = {"gpt2": 1e-10, "llama": 1e-5}  # Llama's RMSNorm computes in float32 (Note [float32 islands])
+TOLERANCE = {
+    "gpt2": 1e-10,
+    "llama": 1e-5,
+}  # Llama's RMSNorm computes in float32 (Note [float32 islands])
 
 
 def train(cls, model, batch, steps, optimizers=sgd, n=12, args=None, **kwargs):
@@ -44,7 +56,9 @@ class SumCount(bigbatch.hf.Trainer):
     """A custom loss returning ``(loss_sum, count)``."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        logits = model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).logits
         return token_cross_entropy(logits, inputs["labels"], shift=True)
 
 
@@ -71,7 +85,11 @@ def plain(base, loss, optimizers, n=12, steps=2):
 
     def mean(m, b):
         out = loss(m, b)
-        return sum(w * s / c for s, c, w in ((*v, 1.0)[:3] for v in out.values())) if isinstance(out, dict) else out
+        return (
+            sum(w * s / c for s, c, w in ((*v, 1.0)[:3] for v in out.values()))
+            if isinstance(out, dict)
+            else out
+        )
 
     for _ in range(steps):
         full_batch_step(model, optimizer, mean, batch)
@@ -106,12 +124,16 @@ LOSSES = {
     "sum_count": (SumCount, {}, {}, sum_count),
     "terms": (Terms, {}, {}, terms),
 }
+SLOW = pytest.mark.slow
 CASES = [  # model, optimizer, (per device, accumulation steps), loss
     ("gpt2", sgd, (5, 3), "model"), ("llama", adamw, (5, 3), "model"),
-    ("llama", sgd, (4, 3), "model"), ("gpt2", adamw, (5, 3), "smoothing"),
-    ("llama", sgd, (5, 3), "smoothing"), ("gpt2", sgd, (5, 3), "compute_loss_func"),
-    ("gpt2", adamw, (5, 3), "sum_count"), ("llama", sgd, (4, 3), "sum_count"),
-    ("gpt2", sgd, (5, 3), "terms"), ("llama", adamw, (5, 3), "terms"),
+    pytest.param("llama", sgd, (4, 3), "model", marks=SLOW),
+    pytest.param("gpt2", adamw, (5, 3), "smoothing", marks=SLOW),
+    ("llama", sgd, (5, 3), "smoothing"),
+    pytest.param("gpt2", sgd, (5, 3), "compute_loss_func", marks=SLOW),
+    ("gpt2", adamw, (5, 3), "sum_count"),
+    pytest.param("llama", sgd, (4, 3), "sum_count", marks=SLOW),
+    pytest.param("gpt2", sgd, (5, 3), "terms", marks=SLOW), ("llama", adamw, (5, 3), "terms"),
 ]  # fmt: skip
 
 
@@ -129,7 +151,9 @@ def test_equals_the_one_batch_step(tmp_path, name, optimizers, split, loss):
         assert distance(ours, one, base) < 1e-10  # the same float32 roundings as transformers
 
 
-@pytest.mark.parametrize("name, tolerance", [("gpt2", 1e-10), ("llama", 1e-5)])
+@pytest.mark.parametrize(
+    "name, tolerance", [("gpt2", 1e-10), pytest.param("llama", 1e-5, marks=SLOW)]
+)
 def test_a_model_without_loss_kwargs(tmp_path, name, tolerance):
     """A wrapper whose loss is a token mean: the stock Trainer averages micro-batch means; bigbatch
     counts the tokens (Llama's RMSNorm computes in float32 in a float64 model: Note [float32
@@ -144,8 +168,8 @@ def test_a_model_without_loss_kwargs(tmp_path, name, tolerance):
 
 
 @pytest.mark.parametrize("settings", [
-    {"micro_batch_tokens": 40}, {"micro_batch_tokens": 24, "pad_to_multiple_of": 8},
-    {"micro_batch_size": "auto", "memory_budget": "1GiB"}, {"micro_batch_size": 2},
+    {"micro_batch_tokens": 40}, pytest.param({"micro_batch_tokens": 24, "pad_to_multiple_of": 8}, marks=SLOW),
+    pytest.param({"micro_batch_size": "auto", "memory_budget": "1GiB"}, marks=SLOW), {"micro_batch_size": 2},
 ])  # fmt: skip
 def test_token_windows_and_auto(tmp_path, settings):
     base = gpt2()
@@ -165,7 +189,10 @@ def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
         data_collator=collate, optimizers=sgd(model),
     )  # fmt: skip
     seen, backward = [], trainer.accelerator.backward
-    trainer.accelerator.backward = lambda loss, **kw: (seen.append(float(loss)), backward(loss, **kw))
+    trainer.accelerator.backward = lambda loss, **kw: (
+        seen.append(float(loss)),
+        backward(loss, **kw),
+    )
     trainer.train()
     whole = float(copy.deepcopy(llama())(**collate(texts(12))).loss)
     assert len(seen) == 3 and abs(sum(seen) - whole) < 1e-6 * whole

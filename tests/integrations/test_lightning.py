@@ -25,7 +25,9 @@ class LM(L.LightningModule):
         self.model, self.pair, self.optimizer = model, pair, optimizer
 
     def training_step(self, batch, idx):
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
         loss_sum, count = token_cross_entropy(logits, batch["labels"], shift=True)
         return (loss_sum, count) if self.pair else loss_sum / count
 

@@ -94,7 +94,9 @@ def check_steps(steps: Any) -> tuple[int, ...]:
         ValueError: anything else.
     """
     found = (steps,) if isinstance(steps, int) else tuple(steps)
-    if not found or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in found):
+    if not found or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in found
+    ):
         raise ValueError(
             f"steps={steps!r} is not allowed: give the optimizer steps to audit as positive "
             "integers, e.g. steps=1 or steps=(1, 100)."
@@ -134,7 +136,9 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
     value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
     padded = [
         torch.nn.functional.pad(
-            t, [p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])], value=value
+            t,
+            [p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])],
+            value=value,
         )
         for t in batches
     ]

@@ -13,7 +13,7 @@ Note [trainer window]
     calls of a window return a zero loss without work, and the last (where the Trainer
     synchronises) joins the window's batches into one (``bigbatch.integrations._audit.join``) and
     runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model. Its optimizer
-    is the Trainer's seen through ``_Held`` (``step`` and ``zero_grad`` wait for the Trainer), so
+    is the Trainer's parameters with a ``step`` and ``zero_grad`` that do nothing, so
     the normalised gradient stays in ``.grad`` for the Trainer's own clipping, optimizer, scheduler
     and logging; its backward is the Trainer's ``accelerator.backward`` (its loss scaler). Each
     micro-batch is trimmed back to its longest sample. The loss is the Trainer's ``compute_loss``
@@ -31,10 +31,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from bigbatch.core._precision import Precision
 from bigbatch.core._tokens import make_cut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
@@ -104,21 +106,18 @@ def exact(trainer_class: type) -> type:
     class Exact(trainer_class):  # type: ignore[valid-type, misc]
         bigbatch = True
 
-        def __init__(
-            self,
-            *args: Any,
-            micro_batch_size: int | str | None = None,
-            micro_batch_tokens: int | str | None = None,
-            memory_budget: int | str | None = None,
-            pad_to_multiple_of: int | None = None,
-            loss_fn: Any = None,
-            **kwargs: Any,
-        ) -> None:
+        def __init__(  # the trainer's arguments, and how bigbatch cuts its windows
+            self, *args: Any, micro_batch_size: int | str | None = None,
+            micro_batch_tokens: int | str | None = None, memory_budget: int | str | None = None,
+            pad_to_multiple_of: int | None = None, loss_fn: Any = None, **kwargs: Any,
+        ) -> None:  # fmt: skip
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
             cut = dict(micro_batch_tokens=micro_batch_tokens, pad_to_multiple_of=pad_to_multiple_of)
-            self.bigbatch_window = TrainerWindow(self, micro_batch_size, memory_budget, cut, loss_fn)
+            self.bigbatch_window = TrainerWindow(
+                self, micro_batch_size, memory_budget, cut, loss_fn
+            )
 
         def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -161,13 +160,12 @@ class TrainerWindow:
         model.train()
         batches = [t._prepare_inputs(b) for b in window]
         batch = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
-        if isinstance(self.loss_fn, WindowLoss):
-            loss_fn = self.loss_fn
-        else:
+        loss_fn: Any = self.loss_fn
+        if not isinstance(self.loss_fn, WindowLoss):
+            if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
+                num_items = self.window_count(batch)
             loss_fn = functools.partial(self._loss, self.loss_fn, num_items)
         count_fn = self.count if self.plain and self.loss_fn is None else None
-        if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
-            num_items = self.window_count(batch)
         with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
@@ -176,9 +174,16 @@ class TrainerWindow:
         t = self.trainer
         if self.acc is None or self.acc.model is not model:
             size = self.size or (None if self.cut["micro_batch_tokens"] else t.args.per_device_train_batch_size)  # fmt: skip
+            # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
+            # steps and schedules after the window); its accelerator back-propagates (its scaler).
+            held = SimpleNamespace(
+                param_groups=t.optimizer.param_groups, step=_nothing, zero_grad=_nothing
+            )
+            precision = Precision("fp32", torch.device(t.args.device).type)
+            precision.backward = t.accelerator.backward  # type: ignore[method-assign]
             self.acc = Accumulator(
-                model, _Held(t.optimizer), size, precision=_Backward(t.accelerator),
-                memory_budget=self.budget, nonfinite="apply", **self.cut,
+                model, held, size, precision=precision, memory_budget=self.budget,  # type: ignore[arg-type]
+                nonfinite="apply", **self.cut,
             )  # fmt: skip
         return self.acc
 
@@ -215,56 +220,6 @@ class TrainerWindow:
         return count_items(micro_batch, self.shifts)
 
 
-class _Held:
-    """The Trainer's optimizer as the engine sees it: its parameters; ``step`` and ``zero_grad``
-    are left to the Trainer, which clips, steps and schedules after the window."""
-
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self) -> Any:
-        return self.optimizer.param_groups
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-
-class _Backward:
-    """The engine's precision inside a Trainer: the Trainer's accelerator back-propagates (its
-    loss scaler; its autocast wraps the model's forward) and unscales when it clips."""
-
-    name, scaler, autocast_dtype = "fp32", None, None
-
-    def __init__(self, accelerator: Any) -> None:
-        self.accelerator = accelerator
-
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        yield
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
-
-    def unscale_(self, optimizer: Any) -> None:
-        pass
-
-    def step(self, optimizer: Any) -> bool:
-        return False
-
-    def discard(self) -> None:
-        pass
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state: Any) -> None:
-        pass
-
-
 @contextlib.contextmanager
 def one_step(trainer: Any) -> Iterator[None]:
     """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
@@ -277,6 +232,10 @@ def one_step(trainer: Any) -> Iterator[None]:
         args.gradient_accumulation_steps, trainer.current_gradient_accumulation_steps = before
 
 
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
 def paired(trainer_class: type) -> bool:
     """Whether the trainer's batches hold pairs as halves (TRL's DPO and reward trainers)."""
     return any(c.__name__ in PAIRED for c in trainer_class.__mro__)
@@ -286,7 +245,9 @@ def pairs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A batch of ``2B`` rows (chosen, then rejected) as ``B`` rows of pairs ``[B, 2, ...]``."""
     n = batch_size(batch)
     return {
-        k: torch.stack(v.chunk(2), 1) if isinstance(v, torch.Tensor) and v.dim() and len(v) == n else v
+        k: torch.stack(v.chunk(2), 1)
+        if isinstance(v, torch.Tensor) and v.dim() and len(v) == n
+        else v
         for k, v in batch.items()
     }
 
@@ -294,7 +255,9 @@ def pairs(batch: Mapping[str, Any]) -> dict[str, Any]:
 def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``pairs`` undone: rows of pairs back to chosen rows, then rejected rows."""
     return {
-        k: torch.cat(v.unbind(1)) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == 2 else v
+        k: torch.cat(v.unbind(1))
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == 2
+        else v
         for k, v in batch.items()
     }
 
@@ -308,7 +271,9 @@ def trim(batch: Any) -> Any:
     used = mask.ne(0).any(0).nonzero()
     width, full = (int(used.max()) + 1 if len(used) else 1), mask.shape[1]
     return {
-        k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full else v
+        k: v[:, :width]
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full
+        else v
         for k, v in batch.items()
     }
 
@@ -333,7 +298,10 @@ def shifts_labels(model: Any) -> bool:
 
 def pad_id(trainer: Any) -> int:
     """The tokenizer's pad id, else the model's, else 0."""
-    for owner in (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)):
+    for owner in (
+        getattr(trainer, "processing_class", None),
+        getattr(trainer.model, "config", None),
+    ):
         value = getattr(owner, "pad_token_id", None)
         if isinstance(value, int):
             return value
@@ -382,7 +350,10 @@ class _Watch:
     def __init__(self, trainer: Any, log: Audit) -> None:
         self.trainer, self.log, self.window = trainer, log, None
         self.get, self.step = trainer.get_batch_samples, trainer.training_step
-        trainer.get_batch_samples, trainer.training_step = self.get_batch_samples, self.training_step
+        trainer.get_batch_samples, trainer.training_step = (
+            self.get_batch_samples,
+            self.training_step,
+        )
         self.paired, self.shifts = paired(type(trainer)), shifts_labels(trainer.model)
 
     def get_batch_samples(self, iterator: Any, num_batches: int, device: Any) -> Any:

@@ -149,7 +149,8 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
     def __init__(self, log: Audit) -> None:
-        self.report, self.window, self.exact = log, None, None
+        self.report, self.window = log, None
+        self.exact: Exact | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
@@ -159,7 +160,9 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             out = step(batch, *args, **kwargs)
             if self.window is not None and self.exact is None:  # what Lightning back-propagates
-                self.window.returns.append(float(_mean(out, batch)) / self.window.accumulation_steps)
+                self.window.returns.append(
+                    float(_mean(out, batch)) / self.window.accumulation_steps
+                )
             return out
 
         pl_module.training_step = training_step
@@ -196,5 +199,7 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
             outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
         pairs = [_sum_and_count(o, b) for o, b in zip(outs, batches, strict=True)]
         paired = all(isinstance(_loss_of(o), (tuple, list)) for o in outs)
-        counts = [c if paired else count_items(b, False) for (_, c), b in zip(pairs, batches)]
+        counts = [
+            c if paired else count_items(b, False) for (_, c), b in zip(pairs, batches, strict=True)
+        ]
         return [float(s / c) for s, c in pairs], [float(c) for c in counts]
