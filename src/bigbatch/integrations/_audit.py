@@ -201,7 +201,7 @@ def one_batch(
         for g in grads.values():
             torch.distributed.all_reduce(g)
             g /= torch.distributed.get_world_size()
-    return grads, float(value), max(1e-10, ROUNDING.get(precision.dtype, 0.0))
+    return grads, float(value.detach()), max(1e-10, ROUNDING.get(precision.dtype, 0.0))
 
 
 def judge(
