@@ -1,0 +1,281 @@
+"""What the transformers and Lightning audits share: the window joined as one batch, the
+comparison with that batch's gradient, and the diagnosis in words.
+
+Note [audit]
+    An optimizer step under accumulation should equal the step the same trainer takes on the
+    window's micro-batches joined into one batch. An audited window records its micro-batches,
+    the random state before the first, and what each micro-batch back-propagated (its loss after
+    the trainer's scaling). After the window's last backward, before clipping and the optimizer
+    step, the audit keeps the accumulated gradients aside, restores that random state, runs the
+    trainer's own loss on the joined batch once with gradients (the one extra forward and
+    backward), compares, and puts the gradients and the random state back: training goes on as
+    if nothing had happened. The tolerance is the rounding of the lowest precision that forward
+    really computes in (Note [float32 islands] in ``bigbatch.verifier._probes``), so a float64
+    model with float32 islands is not a false alarm. On several ranks every rank compares and
+    all agree on the verdict (one all-reduce).
+
+Note [audit diagnosis]
+    When a step is not exact, each micro-batch's loss is computed again without gradient (its
+    own one-batch loss ``L_i``), and the weight the trainer gave it, ``a_i`` = what it
+    back-propagated / ``L_i``, is read against its right weight ``w_i = n_i / N`` (its share of
+    the window's tokens, or samples). ``a_i = 1/k`` (``k`` accumulation steps) where the ``n_i``
+    differ: a mean of micro-batch means, "per-micro-batch mean on padded data"; ``a_i = 1``:
+    "÷ accumulation steps missing"; ``a_i = 1/k²``: "÷ accumulation steps applied twice";
+    ``a_i = 1/k`` on a short last window of ``m < k`` micro-batches: "last window mis-scaled";
+    weights that follow none of these: "loss term normalised locally" (a term divided inside each
+    micro-batch, so summed ``k`` times). With the right weights, gradients that differ between
+    ranks mean "ranks did not synchronise"; else the loss of the joined batch is not the weighted
+    mean of its micro-batches' losses: "loss couples samples across micro-batches" (contrastive,
+    pairwise, a batch statistic: ``bigbatch.cached_loss`` or a statistics pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bigbatch.core import _rng
+from bigbatch.core.split import batch_size
+from bigbatch.verifier._probes import ROUNDING, observe_precision
+from bigbatch.verifier._runs import differences
+
+logger = logging.getLogger("bigbatch")
+
+
+@dataclass
+class AuditResult:
+    """One audited optimizer step.
+
+    Attributes:
+        step: the optimizer step (1 is the first).
+        exact: every parameter's gradient is within ``tolerance`` of the one-batch gradient.
+        grad_norm_ratio: ‖accumulated gradient‖ / ‖one-batch gradient‖ (1 when right).
+        loss_ratio: the loss the trainer accumulated / the one-batch loss.
+        difference: the largest relative difference of a parameter's gradient.
+        tolerance: the rounding allowed, from the precision the model computes in.
+        diagnosis: what went wrong, in words ("" when exact; Note [audit diagnosis]).
+    """
+
+    step: int
+    exact: bool
+    grad_norm_ratio: float
+    loss_ratio: float
+    difference: float
+    tolerance: float
+    diagnosis: str = ""
+
+    def __str__(self) -> str:
+        verdict = "exact" if self.exact else f"NOT exact: {self.diagnosis}"
+        return (
+            f"bigbatch audit, step {self.step}: {verdict} (gradient norm ×"
+            f"{self.grad_norm_ratio:.4g}, loss ×{self.loss_ratio:.4g} of the one-batch step; "
+            f"largest difference {self.difference:.1e}, tolerance {self.tolerance:.0e})"
+        )
+
+
+@dataclass
+class Audit:
+    """The steps to audit and, as training reaches them, one ``AuditResult`` each."""
+
+    steps: tuple[int, ...]
+    results: list[AuditResult] = field(default_factory=list)
+
+
+def check_steps(steps: Any) -> tuple[int, ...]:
+    """``steps`` as a tuple of positive ints (an int is one step).
+
+    Raises:
+        ValueError: anything else.
+    """
+    found = (steps,) if isinstance(steps, int) else tuple(steps)
+    if not found or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in found
+    ):
+        raise ValueError(
+            f"steps={steps!r} is not allowed: give the optimizer steps to audit as positive "
+            "integers, e.g. steps=1 or steps=(1, 100)."
+        )
+    return found
+
+
+@dataclass
+class Window:
+    """An audited window as it runs (Note [audit])."""
+
+    step: int
+    batches: list[Any]
+    accumulation_steps: int
+    rng: Any
+    returns: list[float] = field(default_factory=list)
+
+
+def start(step: int, batches: list[Any], accumulation_steps: int, device: Any) -> Window:
+    """Record a window about to run (its random state now)."""
+    return Window(step, batches, accumulation_steps, _rng.capture(torch.device(device)))
+
+
+def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
+    """The micro-batches as one batch: rows concatenated in order, per-token tensors right-padded
+    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0)."""
+    first = batches[0]
+    if isinstance(first, Mapping):
+        return {k: join([b[k] for b in batches], pad_id, str(k)) for k in first}
+    if isinstance(first, tuple):
+        return tuple(join(list(parts), pad_id) for parts in zip(*batches, strict=True))
+    if isinstance(first, list):
+        return [x for b in batches for x in b]
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return first
+    shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
+    value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
+    padded = [
+        torch.nn.functional.pad(
+            t,
+            [p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])],
+            value=value,
+        )
+        for t in batches
+    ]
+    return torch.cat(padded)
+
+
+def count_items(batch: Any, shifts: bool) -> Any:
+    """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
+    of each row when the loss ``shifts``; ``shift_labels`` as given), else its samples."""
+    labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
+    if labels is None and isinstance(batch, Mapping) and batch.get("labels") is not None:
+        labels = batch["labels"]
+        labels = labels[..., 1:] if shifts and labels.dim() >= 2 else labels
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+        return (labels != -100).sum()
+    return batch_size(batch)
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's gradient by name (zeros where there is none), detached."""
+    return {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+@contextlib.contextmanager
+def aside(model: torch.nn.Module, window: Window, device: Any) -> Iterator[None]:
+    """Within the block: no gradients, the window's first random state; afterwards the gradients,
+    the buffers and the random state as they were (Note [audit])."""
+    device = torch.device(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept, now = [p.grad for p in params], _rng.capture(device)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    for p in params:
+        p.grad = None
+    _rng.restore(window.rng, device)
+    try:
+        yield
+    finally:
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+        _rng.restore(now, device)
+
+
+def one_batch(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], average: bool
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """The one-batch gradient of ``loss()``, its value and the tolerance its precision allows;
+    ``average``: average the gradients over the ranks (a model DDP does not wrap)."""
+    with observe_precision(model) as precision:
+        value = loss()
+    value.backward()
+    grads = gradients(model)
+    if average:
+        for g in grads.values():
+            torch.distributed.all_reduce(g)
+            g /= torch.distributed.get_world_size()
+    return grads, float(value.detach()), max(1e-10, ROUNDING.get(precision.dtype, 0.0))
+
+
+def judge(
+    window: Window,
+    acc: dict[str, torch.Tensor],
+    one: tuple[dict[str, torch.Tensor], float, float],
+    weights: Callable[[], tuple[list[float], list[float]]] | None,
+) -> AuditResult:
+    """Compare the accumulated gradients ``acc`` with ``one_batch``'s; diagnose a difference.
+
+    ``weights()`` gives each micro-batch's own one-batch loss ``L_i`` and its count ``n_i``;
+    ``None`` when the trainer weighs micro-batches right by construction (bigbatch's own).
+    Note [audit diagnosis].
+    """
+    grads, loss, tolerance = one
+    worst = max(differences(acc, grads).values(), default=0.0)
+    ranks = _world()
+    disagree = 0.0
+    if ranks > 1:  # every rank takes the same path from here: agree on the worst difference
+        norms = torch.stack([g.double().norm() for g in acc.values()])
+        spread = torch.stack([worst * torch.ones(()), *norms, *(-norms)]).double()
+        torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
+        worst, half = float(spread[0]), (len(spread) - 1) // 2
+        disagree = float((spread[1 : 1 + half] + spread[1 + half :]).abs().max())
+    result = AuditResult(
+        window.step,
+        worst <= tolerance,
+        _norm(acc) / max(_norm(grads), 1e-300),
+        sum(window.returns) / loss if loss else math.nan,
+        worst,
+        tolerance,
+    )
+    if not result.exact:
+        result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), weights, tolerance)
+    (logger.info if result.exact else logger.warning)(str(result))
+    return result
+
+
+def _diagnose(
+    window: Window,
+    loss: float,
+    ranks_differ: bool,
+    weights: Callable[[], tuple[list[float], list[float]]] | None,
+    tolerance: float,
+) -> str:
+    if ranks_differ:
+        return "ranks did not synchronise"
+    if weights is None:
+        return "loss couples samples across micro-batches"
+    own, counts = weights()
+    k, m, total = window.accumulation_steps, len(own), sum(counts)
+    a = [r / x if x else math.nan for r, x in zip(window.returns, own, strict=True)]
+
+    def close(inverse: list[float]) -> bool:  # a_i = 1 / inverse_i for every micro-batch
+        return all(abs(ai * t - 1) < 1e-3 for ai, t in zip(a, inverse, strict=True))
+
+    if k > 1 and close([k] * m) and (m < k or len(set(counts)) > 1):
+        return "last window mis-scaled" if m < k else "per-micro-batch mean on padded data"
+    if k > 1 and close([1.0] * m):
+        return "÷ accumulation steps missing"
+    if k > 1 and close([k * k] * m):
+        return "÷ accumulation steps applied twice"
+    if not close([total / n if n else math.inf for n in counts]):  # not the right weights
+        return "loss term normalised locally"
+    weighted = sum(x * n for x, n in zip(own, counts, strict=True)) / total
+    if abs(weighted - loss) > max(tolerance, 1e-6) * abs(loss):
+        return "loss couples samples across micro-batches"
+    return "gradients differ where the losses agree"
+
+
+def _norm(grads: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads.values()])))
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

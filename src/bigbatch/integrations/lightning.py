@@ -1,0 +1,205 @@
+"""Lightning's ``Trainer(accumulate_grad_batches=k)`` made exact, and audited.
+
+Needs Lightning (``pip install "bigbatch[lightning]"``)::
+
+    trainer = L.Trainer(accumulate_grad_batches=8, callbacks=[bigbatch.lightning.Exact()])
+    report = bigbatch.lightning.audit(trainer)   # any Lightning trainer: is its step right?
+
+Note [lightning window]
+    Lightning divides every ``training_step`` loss by ``accumulate_grad_batches`` and steps after
+    that many batches (fewer at the end of an epoch): a mean of micro-batch means, wrong when the
+    micro-batches hold different numbers of tokens, and a short last window scaled by ``m / k``.
+    ``Exact`` lets ``training_step`` return ``(loss_sum, count)`` (or a mean over its samples):
+    it hands Lightning ``loss_sum · s``, ``s`` fixed for the window (one over the first
+    micro-batch's count: the magnitude of a mean, for fp16), records the counts, and in
+    ``on_before_optimizer_step`` (after fp16 unscaling, before clipping) multiplies the gradients
+    by ``k · W / (s · C)``: ``C`` the window's count over every rank (one all-reduce), ``W`` the
+    ranks DDP averages over. The gradient is then ``∇(Σ loss_sum) / C`` over the window, the
+    full batch's (Note [window normalisation] in ``bigbatch.core.loss``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from bigbatch.core.split import batch_size
+from bigbatch.integrations._audit import (
+    Audit,
+    aside,
+    check_steps,
+    count_items,
+    gradients,
+    join,
+    judge,
+    one_batch,
+    start,
+)
+
+__all__ = ["Exact", "audit"]
+
+
+def _lightning() -> Any:
+    try:
+        import lightning.pytorch as pl
+    except ModuleNotFoundError as exc:
+        raise ImportError(
+            'bigbatch.lightning needs Lightning: pip install "bigbatch[lightning]"'
+        ) from exc
+    return pl
+
+
+def _loss_of(out: Any) -> Any:
+    return out.get("loss") if isinstance(out, Mapping) else out
+
+
+def _sum_and_count(out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
+    """A ``training_step`` result as ``(loss_sum, count)``: a pair, or a mean over the samples."""
+    loss = _loss_of(out)
+    if isinstance(loss, (tuple, list)) and len(loss) == 2:
+        return loss[0], loss[1]
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"training_step returned {type(out).__name__}: with bigbatch.lightning return "
+            "(loss_sum, count), {'loss': (loss_sum, count)} or a mean over the batch's samples."
+        )
+    n = batch_size(batch)
+    return loss * n, n
+
+
+def _mean(out: Any, batch: Any) -> torch.Tensor:
+    loss_sum, count = _sum_and_count(out, batch)
+    return loss_sum / count
+
+
+class Exact(_lightning().Callback):  # type: ignore[misc]
+    """A callback that makes ``accumulate_grad_batches`` exact (Note [lightning window]).
+
+    ``training_step`` returns ``(loss_sum, count)`` (e.g. ``bigbatch.token_cross_entropy``),
+    ``{"loss": (loss_sum, count), ...}``, or a mean over its samples; each optimizer step is then
+    the step of the whole window as one batch: every token weighs the same whatever micro-batch
+    it is in, the short last window of an epoch included, on every rank.
+
+    Example:
+        >>> trainer = L.Trainer(accumulate_grad_batches=8, callbacks=[Exact()])  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] = []
+        self.counts: list[Any] = []
+        self.scale: Any = None
+        self.window_loss: torch.Tensor | None = None  # the last window's loss, Σ sum / C
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "bigbatch.lightning.Exact needs automatic optimization; with manual "
+                "optimization accumulate with bigbatch.Accumulator in your training_step."
+            )
+        step = pl_module.training_step
+
+        @functools.wraps(step)
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            out = step(batch, *args, **kwargs)
+            loss_sum, count = _sum_and_count(out, batch)
+            if self.scale is None:  # the window's first micro-batch
+                self.scale = 1.0 / torch.as_tensor(count, dtype=torch.float64).clamp_min(1.0)
+            self.sums.append(loss_sum.detach().to(torch.float64))
+            self.counts.append(count)
+            rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
+            return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
+
+        pl_module.training_step = training_step
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        values = [torch.as_tensor(v, dtype=torch.float64) for v in (*self.sums, *self.counts)]
+        mine = torch.stack(values).reshape(2, -1).sum(1).to(pl_module.device)
+        loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
+        self.window_loss = loss_sum / total
+        factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
+        self.sums, self.counts, self.scale = [], [], None
+
+
+def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> Audit:
+    """``bigbatch.hf.audit`` for a Lightning ``Trainer``: at the optimizer steps asked for,
+    compare the accumulated gradient with the same ``training_step`` on the window as one batch.
+
+    Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks.
+
+    Returns:
+        An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step.
+
+    Raises:
+        TypeError: ``trainer`` is not a Lightning ``Trainer``. ValueError: bad ``steps``.
+    """
+    if not isinstance(trainer, _lightning().Trainer):
+        raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
+    log = Audit(check_steps(steps))
+    trainer.callbacks.append(_Watch(log))
+    return log
+
+
+class _Watch(_lightning().Callback):  # type: ignore[misc]
+    """``audit``'s callback: records the audited window, compares at its optimizer step."""
+
+    def __init__(self, log: Audit) -> None:
+        self.report, self.window = log, None
+        self.exact: Exact | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
+        step = pl_module.training_step
+
+        @functools.wraps(step)
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            out = step(batch, *args, **kwargs)
+            if self.window is not None and self.exact is None:  # what Lightning back-propagates
+                self.window.returns.append(
+                    float(_mean(out, batch)) / self.window.accumulation_steps
+                )
+            return out
+
+        pl_module.training_step = training_step
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+        k, step = trainer.accumulate_grad_batches, trainer.global_step + 1
+        if idx % k == 0 and step in self.report.steps:
+            self.window = start(step, [], k, pl_module.device)  # type: ignore[assignment]
+        if self.window is not None:
+            self.window.batches.append(batch)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        w, self.window = self.window, None
+        if w is None:
+            return
+        if self.exact is not None:
+            w.returns = [float(self.exact.window_loss)]
+        acc = gradients(pl_module)
+        with aside(pl_module, w, pl_module.device):
+            loss = functools.partial(self._loss, trainer, pl_module, join(w.batches))
+            one = one_batch(pl_module, loss, average=trainer.world_size > 1)
+            weights = self._weights if self.exact is None else None
+            self.report.results.append(
+                judge(w, acc, one, weights and functools.partial(weights, pl_module, w.batches))
+            )
+
+    def _loss(self, trainer: Any, pl_module: Any, batch: Any) -> torch.Tensor:
+        """The module's own ``training_step`` (not a callback's wrapper) as a mean."""
+        with trainer.precision_plugin.train_step_context():
+            return _mean(type(pl_module).training_step(pl_module, batch, 0), batch)
+
+    def _weights(self, pl_module: Any, batches: list[Any]) -> Any:
+        with torch.no_grad():
+            outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
+        pairs = [_sum_and_count(o, b) for o, b in zip(outs, batches, strict=True)]
+        paired = all(isinstance(_loss_of(o), (tuple, list)) for o in outs)
+        counts = [
+            c if paired else count_items(b, False) for (_, c), b in zip(pairs, batches, strict=True)
+        ]
+        return [float(s / c) for s, c in pairs], [float(c) for c in counts]

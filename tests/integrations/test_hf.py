@@ -1,0 +1,211 @@
+"""bigbatch.hf.Trainer against transformers' one-batch run and a plain full-batch step (float64).
+
+Each case trains two optimizer steps on 12 variable-length, right-padded samples: bigbatch's
+Trainer with ``per_device_train_batch_size`` × ``gradient_accumulation_steps`` (5 × 3 cuts each
+window 5 + 5 + 2), transformers' Trainer with the whole window as one batch, and (where the loss
+can be written plainly) ``tests/reference.full_batch_step``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers  # noqa: E402
+from integrations.hf_models import (  # noqa: E402  # noqa: E402
+    VOCAB,
+    Wrapper,
+    adamw,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    llama,
+    sgd,
+    texts,
+)
+from reference import full_batch_step  # noqa: E402
+
+import bigbatch.hf  # noqa: E402
+from bigbatch.core.loss import token_cross_entropy  # noqa: E402
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+TOLERANCE = {
+    "gpt2": 1e-10,
+    "llama": 1e-5,
+}  # Llama's RMSNorm computes in float32 (Note [float32 islands])
+
+
+def train(cls, model, batch, steps, optimizers=sgd, n=12, args=None, **kwargs):
+    """Train ``model`` in place with ``cls`` (two optimizer steps); return the trainer."""
+    args = args or {}
+    trainer = cls(
+        model=model, args=arguments(kwargs.pop("tmp"), batch, steps, **args),
+        train_dataset=texts(n), data_collator=collate, optimizers=optimizers(model), **kwargs,
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+class SumCount(bigbatch.hf.Trainer):
+    """A custom loss returning ``(loss_sum, count)``."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).logits
+        return token_cross_entropy(logits, inputs["labels"], shift=True)
+
+
+class Terms(bigbatch.hf.Trainer):
+    """Named terms: the token loss and a per-sequence term of weight 0.1 (Note [named terms])."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return terms(model, inputs)
+
+
+def terms(model, inputs):
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    mask = inputs["attention_mask"]
+    per_sequence = (logits.pow(2).mean(-1) * mask).sum(-1) / mask.sum(-1)
+    lm = token_cross_entropy(logits, inputs["labels"], shift=True)
+    return {"lm": lm, "aux": (per_sequence.sum(), len(per_sequence), 0.1)}
+
+
+def plain(base, loss, optimizers, n=12, steps=2):
+    """Two full-batch steps of ``loss(model, batch)`` (a mean, a pair or named terms)."""
+    model = copy.deepcopy(base)
+    optimizer = optimizers(model)[0]
+    batch = collate(texts(n))
+
+    def mean(m, b):
+        out = loss(m, b)
+        return (
+            sum(w * s / c for s, c, w in ((*v, 1.0)[:3] for v in out.values()))
+            if isinstance(out, dict)
+            else out
+        )
+
+    for _ in range(steps):
+        full_batch_step(model, optimizer, mean, batch)
+    return model
+
+
+def model_loss(m, b):
+    return m(**b).loss
+
+
+def smoothing(m, b):
+    out = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    return transformers.trainer_pt_utils.LabelSmoother(0.1)(out, b["labels"], shift_labels=True)
+
+
+def loss_func(outputs, labels, num_items_in_batch=None):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
+
+
+def sum_count(m, b):
+    logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return token_cross_entropy(logits, b["labels"], shift=True)
+
+
+# (name, bigbatch trainer class, trainer kwargs, TrainingArguments kwargs, plain loss)
+LOSSES = {
+    "model": (bigbatch.hf.Trainer, {}, {}, model_loss),
+    "smoothing": (bigbatch.hf.Trainer, {}, {"label_smoothing_factor": 0.1}, smoothing),
+    "compute_loss_func": (bigbatch.hf.Trainer, {"compute_loss_func": loss_func}, {}, model_loss),
+    "sum_count": (SumCount, {}, {}, sum_count),
+    "terms": (Terms, {}, {}, terms),
+}
+SLOW = pytest.mark.slow
+CASES = [  # model, optimizer, (per device, accumulation steps), loss
+    ("gpt2", sgd, (5, 3), "model"), ("llama", adamw, (5, 3), "model"),
+    pytest.param("llama", sgd, (4, 3), "model", marks=SLOW),
+    pytest.param("gpt2", adamw, (5, 3), "smoothing", marks=SLOW),
+    ("llama", sgd, (5, 3), "smoothing"),
+    pytest.param("gpt2", sgd, (5, 3), "compute_loss_func", marks=SLOW),
+    ("gpt2", adamw, (5, 3), "sum_count"),
+    pytest.param("llama", sgd, (4, 3), "sum_count", marks=SLOW),
+    pytest.param("gpt2", sgd, (5, 3), "terms", marks=SLOW), ("llama", adamw, (5, 3), "terms"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, optimizers, split, loss", CASES)
+def test_equals_the_one_batch_step(tmp_path, name, optimizers, split, loss):
+    base = MODELS[name]()
+    cls, kwargs, args, plain_loss = LOSSES[loss]
+    ours = copy.deepcopy(base)
+    train(cls, ours, *split, optimizers, tmp=tmp_path, args=args, **kwargs)
+    assert distance(ours, plain(base, plain_loss, optimizers), base) < TOLERANCE[name]
+    if cls is bigbatch.hf.Trainer and name == "llama":  # transformers' own one-batch run
+        # (not GPT-2's: transformers counts its labels unshifted, test_hf_audit.py)
+        one = copy.deepcopy(base)
+        train(transformers.Trainer, one, 12, 1, optimizers, tmp=tmp_path, args=args, **kwargs)
+        assert distance(ours, one, base) < 1e-10  # the same float32 roundings as transformers
+
+
+@pytest.mark.parametrize(
+    "name, tolerance", [("gpt2", 1e-10), pytest.param("llama", 1e-5, marks=SLOW)]
+)
+def test_a_model_without_loss_kwargs(tmp_path, name, tolerance):
+    """A wrapper whose loss is a token mean: the stock Trainer averages micro-batch means; bigbatch
+    counts the tokens (Llama's RMSNorm computes in float32 in a float64 model: Note [float32
+    islands])."""
+    base = MODELS[name]()
+    ours, stock = Wrapper(copy.deepcopy(base)), Wrapper(copy.deepcopy(base))
+    train(bigbatch.hf.Trainer, ours, 5, 3, tmp=tmp_path)
+    train(transformers.Trainer, stock, 5, 3, tmp=tmp_path)
+    reference = plain(Wrapper(base), lambda m, b: m(**b)["loss"], sgd)
+    assert distance(ours, reference, Wrapper(base)) < tolerance
+    assert distance(stock, reference, Wrapper(base)) > 0.1  # 24% and more after two steps
+
+
+@pytest.mark.parametrize("settings", [
+    {"micro_batch_tokens": 40}, pytest.param({"micro_batch_tokens": 24, "pad_to_multiple_of": 8}, marks=SLOW),
+    pytest.param({"micro_batch_size": "auto", "memory_budget": "1GiB"}, marks=SLOW), {"micro_batch_size": 2},
+])  # fmt: skip
+def test_token_windows_and_auto(tmp_path, settings):
+    base = gpt2()
+    ours = copy.deepcopy(base)
+    trainer = train(bigbatch.hf.Trainer, ours, 6, 2, tmp=tmp_path, **settings)
+    assert distance(ours, plain(base, model_loss, sgd), base) < 1e-10
+    last = trainer.bigbatch_window.last
+    assert last.samples == 12 and (last.micro_batches > 1 or "auto" in settings.values())
+
+
+def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
+    """fp16's concern (Note [backward scale]): what each micro-batch back-propagates adds up to the
+    full batch's mean loss, not to a sum of means, so the loss scaler sees the full batch's range."""
+    model = llama()
+    trainer = bigbatch.hf.Trainer(
+        model=model, args=arguments(tmp_path, 5, 3, max_steps=1), train_dataset=texts(12),
+        data_collator=collate, optimizers=sgd(model),
+    )  # fmt: skip
+    seen, backward = [], trainer.accelerator.backward
+    trainer.accelerator.backward = lambda loss, **kw: (
+        seen.append(float(loss)),
+        backward(loss, **kw),
+    )
+    trainer.train()
+    whole = float(copy.deepcopy(llama())(**collate(texts(12))).loss)
+    assert len(seen) == 3 and abs(sum(seen) - whole) < 1e-6 * whole
+
+
+def test_errors(tmp_path):
+    with pytest.raises(TypeError, match="exact\\(\\) takes a transformers.Trainer subclass"):
+        bigbatch.hf.exact(torch.nn.Module)
+    with pytest.raises(ValueError, match="micro_batch_size=0 is not allowed"):
+        bigbatch.hf.Trainer(model=gpt2(), args=arguments(tmp_path, 2, 2), micro_batch_size=0)
+    with pytest.raises(TypeError, match="audit\\(\\) takes a transformers.Trainer"):
+        bigbatch.hf.audit(torch.nn.Linear(1, 1))
+    trainer = transformers.Trainer(model=gpt2(), args=arguments(tmp_path, 2, 2))
+    with pytest.raises(ValueError, match="steps=0 is not allowed"):
+        bigbatch.hf.audit(trainer, steps=0)
+    assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer

@@ -1,0 +1,175 @@
+"""The accumulation bugs the peers shipped, reproduced on transformers' Trainer in float64:
+``bigbatch.hf.audit`` flags each wrong configuration with its cause, raises no false alarm on a
+right one, and bigbatch's Trainer is exact on every one (against the plain full batch)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers  # noqa: E402
+from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, llama, sgd, texts  # noqa: E402
+from integrations.test_hf import model_loss, plain, terms  # noqa: E402
+from reference import full_batch_step  # noqa: E402
+
+import bigbatch.hf  # noqa: E402
+from bigbatch import cached_loss  # noqa: E402
+
+
+def audited(cls, model, batch=5, steps=3, n=12, audit_steps=1, data=None, **kwargs):
+    trainer = cls(
+        model=model, args=arguments(kwargs.pop("tmp"), batch, steps, **kwargs.pop("args", {})),
+        train_dataset=data or texts(n), data_collator=kwargs.pop("collator", collate),
+        optimizers=sgd(model), **kwargs,
+    )  # fmt: skip
+    report = bigbatch.hf.audit(trainer, steps=audit_steps)
+    trainer.train()
+    return report.results
+
+
+class IgnoresCount(transformers.Trainer):
+    """transformers #45305: accepts ``num_items_in_batch`` and ignores it (a mean per micro-batch)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss
+
+
+class DividesAgain(transformers.Trainer):
+    """Divides by the accumulation steps itself, on top of the Trainer (transformers #35808)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs)["loss"] / self.current_gradient_accumulation_steps
+
+
+class AuxPerMicroBatch(transformers.Trainer):
+    """A per-sequence auxiliary term averaged inside each micro-batch beside a token loss
+    normalised over the window: summed once per micro-batch (NeMo RL PR #3791: 32×)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = terms(model, inputs)
+        (s, _), (a, n, w) = out["lm"], out["aux"]
+        return s / num_items_in_batch + w * a / n
+
+
+class AuxTerms(bigbatch.hf.Trainer):
+    """The same loss as named terms, each with its own count."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return terms(model, inputs)
+
+
+class LastWindowByArgs(transformers.Trainer):
+    """Scales by ``args.gradient_accumulation_steps`` (as the Trainer did before 4.46), so a
+    short last window is too small."""
+
+    loss_is_scaled_for_ga = True
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs)["loss"] / self.args.gradient_accumulation_steps
+
+
+def encode(model, batch):
+    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].unsqueeze(-1)
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def in_batch(reps, batch=None):
+    """Each sequence's own embedding against the others' (in-batch negatives)."""
+    scores = reps @ reps.roll(1, 0).T * 5
+    return torch.nn.functional.cross_entropy(scores, torch.arange(len(reps)))
+
+
+class Contrastive(transformers.Trainer):
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return in_batch(encode(model, inputs))
+
+
+def unlabelled(samples):
+    """Sequences for a contrastive loss: no labels (a sample is the unit)."""
+    batch = collate(samples)
+    del batch["labels"]
+    return batch
+
+
+def test_no_false_alarm_on_the_stock_trainer(tmp_path):
+    for model in (llama(), Wrapper(gpt2())):
+        cls = (
+            transformers.Trainer
+            if isinstance(model, transformers.PreTrainedModel)
+            else bigbatch.hf.Trainer
+        )
+        results = audited(cls, model, tmp=tmp_path, audit_steps=(1, 2))
+        assert [r.exact for r in results] == [True, True] and results[
+            0
+        ].loss_ratio == pytest.approx(1)
+    smoothing = audited(
+        transformers.Trainer, llama(), tmp=tmp_path, args={"label_smoothing_factor": 0.1}
+    )
+    assert smoothing[0].exact and smoothing[0].tolerance == 1e-5  # float32 islands in float64
+
+
+def test_gpt2_counts_its_first_tokens(tmp_path):
+    """GPT-2's loss_type is None, so transformers counts every label, the first of each row too:
+    each step is scaled by N / (N + rows), in its one-batch run as well (the audit compares a
+    trainer with itself: exact); bigbatch counts what the loss averages."""
+    base = gpt2()
+    stock, ours = copy.deepcopy(base), copy.deepcopy(base)
+    assert audited(transformers.Trainer, stock, tmp=tmp_path)[0].exact
+    assert audited(bigbatch.hf.Trainer, ours, tmp=tmp_path)[0].exact
+    reference = plain(base, model_loss, sgd)
+    assert distance(stock, reference, base) > 1e-2 and distance(ours, reference, base) < 1e-10
+
+
+CLASSES = {  # name: (wrong trainer, model, its diagnosis, bigbatch's trainer, kwargs)
+    "wrapper": (transformers.Trainer, lambda: Wrapper(gpt2()), "per-micro-batch mean on padded data", bigbatch.hf.Trainer, {}),
+    "ignores num_items": (IgnoresCount, llama, "÷ accumulation steps missing", bigbatch.hf.exact(IgnoresCount), {}),
+    "divides twice": (DividesAgain, lambda: Wrapper(gpt2()), "÷ accumulation steps applied twice", bigbatch.hf.exact(DividesAgain), {}),
+    "aux term": (AuxPerMicroBatch, gpt2, "loss term normalised locally", AuxTerms, {}),
+    "contrastive": (Contrastive, gpt2, "loss couples samples across micro-batches", bigbatch.hf.Trainer, {"loss_fn": cached_loss(encode, in_batch), "collator": unlabelled}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n != "ignores num_items" else pytest.param(n, marks=pytest.mark.slow) for n in CLASSES],
+)
+def test_each_bug_is_flagged_and_bigbatch_is_exact(tmp_path, name):
+    wrong, make, diagnosis, ours, kwargs = CLASSES[name]
+    batch = 4 if name == "contrastive" else 5  # contrastive: equal micro-batches, only the coupling
+    collator = {"collator": kwargs["collator"]} if "collator" in kwargs else {}
+    found = audited(wrong, make(), batch=batch, tmp=tmp_path, **collator)[0]
+    assert not found.exact and found.diagnosis == diagnosis, found
+    mine = audited(ours, make(), batch=batch, tmp=tmp_path, **kwargs)[0]
+    assert mine.exact and mine.loss_ratio == pytest.approx(1), mine
+
+
+def test_last_window_mis_scaled(tmp_path):
+    """10 samples of equal length, 2 per micro-batch, 3 per window: the second window has 2."""
+    data = texts(10, low=8, high=9)
+    found = audited(LastWindowByArgs, Wrapper(gpt2()), 2, 3, data=data, audit_steps=2, tmp=tmp_path)
+    assert not found[0].exact and found[0].diagnosis == "last window mis-scaled"
+    assert found[0].grad_norm_ratio == pytest.approx(2 / 3)
+    base = gpt2()
+    model = Wrapper(copy.deepcopy(base))
+    ours = audited(
+        bigbatch.hf.exact(LastWindowByArgs), model, 2, 3, data=data, audit_steps=2, tmp=tmp_path
+    )
+    assert ours[0].exact
+
+    def full(m, b):  # the full-batch steps: 6 samples, then 4
+        return m(**b)["loss"]
+
+    reference = Wrapper(copy.deepcopy(base))
+    optimizer = sgd(reference)[0]
+    order = list(torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(0)))
+    for rows in (order[:6], order[6:]):
+        full_batch_step(reference, optimizer, full, collate([data[i] for i in rows]))
+    assert distance(model, reference, Wrapper(base)) < 1e-10

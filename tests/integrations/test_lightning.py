@@ -1,0 +1,103 @@
+"""bigbatch.lightning: Lightning's accumulate_grad_batches (÷ k, Lightning #20350) against the
+full batch in float64, the Exact callback, and the audit's verdicts."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+pytest.importorskip("transformers")
+
+from integrations.hf_models import collate, distance, gpt2, texts  # noqa: E402
+from reference import full_batch_step  # noqa: E402
+
+import bigbatch.lightning  # noqa: E402
+from bigbatch.core.loss import token_cross_entropy  # noqa: E402
+
+
+class LM(L.LightningModule):
+    def __init__(self, model, pair, optimizer):
+        super().__init__()
+        self.model, self.pair, self.optimizer = model, pair, optimizer
+
+    def training_step(self, batch, idx):
+        logits = self.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
+        loss_sum, count = token_cross_entropy(logits, batch["labels"], shift=True)
+        return (loss_sum, count) if self.pair else loss_sum / count
+
+    def configure_optimizers(self):
+        return self.optimizer(self.parameters())
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def fit(model, batch, k, pair=False, exact=False, optimizer=sgd, data=None, steps=1):
+    loader = torch.utils.data.DataLoader(data or texts(12), batch_size=batch, collate_fn=collate)
+    trainer = L.Trainer(
+        max_epochs=2, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        callbacks=[bigbatch.lightning.Exact()] if exact else [],
+    )  # fmt: skip
+    report = bigbatch.lightning.audit(trainer, steps=steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(LM(model, pair, optimizer), loader)
+    return report.results
+
+
+def tokens(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_cross_entropy(logits, batch["labels"], shift=True)
+
+
+def full(base, optimizer, windows):
+    model = copy.deepcopy(base)
+    opt = optimizer(model.parameters())
+    for rows in windows:
+        full_batch_step(model, opt, tokens, collate(rows))
+    return model
+
+
+@pytest.mark.parametrize("optimizer", [sgd, adamw])
+def test_exact_on_padded_tokens(optimizer):
+    base = gpt2()
+    plain, ours = copy.deepcopy(base), copy.deepcopy(base)
+    found = fit(plain, 4, 3, optimizer=optimizer)[0]
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data"
+    mine = fit(ours, 5, 3, pair=True, exact=True, optimizer=optimizer)[0]  # 5 + 5 + 2
+    assert mine.exact and mine.loss_ratio == pytest.approx(1)
+    reference = full(base, optimizer, [texts(12)] * 2)
+    assert distance(ours, reference, base) < 1e-10 < 0.05 < distance(plain, reference, base)
+
+
+def test_last_window():
+    """10 equal-length samples, 2 per batch, 3 batches per step: Lightning scales the last
+    window (2 batches) by 2/3."""
+    data, base = texts(10, low=8, high=9), gpt2()
+    plain, ours = copy.deepcopy(base), copy.deepcopy(base)
+    found = fit(plain, 2, 3, data=data, steps=2)[0]
+    assert not found.exact and found.diagnosis == "last window mis-scaled"
+    assert found.grad_norm_ratio == pytest.approx(2 / 3)
+    assert fit(ours, 2, 3, pair=True, exact=True, data=data, steps=2)[0].exact
+    reference = full(base, sgd, [data[:6], data[6:]] * 2)
+    assert distance(ours, reference, base) < 1e-10
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="audit\\(\\) takes a lightning Trainer"):
+        bigbatch.lightning.audit(object())
+    trainer = L.Trainer(logger=False, accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="steps=\\(\\) is not allowed"):
+        bigbatch.lightning.audit(trainer, steps=())
