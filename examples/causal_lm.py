@@ -1,13 +1,14 @@
-"""A causal language model on padded sequences, with a token-normalised loss.
+"""A causal language model on variable-length text, cut by tokens (token windows).
 
 Run: PYTHONPATH=src python examples/causal_lm.py
 
 The model is a tiny GPT-2 built from a config (random weights, nothing downloaded). Sequences
-have very different lengths, so micro-batches hold different numbers of real tokens: dividing
-each micro-batch's token mean by the number of micro-batches would weigh a token of a short
-micro-batch more than one of a long one. ``bigbatch.token_cross_entropy`` returns
-``(loss_sum, count)`` and the engine divides once by the window's total token count, which is
-the full batch's token mean. The script checks that against one full-batch step.
+have very different lengths. ``Accumulator(micro_batch_tokens=96)`` keeps each step's batch of
+8 sequences exactly, but cuts it by tokens: the sequences are sorted by length, each micro-batch
+holds at most 96 padded tokens and is trimmed to its own longest sequence, so far less padding
+is computed than with a fixed number of sequences per micro-batch. ``token_cross_entropy``
+returns ``(loss_sum, count)`` and the engine divides once by the window's total token count: the
+full batch's token mean. The script checks that against one full-batch step.
 """
 
 import copy
@@ -49,20 +50,22 @@ def loss_fn(
 
 
 acc = bigbatch.Accumulator(
-    model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_size=3
+    model, torch.optim.AdamW(model.parameters(), lr=1e-3), micro_batch_tokens=96
 )
 ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
 for step in range(3):
-    batch = padded_batch(8)  # 8 sequences at 3: micro-batches of 3 + 3 + 2
+    batch = padded_batch(8)  # 8 sequences of 3 to 24 tokens, padded to the longest
     result = acc.train_step(batch, loss_fn)
+    padding = 1 - result.tokens / result.padded_tokens
     loss_sum, tokens = loss_fn(reference, batch)  # the full batch in one step, for comparison
     ref_loss = loss_sum / tokens
     ref_loss.backward()
     ref_opt.step()
     ref_opt.zero_grad(set_to_none=True)
     print(
-        f"step {step}: token-mean loss {result.loss:.5f} (full batch {ref_loss.item():.5f}, "
-        f"{int(result.count)} tokens)"
+        f"step {step}: token-mean loss {result.loss:.5f} (full batch {ref_loss.item():.5f}), "
+        f"{result.micro_batches} micro-batches, {result.tokens} tokens, {padding:.0%} padding "
+        f"(the batch padded to its longest: {1 - result.tokens / batch['input_ids'].numel():.0%})"
     )
 with torch.no_grad():
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
