@@ -9,17 +9,30 @@ Note [one writer]
     and stops at once, before it has changed anything in the folder. Only the lock holder
     removes stale temporary files. Under torchrun, rank 0 holds the lock and tells the other
     ranks whether it got it.
+
+Note [no links]
+    A symbolic link planted in the run folder under a name bigbatch writes (``.lock``,
+    ``metrics.csv``, a snapshot, ``model.pt``, a temporary file, ...) would make a write
+    truncate or fill the file it points to, anywhere the user can write. So the lock holder
+    refuses a folder that holds such a link before it writes anything, and every file bigbatch
+    opens for writing there is opened with ``O_NOFOLLOW`` (``no_follow``; a new temporary file
+    also with ``O_EXCL``), which refuses a link planted later; files are replaced by
+    ``os.replace``, which replaces a link, never its target.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 from types import TracebackType
 
 from bigbatch.distributed import launch as distributed
 
 LOCK = ".lock"
+# what bigbatch writes in a run folder (Note [no links]): files, snapshots, temporary files, logs
+WRITTEN = (LOCK, "metrics.csv", "summary.json", "model.pt", "snapshot*.pt", "report.png",
+           "tensorboard", ".*tmp*", "*.tmp", "*.log")  # fmt: skip
 
 
 class RunFolderBusy(RuntimeError):
@@ -75,7 +88,7 @@ class RunFolder:
         import fcntl
 
         _make_folder(self.out)
-        fd = os.open(self.path(LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = no_follow(self.path(LOCK), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -85,9 +98,48 @@ class RunFolder:
                 f"run folder {self.out!r} is in use by another bigbatch run (process {holder}): "
                 "wait for it to end, or choose another --out."
             ) from None
+        links = planted_links(self.out)
+        if links:
+            os.close(fd)
+            raise OSError(
+                errno.ELOOP,
+                f"holds symbolic links where bigbatch writes ({', '.join(links)}), and bigbatch "
+                "never writes through one: remove them, or choose another --out",
+                self.out,
+            )
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+
+
+def no_follow(path: str, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` (Note [no links]); usable as the
+    ``opener`` of ``open``: ``open(path, "a", opener=no_follow)``.
+
+    Raises:
+        OSError: ``ELOOP`` naming ``path``, when it is a link.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.EEXIST and os.path.islink(path)):
+            raise OSError(
+                errno.ELOOP,
+                "is a symbolic link, and bigbatch never writes through one in a run folder: "
+                "remove the link, or choose another --out",
+                path,
+            ) from None
+        raise
+
+
+def planted_links(out: str) -> list[str]:
+    """The names in ``out`` that bigbatch writes and that are symbolic links (Note [no links])."""
+    with os.scandir(out) as entries:
+        return sorted(
+            e.name
+            for e in entries
+            if e.is_symlink() and any(fnmatch.fnmatch(e.name, w) for w in WRITTEN)
+        )
 
 
 def _make_folder(out: str) -> None:

@@ -3,8 +3,9 @@
 ``RunLog.step(row)`` appends one row to ``DIR/metrics.csv``, writes the numbers to TensorBoard
 when it is installed (``DIR/tensorboard``) and shows the progress (Note [progress]). Under
 ``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own share, and
-``round_loss`` / ``round_count`` (at a round's last step) the whole round's over every rank
-(Note [local rounds] in ``app.rounds``).
+``round_loss`` / ``round_count`` / ``round_skipped`` (at a round's last step) the whole round's
+over every rank (Note [local rounds] in ``app.rounds``). Files are opened with ``open_new``
+(Note [no links] in ``app.folder``).
 
 Note [progress]
     A progress line (step, loss, samples/s or tokens/s, micro-batch x steps, peak memory, time
@@ -18,20 +19,20 @@ Note [progress]
 from __future__ import annotations
 
 import csv
-import errno
 import math
 import os
 import sys
 import time
 from typing import IO, Any
 
+from bigbatch.app.folder import no_follow
 from bigbatch.core._units import format_bytes
 
 COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
     "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
     "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
-    "round_loss", "round_count",
+    "round_loss", "round_count", "round_skipped",
 ]  # fmt: skip
 TENSORBOARD = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric",
                "round_loss")  # fmt: skip
@@ -131,16 +132,8 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
 def open_new(path: str, mode: str = "w") -> IO[Any]:
     """Open ``path`` to write (``"w"``, ``"wb"``) or append (``"a"``), never through a symlink
     planted there: the open fails instead."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if "a" in mode else os.O_TRUNC)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise OSError(
-            exc.errno, "is a symbolic link: bigbatch never writes through one; remove it", path
-        ) from None
-    return os.fdopen(fd, mode, newline=None if "b" in mode else "")
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return os.fdopen(no_follow(path, flags, 0o644), mode, newline=None if "b" in mode else "")
 
 
 def read_csv(path: str) -> list[dict[str, str]]:

@@ -25,58 +25,43 @@ Note [non-finite runs]
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from bigbatch.app import resume, rounds
-from bigbatch.app.config import (
-    TrainConfig,
-    make_config,
-    resolve_batch,
-    resumable_changes,
-    run_length,
-    scaled_lr,
-)
+from bigbatch.app import prepare, resume, rounds, stops
+from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_length
+from bigbatch.app.evaluation import evaluate
 from bigbatch.app.folder import RunFolder
 from bigbatch.app.log import METRICS_CSV, NullLog, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
 from bigbatch.app.signals import Stopped, StopSignals
-from bigbatch.app.task import Task, canonical_path, check_task
+from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._tree import map_tensors
-from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.core.engine import Accumulator, StepResult
-from bigbatch.core.loss import as_sum_and_count
-from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
+from bigbatch.core.oom import is_out_of_memory
 from bigbatch.core.peak import PeakProbe
 from bigbatch.core.split import batch_size as samples_in
 from bigbatch.distributed import launch as distributed
 from bigbatch.distributed.local import LocalAccumulation
 
 MAX_SKIPPED_IN_A_ROW = 20
+_MODEL_KEPT = (
+    "model.pt was not written; the last snapshot holds the trained model: free space and run "
+    "again with --resume"
+)
 _NOTHING_TO_RESUME = (
     "--resume: run folder {out!r} holds no run to resume: drop --resume to start a new run "
     "there, or give --resume auto to start when there is nothing to resume."
 )
-
-
-class NonFiniteRun(FloatingPointError):
-    """The run stopped on NaN / inf values (Note [non-finite runs]); the message says where."""
-
-
-class OutOfMemoryRun(MemoryError):
-    """A step ran out of memory or over ``memory_budget``; the message names the settings to change."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +74,7 @@ class _Run:
     folder: RunFolder
     acc: Accumulator
     local: LocalAccumulation | None  # local_steps > 1 (Note [local rounds]); else DDP steps
+    stop: StopSignals
     identity: dict[str, Any]
     batch_size: int
     steps_per_epoch: int
@@ -97,12 +83,14 @@ class _Run:
 
 @dataclass
 class _Progress:
-    """What changes: steps done, training time, the last snapshot, non-finite steps in a row."""
+    """What changes: steps done, training time, the last snapshot, non-finite steps in a row,
+    the round in flight (Note [local rounds])."""
 
     step: int = 0
     elapsed_s: float = 0.0
     snapshot_step: int | None = None
     skipped_in_a_row: int = 0
+    tally: rounds.Tally = field(default_factory=rounds.Tally)
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
@@ -137,7 +125,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     ranks = distributed.setup(config.device)
     rounds.check(config, ranks, task.model)
     with RunFolder(config.out, ranks) as folder, StopSignals(ranks.device) as stop:
-        run = _prepare(task, config, ranks, folder)
+        run = _prepare(task, config, ranks, folder, stop)
         progress = _start(run)
         log = (
             RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
@@ -145,38 +133,51 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
             else NullLog()
         )
         try:
-            _train(run, progress, log, stop)
+            _train(run, progress, log)
         finally:
             log.close()
-        final = evaluate(task, run.acc.model, _eval_batch_size(run))
-        if ranks.is_main:
-            _check_finite(run, progress, "model.pt")
-            resume.atomic_save(
-                distributed.unwrap(run.acc.model).state_dict(), folder.path("model.pt")
+        final = _finish(run, progress)
+        with stop.writing():  # the ranks agreed in _finish: metrics.csv is whole for all
+            summary = summarize(
+                config.out, progress.elapsed_s, run.batch_size, final, write=ranks.is_main
             )
-    # every rank waits here for rank 0's files (the summary reads metrics.csv)
     distributed.teardown() if joined else distributed.barrier()
-    summary = summarize(config.out, progress.elapsed_s, run.batch_size, final, write=ranks.is_main)
     if ranks.is_main and not config.quiet:
         print_summary(summary)
     return summary
 
 
-def _train(run: _Run, progress: _Progress, log: RunLog | NullLog, stop: StopSignals) -> None:
+def _train(run: _Run, progress: _Progress, log: RunLog | NullLog) -> None:
     """The steps from ``progress.step + 1`` to the last; a snapshot when one is due or asked."""
     batches = _batches(run, progress.step)
     for step in range(progress.step + 1, run.total_steps + 1):
         samples, batch = next(batches)
         row = _step(run, progress, step, samples, batch)
         ended = rounds.round_end(step, run.config.local_steps, run.total_steps)
+        if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
+            signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
+            row.update(rounds.columns(summed) if run.local else {})
         log.step({**row, **_evaluate_every(run, step, ended)})
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
             continue
-        signum = stop.requested()
         if signum or _snapshot_due(run, step, ended):
             _save(run, progress)
         if signum:
-            raise Stopped(_stopped_line(run, progress, signum), signum)
+            raise _stopped(run, progress, signum)
+
+
+def _finish(run: _Run, progress: _Progress) -> tuple[float | None, float | None]:
+    """The final evaluation (a signal stops it: Note [clean stop]) and ``model.pt``."""
+    final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
+    signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
+    if signum:
+        raise _stopped(run, progress, signum, final=True)
+    if run.ranks.is_main:
+        _check_finite(run, progress, "model.pt")
+        with run.stop.writing():
+            model = distributed.unwrap(run.acc.model).state_dict()
+            resume.atomic_save(model, run.folder.path("model.pt"), _MODEL_KEPT)
+    return final
 
 
 def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -> dict[str, Any]:
@@ -188,16 +189,17 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     try:
         result, round_row = _train_step(run, step, batch)
     except NonFiniteError as exc:
-        raise NonFiniteRun(f"step {step}: {exc} " + _last_good(run, progress)) from None
+        raise stops.NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        raise OutOfMemoryRun(_out_of_memory_line(run.config, step, exc)) from exc
+        raise stops.OutOfMemoryRun(stops.out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
+    progress.tally.add(result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise NonFiniteRun(
+        raise stops.NonFiniteRun(
             f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN / inf values "
             f"(skipped or applied); stopping. {_last_good(run, progress)}"
         )
@@ -218,75 +220,25 @@ def _train_step(run: _Run, step: int, batch: Any) -> tuple[StepResult, dict[str,
 
 
 # ---------------------------------------------------------------------------- setting up
-def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: RunFolder) -> _Run:
-    batch_size = resolve_batch(config)[0]
+def _prepare(
+    task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: RunFolder, stop: StopSignals
+) -> _Run:
+    batch_size = prepare.trained_batch(config, len(task.train_data), ranks.is_main)
     steps_per_epoch, total_steps = run_length(config, len(task.train_data))
     if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
         distributed.check_batch_sizes(len(task.train_data), batch_size, ranks.world_size)
-    model = _prepare_model(task.model, config, ranks)
-    optimizer = (task.optimizer or torch.optim.AdamW)(
-        model.parameters(), lr=scaled_lr(config, batch_size)
-    )
-    scheduler = (task.scheduler or _default_schedule(config))(optimizer, total_steps)
+    model = prepare.prepare_model(task.model, config, ranks)
+    lr = prepare.checked_lr(config, batch_size, model)
+    optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
+    scheduler = (task.scheduler or prepare.default_schedule(config))(optimizer, total_steps)
     acc = Accumulator(
         model, optimizer, resolve_batch(config)[1], scheduler, config.max_grad_norm,
         config.precision, config.memory_budget, nonfinite=config.nonfinite,
     )  # fmt: skip
     local = rounds.make_local(acc, config)
-    return _Run(task, config, ranks, folder, acc, local, _identity(task, config, optimizer),
-                batch_size, steps_per_epoch, total_steps)  # fmt: skip
-
-
-def _prepare_model(
-    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
-) -> torch.nn.Module:
-    if config.gradient_checkpointing:
-        from bigbatch.memory.checkpointing import enable_checkpointing
-
-        enable_checkpointing(model)
-    if config.batchnorm != "keep":
-        apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
-    model.train()
-    if config.local_steps > 1:  # each rank steps its own replica (Note [local rounds])
-        return model.to(ranks.device)
-    return distributed.wrap(model, ranks)
-
-
-def _default_schedule(config: TrainConfig) -> Any:
-    """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
-
-    def make(
-        optimizer: torch.optim.Optimizer, total_steps: int
-    ) -> torch.optim.lr_scheduler.LambdaLR:
-        warmup = config.warmup_steps
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if config.lr_schedule == "constant":
-                return 1.0
-            progress = (step - warmup) / max(1, total_steps - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-    return make
-
-
-def _identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What makes a run the same run: the task, the settings that change the result, the model,
-    the optimizer's class (its state only loads into the same kind)."""
-    settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
-    settings["task"] = canonical_path(config.task) if config.task else None
-    model = distributed.unwrap(task.model)
-    shapes = {name: list(p.shape) for name, p in model.state_dict().items()}
-    optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    return {
-        **settings,
-        "model": shapes,
-        "train_samples": len(task.train_data),
-        "optimizer": optimizer_class,
-    }
+    identity = prepare.identity(task, config, optimizer)
+    return _Run(task, config, ranks, folder, acc, local, stop, identity, batch_size,
+                steps_per_epoch, total_steps)  # fmt: skip
 
 
 def _start(run: _Run) -> _Progress:
@@ -294,17 +246,20 @@ def _start(run: _Run) -> _Progress:
     config, folder = run.config, run.folder
     if run.ranks.is_main:
         resume.clean_stale_temps(folder.out)  # the lock holder alone (Note [one writer])
-    snapshot = resume.read_latest(folder.out)
+    path = resume.latest_path(folder.out)
+    snapshot = None if path is None else resume.read_snapshot(path)
     if snapshot is not None and not config.resume:
         raise resume.RunMismatchError(
             f"run folder {config.out!r} already holds a run (step {snapshot.step} of "
             f"{snapshot.total_steps}): add --resume to continue it, or choose another --out."
         )
-    if snapshot is None:
+    if path is None or snapshot is None:
         _nothing_to_resume(config, folder)
         _rng.seed_all(config.seed)
         return _Progress()
-    _restore(run, snapshot)
+    _restore(run, snapshot, path)
+    if run.ranks.is_main:  # not the bar nor the table: said under --quiet too
+        print(f"resuming from step {snapshot.step} of {run.total_steps} ({path})", flush=True)
     return _Progress(step=snapshot.step, elapsed_s=snapshot.elapsed_s, snapshot_step=snapshot.step)
 
 
@@ -323,19 +278,29 @@ def _nothing_to_resume(config: TrainConfig, folder: RunFolder) -> None:
     )
 
 
-def _restore(run: _Run, snapshot: resume.Snapshot) -> None:
+def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
+    """Every part of the run from ``snapshot``; a field that does not fit is named (Note
+    [snapshot fields] in ``train.resume``)."""
     resume.check_same_run(snapshot.identity, run.identity, run.config.out)
-    acc = run.acc
-    optimizer, engine = snapshot.optimizer, snapshot.engine
-    if snapshot.local is not None:  # each rank its own (Note [local rounds])
-        optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)
-    distributed.unwrap(acc.model).load_state_dict(snapshot.model)
-    acc.optimizer.load_state_dict(optimizer)
-    if acc.scheduler is not None and snapshot.scheduler is not None:
-        acc.scheduler.load_state_dict(snapshot.scheduler)
-    acc.load_state_dict(engine)
-    if run.local is not None and snapshot.local is not None:
-        run.local.load_state_dict(snapshot.local["outer"])
+    if snapshot.total_steps != run.total_steps:
+        raise resume.crafted(path, "total_steps", f"is {snapshot.total_steps}, and this run "
+                             f"takes {run.total_steps} steps")  # fmt: skip
+    acc, (optimizer, engine) = run.acc, (snapshot.optimizer, snapshot.engine)
+    if snapshot.local is not None and run.local is not None:  # Note [local rounds]
+        with resume.restoring(path, "local"):
+            optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)  # each rank its own
+            run.local.load_state_dict(snapshot.local["outer"])
+    with resume.restoring(path, "model"):
+        distributed.unwrap(acc.model).load_state_dict(snapshot.model)
+    with resume.restoring(path, "optimizer"):
+        acc.optimizer.load_state_dict(optimizer)
+    with resume.restoring(path, "scheduler"):
+        if acc.scheduler is not None and snapshot.scheduler is not None:
+            acc.scheduler.load_state_dict(snapshot.scheduler)
+    with resume.restoring(path, "engine"):
+        acc.load_state_dict(engine)
+    with resume.restoring(path, "rng"):
+        resume.restore_rng(snapshot.rng, run.ranks)
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
         warnings.warn(
@@ -344,23 +309,6 @@ def _restore(run: _Run, snapshot: resume.Snapshot) -> None:
             BigBatchWarning,
             stacklevel=3,
         )
-    _restore_rng(snapshot.rng, run.ranks)
-
-
-def _restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
-    """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
-    if len(saved) == ranks.world_size:
-        _rng.restore_all(saved[ranks.rank])
-        return
-    if ranks.is_main:
-        warnings.warn(
-            f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every rank "
-            "takes rank 0's random state, so random draws (dropout) differ from the "
-            "uninterrupted run; resume on the same number of ranks for a bitwise-equal result.",
-            BigBatchWarning,
-            stacklevel=3,
-        )
-    _rng.restore_all(saved[0])
 
 
 # ---------------------------------------------------------------------------- data, log, snapshot
@@ -426,103 +374,35 @@ def _save(run: _Run, progress: _Progress) -> None:
         scheduler=acc.scheduler.state_dict() if acc.scheduler is not None else None,
         engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s, local=local,
     )  # fmt: skip
-    resume.write_snapshot(
-        run.folder.out, snapshot, run.config.keep_snapshots, progress.snapshot_step
-    )
+    with run.stop.writing():
+        resume.write_snapshot(
+            run.folder.out, snapshot, run.config.keep_snapshots, progress.snapshot_step
+        )
     progress.snapshot_step = progress.step
+    if run.stop.again:  # a second signal came during the write (Note [clean stop])
+        raise _stopped(run, progress, run.stop.signum)
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
     model = distributed.unwrap(run.acc.model)
     if all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point()):
         return
-    raise NonFiniteRun(
+    raise stops.NonFiniteRun(
         f"step {progress.step}: the weights hold NaN / inf (nonfinite={run.config.nonfinite!r}); "
         f"{what} was not written. {_last_good(run, progress)}"
     )
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
-    path = resume.latest_path(run.folder.out)
-    if path is None:
-        return "No snapshot was written yet: fix the cause and start again."
-    last = f" (step {progress.snapshot_step})" if progress.snapshot_step is not None else ""
-    return (
-        f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, clipping) "
-        "and run again with --resume, or pass --nonfinite skip."
-    )
+    return stops.last_good(run.folder.out, progress.snapshot_step)
 
 
-def _out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
-    """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
-    if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
-        cause = (
-            f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
-            f"--memory-budget {format_bytes(exc.budget_bytes or 0)}"
-        )
-    elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
-        budget = config.memory_budget is not None
-        return (
-            f"step {step}: out of memory{' or over --memory-budget' if budget else ''} with "
-            "--micro-batch-size auto down to 1: a single sample does not fit. "
-            f"{'Use a larger --memory-budget, add' if budget else 'Add'} --gradient-checkpointing, "
-            "free memory, or use a smaller model or sequence length."
-        )
-    else:
-        cause = f"out of memory at micro-batch {resolve_batch(config)[1]} ({exc})"
-    return (
-        f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a smaller "
-        "--micro-batch-size, --gradient-checkpointing, or a larger --memory-budget."
-    )
-
-
-def _stopped_line(run: _Run, progress: _Progress, signum: int) -> str:
-    import shlex
-    import signal
-
-    args = sys.argv[1:]
-    if args[:1] == ["train"]:  # the command line: say the command to type, quoted for a shell
-        command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
-    else:
-        command = "the same call with resume=True"
-    return (
-        f"stopped by {signal.Signals(signum).name} after step {progress.step} of "
-        f"{run.total_steps}; snapshot written to {resume.latest_path(run.folder.out)}. "
-        f"Resume with: {command}"
-    )
+def _stopped(run: _Run, progress: _Progress, signum: int, final: bool = False) -> Stopped:
+    line = stops.stopped_line(signum, progress.step, run.total_steps, run.folder.out, final)
+    return Stopped(line, signum)
 
 
 # ---------------------------------------------------------------------------- evaluation
-def evaluate(
-    task: Task, model: torch.nn.Module, batch_size: int
-) -> tuple[float | None, float | None]:
-    """``(eval_loss, metric)`` over the task's eval data, each ``Σ sum / Σ count``; Nones without."""
-    if task.eval_data is None:
-        return None, None
-    device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(
-        task.eval_data, batch_size=batch_size, collate_fn=task.collate_fn
-    )
-    totals = [0.0, 0.0, 0.0, 0.0]  # loss sum, loss count, metric sum, metric count
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in loader:
-            batch = map_tensors(lambda t: t.to(device), batch)
-            loss_sum, count = as_sum_and_count(task.loss_fn(model, batch), samples_in(batch))
-            totals[0] += float(loss_sum)
-            totals[1] += float(count)
-            if task.metric is not None:
-                metric_sum, metric_count = as_sum_and_count(
-                    task.metric(model, batch), samples_in(batch)
-                )
-                totals[2] += float(metric_sum)
-                totals[3] += float(metric_count)
-    model.train(was_training)
-    metric = totals[2] / totals[3] if task.metric is not None and totals[3] else None
-    return totals[0] / max(totals[1], 1e-30), metric
-
-
 def _evaluate_every(run: _Run, step: int, ended: int) -> dict[str, Any]:
     """Evaluate at multiples of ``eval_every``; under local rounds, at the end of the round
     (of ``ended`` steps) that holds one."""

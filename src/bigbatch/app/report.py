@@ -55,7 +55,8 @@ class Summary:
         out: the run folder.
         retry_peak_bytes: highest memory a step added counting the attempts that ran out of
             memory and were redone smaller (``None`` when no step was redone).
-        skipped_steps: optimizer steps skipped (fp16 overflow, or ``nonfinite="skip"``).
+        skipped_steps: optimizer steps skipped (fp16 overflow, or ``nonfinite="skip"``); under
+            ``--local-steps`` λ > 1, the inner steps skipped on every rank, summed.
     """
 
     steps: int
@@ -98,7 +99,8 @@ def summarize(
         final_loss=(losses or col("loss") or [math.nan])[-1], eval_loss=evaluation[0],
         metric=evaluation[1], batch_size=batch_size,
         micro_batch_size=_whole(col("micro_batch_size")[-1:]), out=out,
-        retry_peak_bytes=_whole(col("retry_peak_bytes")), skipped_steps=int(sum(col("skipped"))),
+        retry_peak_bytes=_whole(col("retry_peak_bytes")),
+        skipped_steps=int(sum(ends("round_skipped") or col("skipped"))),  # every rank's
     )  # fmt: skip
     if write:
         plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}

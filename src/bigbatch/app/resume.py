@@ -21,29 +21,50 @@ Note [atomic snapshot]
     ``keep``. A kill at any moment leaves every committed snapshot whole: between the two
     renames the newest is ``snapshot-<step>.pt``, which ``read_latest`` finds. A killed writer
     leaves a stale temporary file, removed by ``clean_stale_temps`` when the folder's next run
-    starts (by the process that holds the folder's lock: Note [one writer]). A full disk fails
-    the write with ``OSError(ENOSPC)``, the temporary file is removed, and the previous
-    snapshots stay. Durability against power loss follows from the fsyncs (by construction, not
-    by test).
+    starts (by the process that holds the folder's lock: Note [one writer]). Before writing,
+    the bytes the file needs (its tensors' storages and a margin for the format) are compared
+    with the free space; too little fails with ``OSError(ENOSPC)`` saying both, before
+    anything is written or deleted, and a disk that fills up during the write fails the same
+    way, the temporary file removed: the previous snapshots stay. The temporary file is created
+    with ``O_EXCL | O_NOFOLLOW`` (Note [no links] in ``train.folder``). Durability against
+    power loss follows from the fsyncs (by construction, not by test).
+
+Note [snapshot fields]
+    A snapshot is loaded with ``weights_only`` (it never runs code), and every field is checked
+    before anything is restored: its type, ``0 <= step <= total_steps``, a finite
+    ``elapsed_s >= 0``, every rank's random state a dict. What a field holds inside (a state
+    dict) is checked by the object that loads it; either way a bad file is refused with one
+    line naming the file and the field, never a traceback from torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import glob
+import math
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bigbatch.app.folder import no_follow
+from bigbatch.core import _rng
+from bigbatch.core._units import format_bytes
+from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.distributed import launch as distributed
+
 SNAPSHOT = "snapshot.pt"
 FORMAT = "bigbatch-snapshot-4"  # 4: local rounds (``local``, and their settings in the identity)
 _TEMP_PREFIX = ".snapshot.pt.tmp."
 _OLDER = re.compile(r"snapshot-(\d+)\.pt$")
+_KEPT = "the previous snapshot is kept; free space and run again with --resume"
 
 
 class RunMismatchError(ValueError):
@@ -122,8 +143,8 @@ def write_snapshot(
             in which case it is read from the file).
     """
     path = os.path.join(out, SNAPSHOT)
-    temp = _write_temp(snapshot.to_dict(), path)
-    if os.path.exists(path):
+    temp = _write_temp(snapshot.to_dict(), path, _KEPT)
+    if os.path.lexists(path):
         if previous_step is None:
             previous_step = read_snapshot(path).step
         os.replace(path, os.path.join(out, f"snapshot-{previous_step:08d}.pt"))
@@ -183,10 +204,62 @@ def read_snapshot(path: str) -> Snapshot:
             f"{path} was written by another version of bigbatch ({found}; this one reads "
             f"{FORMAT}): resume it with that version, or start again in another --out."
         )
-    names = {f.name for f in dataclasses.fields(Snapshot)}
-    if found != FORMAT or set(state) != names:
+    if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
+    _check_fields(path, state)
     return Snapshot(**state)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "identity": (dict,), "step": (int,), "total_steps": (int,), "model": (dict,),
+    "optimizer": (dict,), "scheduler": (dict, type(None)), "engine": (dict,), "rng": (list,),
+    "elapsed_s": (int, float), "local": (dict, type(None)), "torch_version": (str,),
+    "num_threads": (int,), "format": (str,),
+}  # fmt: skip
+
+
+def _check_fields(path: str, state: dict[str, Any]) -> None:
+    """Every field there, of its type and range (Note [snapshot fields])."""
+    missing = [name for name in _TYPES if name not in state]
+    if missing:
+        raise crafted(path, missing[0], "is missing")
+    for name, kinds in _TYPES.items():
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise crafted(path, name, f"is a {type(value).__name__}, not {_kinds(kinds)}")
+    if not 1 <= state["total_steps"] or not 0 <= state["step"] <= state["total_steps"]:
+        where = f"step={state['step']}, total_steps={state['total_steps']}"
+        raise crafted(path, "step", f"is out of range ({where}; 0 <= step <= total_steps)")
+    if not (math.isfinite(state["elapsed_s"]) and state["elapsed_s"] >= 0):
+        raise crafted(path, "elapsed_s", f"is {state['elapsed_s']!r}, not a time in seconds")
+    if not state["rng"] or not all(isinstance(r, dict) for r in state["rng"]):
+        raise crafted(path, "rng", "is not a list of every rank's random state")
+
+
+def _kinds(kinds: tuple[type, ...]) -> str:
+    return " or ".join("None" if k is type(None) else f"a {k.__name__}" for k in kinds)
+
+
+def crafted(path: str, name: str, problem: str) -> RunMismatchError:
+    """The error for a snapshot field that cannot be used (Note [snapshot fields])."""
+    return RunMismatchError(
+        f"{path}: the snapshot's field {name!r} {problem}: the file is damaged or was not "
+        "written by bigbatch; move it away (an older snapshot-*.pt is used then), or choose "
+        "another --out."
+    )
+
+
+@contextlib.contextmanager
+def restoring(path: str, name: str) -> Iterator[None]:
+    """Load the field ``name`` of the snapshot ``path`` into its object; whatever that object
+    refuses becomes one line naming the file and the field (Note [snapshot fields])."""
+    try:
+        yield
+    except RunMismatchError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+        text = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise crafted(path, name, f"cannot be restored ({type(exc).__name__}: {text})") from None
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> None:
@@ -208,31 +281,78 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
         )
 
 
-def atomic_save(obj: Any, path: str) -> str:
-    """``torch.save(obj, path)`` so that a kill leaves the old file or the new one, never half."""
-    temp = _write_temp(obj, path)
+def restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
+    """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
+    if len(saved) == ranks.world_size:
+        _rng.restore_all(saved[ranks.rank])
+        return
+    if ranks.is_main:
+        warnings.warn(
+            f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every rank "
+            "takes rank 0's random state, so random draws (dropout) differ from the "
+            "uninterrupted run; resume on the same number of ranks for a bitwise-equal result.",
+            BigBatchWarning,
+            stacklevel=5,
+        )
+    _rng.restore_all(saved[0])
+
+
+def atomic_save(obj: Any, path: str, kept: str = "nothing was changed") -> str:
+    """``torch.save(obj, path)`` so that a kill leaves the old file or the new one, never half.
+
+    Raises:
+        OSError: ``ENOSPC`` when the disk has too little room, naming what the file needs, what
+            is free and ``kept`` (what the user still has); a symbolic link in the way (ELOOP).
+    """
+    temp = _write_temp(obj, path, kept)
     os.replace(temp, path)
     _fsync_dir(os.path.dirname(path) or ".")
     return path
 
 
-def _write_temp(obj: Any, path: str) -> str:
+def _write_temp(obj: Any, path: str, kept: str) -> str:
     folder = os.path.dirname(path) or "."
+    need, free = bytes_needed(obj), shutil.disk_usage(folder).free
+    if need > free:  # before anything is written or deleted (Note [atomic snapshot])
+        raise _no_room(path, need, free, kept)
     temp = os.path.join(folder, f"{_TEMP_PREFIX}{os.getpid()}")
+    fd = no_follow(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        with open(temp, "wb") as file:
+        with open(fd, "wb") as file:
             torch.save(obj, file)
             file.flush()
             os.fsync(file.fileno())
     except BaseException as exc:
-        if os.path.exists(temp):
-            os.remove(temp)
+        os.remove(temp)
         if _disk_full(exc, folder):
-            raise OSError(
-                errno.ENOSPC, "no space left on the device; the previous snapshot is kept", path
-            ) from None
+            raise _no_room(path, need, shutil.disk_usage(folder).free, kept) from None
         raise
     return temp
+
+
+def bytes_needed(obj: Any) -> int:
+    """What ``torch.save(obj)`` writes, at most: each tensor storage once, and a margin for the
+    archive's records and the pickled structure."""
+    storages: dict[tuple[str, int], int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
+
+
+def _no_room(path: str, need: int, free: int, kept: str) -> OSError:
+    return OSError(
+        errno.ENOSPC,
+        f"needs {format_bytes(need)}, {format_bytes(free)} free on its disk: {kept}",
+        path,
+    )
 
 
 def _disk_full(exc: BaseException, folder: str) -> bool:

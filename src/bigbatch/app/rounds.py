@@ -18,8 +18,12 @@ Note [local rounds]
     * the log (rank 0): a step's ``loss``, ``grad_norm``, ``count`` and ``tokens_per_s`` are
       rank 0's own share (a global figure every step would cost an all-reduce per step, the
       traffic λ > 1 exists to save); ``samples`` and ``samples_per_s`` count the whole global
-      batch. At a round's last step ``round_loss`` and ``round_count`` give the whole round
-      over every rank: Σ loss sum / Σ count over its λ steps.
+      batch. At a round's last step ``round_loss``, ``round_count`` and ``round_skipped`` give
+      the whole round over every rank: Σ loss sum / Σ count over the inner steps the ranks
+      applied, the samples (or tokens) the round consumed, and the inner steps skipped (fp16
+      overflow, ``--nonfinite skip``) on any rank, which ``summary.json`` adds up. A rank skips
+      on its own (its own data, its own loss scaler), so these sums ride on the all-reduce the
+      ranks make anyway at a round's end to agree on a stop signal.
     * snapshots, evaluation and the check for SIGINT / SIGTERM happen at round ends only; one
       that falls due inside a round (``--save-every``, ``--eval-every``, an epoch's end, a
       signal) is taken at that round's end, so a signal lets the round finish (up to λ - 1 more
@@ -37,9 +41,11 @@ Note [local rounds]
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from bigbatch.app.config import TrainConfig
+from bigbatch.app.resume import RunMismatchError
 from bigbatch.app.task import Task
 from bigbatch.core._sync import wrapper_kind
 from bigbatch.core.engine import Accumulator, StepResult
@@ -100,13 +106,44 @@ def train_step(
     local: LocalAccumulation, batch: Batch, task: Task, last: bool
 ) -> tuple[StepResult, dict[str, Any]]:
     """One local step of this rank; the outer step after every λ-th, and after the run's
-    ``last`` step. Returns the inner step's result and the round's columns of the log."""
+    ``last`` step. Returns the inner step's result and, at a round's end, ``round_count``."""
     result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
     outer = result.outer
     if outer is None and last:
         outer = local.outer_step()  # a short last round: every rank ends with the same model
-    row = {} if outer is None else {"round_loss": outer.loss, "round_count": outer.count}
-    return result.step, row
+    return result.step, {} if outer is None else {"round_count": outer.count}
+
+
+@dataclass
+class Tally:
+    """This rank's sums over the round in flight (Note [local rounds])."""
+
+    loss_sum: float = 0.0  # over the inner steps applied
+    count: float = 0.0
+    skipped: int = 0
+
+    def add(self, result: StepResult) -> None:
+        """Count one inner step."""
+        if result.skipped:  # its loss may be NaN: it is not part of the round's loss
+            self.skipped += 1
+        else:
+            self.loss_sum += result.loss * result.count
+            self.count += result.count
+
+    def take(self) -> list[float]:
+        """The sums, for the all-reduce at the round's end; the next round starts from zero."""
+        sums = [self.loss_sum, self.count, float(self.skipped)]
+        self.loss_sum, self.count, self.skipped = 0.0, 0.0, 0
+        return sums
+
+
+def columns(summed: list[float]) -> dict[str, Any]:
+    """``round_loss`` and ``round_skipped`` from the ``Tally`` sums summed over the ranks."""
+    loss_sum, count, skipped = summed
+    return {
+        "round_loss": loss_sum / count if count else float("nan"),
+        "round_skipped": int(skipped),
+    }
 
 
 def round_end(step: int, local_steps: int, total_steps: int) -> int:
@@ -153,11 +190,11 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     """This rank's inner optimizer and engine state from ``capture``'s record.
 
     Raises:
-        ValueError: the snapshot was written by another number of ranks.
+        RunMismatchError: the snapshot was written by another number of ranks.
     """
     written = len(saved["optimizers"])
     if written != ranks.world_size:
-        raise ValueError(
+        raise RunMismatchError(
             f"the snapshot was written by {written} ranks under --local-steps, and each rank "
             f"keeps its own optimizer state: resume on {written} ranks (torchrun "
             f"--nproc_per_node {written}), not {ranks.world_size}."

@@ -138,6 +138,13 @@ def load_task(path: str, **kwargs: Any) -> Task:
 
 
 def _import(module_name: str, path: str) -> Any:
+    try:
+        return _import_module(module_name, path)
+    except SyntaxError as exc:  # the user's file, line and caret; not importlib's frame
+        raise TaskError(f"task {path!r}: {_syntax_error(exc)}") from None
+
+
+def _import_module(module_name: str, path: str) -> Any:
     if module_name.endswith(".py"):
         if not os.path.exists(module_name):
             raise TaskError(f"task {path!r}: file {module_name!r} does not exist.")
@@ -156,6 +163,21 @@ def _import(module_name: str, path: str) -> Any:
         ) from None
 
 
+def _syntax_error(exc: SyntaxError) -> str:
+    """``file:line: SyntaxError: message``, then the line and a caret under the fault."""
+    where = f"{os.path.relpath(exc.filename)}:{exc.lineno}" if exc.filename else "<unknown>"
+    head = f"{where}: {type(exc).__name__}: {exc.msg}"
+    if not exc.text:
+        return head
+    line = exc.text.rstrip("\n")
+    code = line.lstrip()
+    column = max(0, (exc.offset or 1) - 1 - (len(line) - len(code)))
+    width = 1
+    if exc.end_offset and exc.end_lineno == exc.lineno and exc.end_offset > (exc.offset or 0):
+        width = exc.end_offset - (exc.offset or 0)
+    return f"{head}\n    {code.rstrip()}\n    {' ' * column}{'^' * width}"
+
+
 @contextlib.contextmanager
 def _current_folder_importable() -> Iterator[None]:
     """Like ``python -m``: modules next to the user resolve while the task is loaded and built;
@@ -172,7 +194,18 @@ def _current_folder_importable() -> Iterator[None]:
 
 def first_batch(task: Task, batch_size: int) -> Any:
     """The first ``batch_size`` training samples of ``task``, collated, in order (no shuffling):
-    what ``bigbatch check`` and ``bigbatch plan`` measure on."""
+    what ``bigbatch check`` and ``bigbatch plan`` measure on.
+
+    Raises:
+        ValueError: ``batch_size`` is larger than the training data (the batch measured would
+            not be the batch asked for).
+    """
+    samples = len(task.train_data)
+    if batch_size > samples:
+        raise ValueError(
+            f"--batch-size {batch_size} is larger than the task's {samples} training samples: "
+            f"the batch measured would hold only {samples}. Give --batch-size {samples} or less."
+        )
     loader = torch.utils.data.DataLoader(
         task.train_data, batch_size=batch_size, shuffle=False, collate_fn=task.collate_fn
     )

@@ -87,15 +87,67 @@ def setup(device: str | None = None) -> Ranks:
             f"{built}): use device='cpu' (--device cpu), or install a CUDA build of torch."
         )
     on_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-    rank, world_size, local_rank = (
-        _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
+    rank, world_size, local_rank = _environment(on_cuda)
     target = torch.device("cuda", local_rank) if on_cuda else torch.device("cpu")
     if on_cuda:
         torch.cuda.set_device(target)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world_size)
+        backend = "nccl" if on_cuda else "gloo"
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        except (RuntimeError, ValueError) as exc:  # torch's rendezvous: said in one line
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise RuntimeError(
+                f"rank {rank} of {world_size} could not join the process group at {where} "
+                f"({' '.join(str(exc).split())[:200]}): launch with `torchrun --nproc_per_node "
+                "N ...`, which sets the environment, or unset WORLD_SIZE for one process."
+            ) from None
     return Ranks(rank, world_size, local_rank, target)
+
+
+_LAUNCH = "launch with `torchrun --nproc_per_node N ...`, which sets it, or unset it."
+
+
+def _environment(on_cuda: bool) -> tuple[int, int, int]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` from torchrun's environment, checked.
+
+    Raises:
+        ValueError: a variable that is not an integer or out of range, or the rendezvous
+            address missing for several processes; the message names the variable.
+    """
+    rank, world_size, local_rank = (
+        _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    )
+    if world_size < 1:
+        raise ValueError(
+            f"environment variable WORLD_SIZE={world_size} is not allowed: it is the number of "
+            f"processes, at least 1; {_LAUNCH}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"environment variable RANK={rank} is out of range for WORLD_SIZE={world_size} "
+            f"(0 to {world_size - 1}); {_LAUNCH}"
+        )
+    devices = torch.cuda.device_count() if on_cuda else world_size
+    if not 0 <= local_rank < max(devices, 1):
+        what = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
+        raise ValueError(
+            f"environment variable LOCAL_RANK={local_rank} is out of range ({what}); {_LAUNCH}"
+        )
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+    if world_size > 1 and missing:
+        raise ValueError(
+            f"environment variable WORLD_SIZE={world_size} asks for {world_size} processes, and "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch with "
+            f"`torchrun --nproc_per_node {world_size} ...`, which sets them, or unset WORLD_SIZE "
+            "for one process."
+        )
+    if world_size > 1 and not 0 < _env_int("MASTER_PORT", 0) < 65536:
+        raise ValueError(
+            f"environment variable MASTER_PORT={os.environ['MASTER_PORT']} is not a port (1 to "
+            f"65535); {_LAUNCH}"
+        )
+    return rank, world_size, local_rank
 
 
 def teardown() -> None:
@@ -124,8 +176,9 @@ def exit_process(code: int) -> NoReturn:
         environment (``WORLD_SIZE``), not from a flag kept by ``teardown``; a plain run exits
         with ``sys.exit(code)``.
     """
-    if _env_int("WORLD_SIZE", 1) <= 1:
-        sys.exit(code)
+    world_size = os.environ.get("WORLD_SIZE", "1").strip()
+    if not world_size.isdigit() or int(world_size) <= 1:
+        sys.exit(code)  # a plain run, or a bad WORLD_SIZE (the command has said so)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
