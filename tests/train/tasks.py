@@ -150,18 +150,25 @@ def faulty() -> bigbatch.Task:
       $NAN_FROM=n: of every call from the n-th on;
     * $FILL_DISK_AT=n with $FILL_DISK=path: at the n-th call, fill the filesystem holding that
       path with a file until $FILL_LEAVE bytes (default 0) are free;
+    * $LINK_AT=n with $LINK=path and $LINK_TO=target: at the n-th call, plant a symbolic link
+      ``path -> target`` (replacing what is there), as another user of the folder could;
     * $OPTIMIZER=sgd: SGD with momentum instead of the default AdamW.
     """
     task = classify()
     nan_at = int(os.environ.get("NAN_AT", "0"))
     nan_from = int(os.environ.get("NAN_FROM", "0"))
     fill_at = int(os.environ.get("FILL_DISK_AT", "0"))
+    link_at = int(os.environ.get("LINK_AT", "0"))
     calls = [0]
 
     def loss_fn(model: nn.Module, batch) -> torch.Tensor:
         calls[0] += 1
         if calls[0] == fill_at:
             fill_disk(os.environ["FILL_DISK"], int(os.environ.get("FILL_LEAVE", "0")))
+        if calls[0] == link_at:
+            if os.path.lexists(os.environ["LINK"]):
+                os.remove(os.environ["LINK"])
+            os.symlink(os.environ["LINK_TO"], os.environ["LINK"])
         loss = _loss(model, batch)
         bad = calls[0] == nan_at or 0 < nan_from <= calls[0]
         return loss * float("nan") if bad else loss

@@ -95,6 +95,49 @@ def test_lr_scaling_and_gradient_accumulation_steps(tmp_path):
     assert float(rows[0]["lr"]) == pytest.approx(0.04)
 
 
+@pytest.mark.parametrize("optimizer", [sgd_momentum, torch.optim.AdamW], ids=["sgd", "adamw"])
+def test_a_batch_larger_than_the_data_is_said_and_the_lr_scaled_for_what_is_trained(
+    optimizer, tmp_path
+):
+    """20 samples, --batch-size 1000: every step is the full batch of 20, said in a warning, and
+    the LR scaled for 20 (linear from 2: x10), not for 1000 (x500): the plain loop on 20."""
+    task = tasks.classify(n=20)
+    task.optimizer = optimizer
+    want, _ = plain_loop(task, 20, 3, 0.01 * 20 / 2, optimizer, seed=0)
+    with pytest.warns(
+        bigbatch.BigBatchWarning,
+        match=r"^--batch-size 1000 is larger than the task's 20 training samples: every step "
+        r"trains on all 20 \(full-batch gradient descent\), and --lr is scaled for 20 samples, "
+        r"not 1000. Give --batch-size 20 or less",
+    ):
+        summary = bigbatch.fit(
+            task, batch_size=1000, micro_batch_size=6, epochs=3, lr=0.01, lr_scaling="linear",
+            reference_batch_size=2, out=str(tmp_path), quiet=True,
+        )  # fmt: skip
+    assert max_relative_error(want, task.model) < 1e-10
+    rows = read_csv(os.path.join(tmp_path, "metrics.csv"))
+    assert [float(r["lr"]) for r in rows] == pytest.approx([0.1] * 3)
+    assert [(r["samples"], r["micro_batches"]) for r in rows] == [("20", "4")] * 3  # 6+6+6+2
+    assert summary.batch_size == 20 and summary.steps == 3
+
+
+def test_an_lr_beyond_the_models_floats_is_refused(tmp_path):
+    """1e300 fits a float64 but not the float32 model's step sizes: torch would fail inside
+    its optimizer ("value cannot be converted to type float without overflow")."""
+    task = tasks.classify(n=20, dtype=torch.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"^--lr 1e\+300 gives a learning rate of 1e\+300 at batch 10, and the model's "
+        r"torch.float32 parameters hold at most 3.4e\+38: an optimizer step would overflow. Use "
+        r"a learning rate below 3.4e\+35, e.g. 1e-3.$",
+    ):
+        bigbatch.fit(task, batch_size=10, steps=2, lr=1e300, out=str(tmp_path), quiet=True)
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.csv"))
+    # below the bound the run starts, and a diverging one stops on NaN with its own clear line
+    with pytest.raises(FloatingPointError, match=r"^step 2: the window's loss is nan"):
+        bigbatch.fit(task, batch_size=10, steps=2, lr=1e30, out=str(tmp_path / "b"), quiet=True)
+
+
 def test_steps_run_across_epochs_and_model_pt_is_saved(tmp_path):
     task = tasks.classify(n=20)
     summary = bigbatch.fit(

@@ -55,3 +55,58 @@ def test_a_task_that_cannot_be_used_is_named(change, message):
         check_task(dataclasses.replace(task, **change))
     with pytest.raises(TaskError, match=r"the task is a int, not a bigbatch.Task"):
         check_task(3)
+
+
+BROKEN = {
+    "a bracket": ("def broken(:\n    pass\n", 1, "def broken(:", 11, "SyntaxError"),
+    "an indent": ("def f():\n    x = 1\n      y = 2\n", 3, "y = 2", 0, "IndentationError"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+@pytest.mark.parametrize("spelling", ["file", "module"])
+def test_a_task_file_with_a_syntax_error_names_its_line(case, spelling, tmp_path, monkeypatch):
+    """The user's file, line and caret, as Python prints them; not importlib's frame."""
+    source, line, code, column, kind = BROKEN[case]
+    (tmp_path / "user_tasks.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    path = "user_tasks.py:f" if spelling == "file" else "user_tasks:f"
+    with pytest.raises(TaskError) as raised:
+        load_task(path)
+    head, shown, caret = str(raised.value).split("\n")
+    assert head.startswith(f"task {path!r}: user_tasks.py:{line}: {kind}: ")
+    assert shown == f"    {code}"
+    assert caret.startswith("    " + " " * column + "^")
+    assert "importlib" not in str(raised.value)
+    sys.modules.pop("user_tasks", None)
+
+
+def test_the_command_line_shows_the_syntax_error_not_importlib(tmp_path, monkeypatch, capsys):
+    from bigbatch.app.cli import main
+
+    (tmp_path / "user_tasks.py").write_text("def broken(:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "user_tasks.py:broken", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "bigbatch train: error: task 'user_tasks.py:broken': user_tasks.py:1: SyntaxError: "
+        "invalid syntax\n    def broken(:\n               ^\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_plan_and_check_refuse_a_batch_larger_than_the_data(command, capsys):
+    """``first_batch`` would give them 50 samples where 1000 were asked for."""
+    from bigbatch.app.cli import main
+    from bigbatch.app.task import first_batch
+
+    with pytest.raises(ValueError, match=r"--batch-size 51 is larger than the task's 50 training"):
+        first_batch(load_task(f"{TASKS}:classify"), 51)
+    assert len(first_batch(load_task(f"{TASKS}:classify"), 50)[0]) == 50
+    assert main([command, f"{TASKS}:classify", "--batch-size", "1000"]) == 2
+    assert capsys.readouterr().err == (
+        f"bigbatch {command}: error: --batch-size 1000 is larger than the task's 50 training "
+        "samples: the batch measured would hold only 50. Give --batch-size 50 or less.\n"
+    )

@@ -88,6 +88,14 @@ class RunFolder:
         import fcntl
 
         _make_folder(self.out)
+        links = planted_links(self.out)  # before anything is written (Note [no links])
+        if links:
+            raise OSError(
+                errno.ELOOP,
+                f"holds symbolic links where bigbatch writes ({', '.join(links)}), and bigbatch "
+                "never writes through one: remove them, or choose another --out",
+                self.out,
+            )
         fd = no_follow(self.path(LOCK), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -98,15 +106,6 @@ class RunFolder:
                 f"run folder {self.out!r} is in use by another bigbatch run (process {holder}): "
                 "wait for it to end, or choose another --out."
             ) from None
-        links = planted_links(self.out)
-        if links:
-            os.close(fd)
-            raise OSError(
-                errno.ELOOP,
-                f"holds symbolic links where bigbatch writes ({', '.join(links)}), and bigbatch "
-                "never writes through one: remove them, or choose another --out",
-                self.out,
-            )
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd

@@ -295,7 +295,9 @@ def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
     with resume.restoring(path, "optimizer"):
         acc.optimizer.load_state_dict(optimizer)
     with resume.restoring(path, "scheduler"):
-        if acc.scheduler is not None and snapshot.scheduler is not None:
+        if (acc.scheduler is None) != (snapshot.scheduler is None):
+            raise ValueError(f"{snapshot.scheduler!r:.40} for the run's scheduler {acc.scheduler}")
+        if acc.scheduler is not None:
             acc.scheduler.load_state_dict(snapshot.scheduler)
     with resume.restoring(path, "engine"):
         acc.load_state_dict(engine)

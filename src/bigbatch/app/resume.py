@@ -226,7 +226,7 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
     for name, kinds in _TYPES.items():
         value = state[name]
         if isinstance(value, bool) or not isinstance(value, kinds):
-            raise crafted(path, name, f"is a {type(value).__name__}, not {_kinds(kinds)}")
+            raise crafted(path, name, f"is {_kinds((type(value),))}, not {_kinds(kinds)}")
     if not 1 <= state["total_steps"] or not 0 <= state["step"] <= state["total_steps"]:
         where = f"step={state['step']}, total_steps={state['total_steps']}"
         raise crafted(path, "step", f"is out of range ({where}; 0 <= step <= total_steps)")
@@ -237,7 +237,8 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
 
 
 def _kinds(kinds: tuple[type, ...]) -> str:
-    return " or ".join("None" if k is type(None) else f"a {k.__name__}" for k in kinds)
+    names = ["None" if k is type(None) else k.__name__ for k in kinds]
+    return " or ".join(n if n == "None" else f"{'an' if n[0] in 'aeiou' else 'a'} {n}" for n in names)
 
 
 def crafted(path: str, name: str, problem: str) -> RunMismatchError:
