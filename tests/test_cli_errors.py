@@ -120,9 +120,11 @@ def test_disk_full_while_writing_a_snapshot_keeps_the_previous_one(capsys, tmp_p
         monkeypatch.setenv("FILL_LEAVE", "8192")  # a row of metrics.csv fits, a snapshot does not
         code, err = train(capsys, "faulty", out)
         assert code == 2
-        assert one_line(err) == (
-            f"{out / 'snapshot.pt'}: no space left on the device; the previous snapshot is kept"
-        )
+        assert re.fullmatch(
+            f"{out / 'snapshot.pt'}: needs .* KiB, .* free on its disk: the previous snapshot is "
+            "kept; free space and run again with --resume",
+            one_line(err),
+        ), err
         assert sorted(os.listdir(out)) == [".lock", "metrics.csv", "snapshot.pt", "tensorboard",
                                            "train.log"]  # fmt: skip
         snapshot = read_snapshot(str(out / "snapshot.pt"))  # whole, loadable

@@ -2,7 +2,8 @@
 
 The test SIGKILLs the stopped process: the temporary file holds half a snapshot, the rename
 never happened. With $FINISH_WRITE=1 a SIGCONT lets it write the other half and go on (the
-test races another process against the write). Only the writing is changed (``torch.save`` is
+test races another process against the write); with $STOP_TWICE=1 as well it stops again
+after the third quarter (the test signals it twice during one write). Only the writing is changed (``torch.save`` is
 wrapped); the loop is the CLI's.
 """
 
@@ -33,6 +34,11 @@ def _torn_save(obj, f, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGSTOP)  # the test kills the process here, or continues it
     if os.environ.get("FINISH_WRITE") != "1":
         raise AssertionError("not killed")
+    if os.environ.get("STOP_TWICE") == "1":
+        f.write(data[len(data) // 2 : 3 * len(data) // 4])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        f.write(data[3 * len(data) // 4 :])
+        return
     f.write(data[len(data) // 2 :])
 
 

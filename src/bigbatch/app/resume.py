@@ -238,7 +238,9 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
 
 def _kinds(kinds: tuple[type, ...]) -> str:
     names = ["None" if k is type(None) else k.__name__ for k in kinds]
-    return " or ".join(n if n == "None" else f"{'an' if n[0] in 'aeiou' else 'a'} {n}" for n in names)
+    return " or ".join(
+        n if n == "None" else f"{'an' if n[0] in 'aeiou' else 'a'} {n}" for n in names
+    )
 
 
 def crafted(path: str, name: str, problem: str) -> RunMismatchError:
