@@ -114,11 +114,48 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
         assert len(os.listdir(out / "tensorboard")) == 1
     for rank in (0, 1):
         assert (out / f"teardown-rank{rank}").read_text() == "left"
-        # per round: the outer step's all-reduce and the ranks' agreement on a stop signal;
-        # nothing per inner step (the rest: the start-up broadcast, snapshot and lock gathers)
+        # per round: the outer step's all-reduce and the ranks' agreement on a stop signal
+        # (which carries the round's sums too); nothing per inner step; one more at the end, the
+        # agreement after the final evaluation (the rest: the start-up broadcast, snapshot and
+        # lock gathers)
         collectives = json.loads((out / f"collectives-rank{rank}.json").read_text())
-        assert collectives["c10d::allreduce_"] == 2 * 3, collectives
+        assert collectives["c10d::allreduce_"] == 2 * 3 + 1, collectives
         assert collectives["c10d::broadcast_"] == 1, collectives
+
+
+def test_a_step_skipped_on_one_rank_is_counted(tmp_path):
+    """Sample 1 holds a NaN; unshuffled, it is in rank 1's share of step 1, so rank 1 alone
+    skips that inner step (--nonfinite skip) and rank 0 sees nothing. The round's end says it:
+    ``round_skipped`` 1, ``skipped_steps`` 1 in summary.json, and the round's loss over the
+    three inner steps applied (before: skipped 0, round loss NaN, final loss null)."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:nan_data", "--out", str(out), "--quiet",
+         "--seed", str(SEED), "--batch-size", "10", "--micro-batch-size", "4", "--steps", "4",
+         "--lr", str(LR), "--local-steps", "2", "--nonfinite", "skip", "--no-shuffle"],
+        env=env(NAN_SAMPLE="1"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = read_csv(str(out / "metrics.csv"))
+    assert [r["skipped"] for r in rows] == ["0"] * 4  # rank 0's own steps
+    assert [(r["step"], r["round_skipped"]) for r in rows if r["round_loss"]] == [
+        ("2", "1"), ("4", "0")
+    ]  # fmt: skip
+    # rank 1 took step 2 from the initial model (its step 1 changed nothing): its loss on
+    # samples 11, 13, ..., 19, the initial model's
+    sys.path.insert(0, str(TASKS.parent))
+    import tasks
+
+    _rng.seed_all(SEED)
+    task = tasks.classify()  # nan_data's model and data, but for sample 1
+    x, y = task.train_data.tensors
+    with torch.no_grad():
+        rank1 = float(F.cross_entropy(task.model(x[11:20:2]), y[11:20:2]))
+    want = (5 * float(rows[0]["loss"]) + 5 * float(rows[1]["loss"]) + 5 * rank1) / 15
+    assert float(rows[1]["round_loss"]) == pytest.approx(want, rel=1e-10)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+    assert summary["final_loss"] == float(rows[3]["round_loss"])
 
 
 # batch 9 on 2 ranks: shares of 5 and 4; 50 samples = 6 steps per epoch (the last of 5 samples),
