@@ -131,8 +131,8 @@ def test_an_lr_beyond_the_models_floats_is_refused(tmp_path):
         r"torch.float32 parameters hold at most 3.4e\+38: an optimizer step would overflow. Use "
         r"a learning rate below 3.4e\+35, e.g. 1e-3.$",
     ):
-        bigbatch.fit(task, batch_size=10, steps=2, lr=1e300, out=str(tmp_path), quiet=True)
-    assert not os.path.exists(os.path.join(tmp_path, "metrics.csv"))
+        bigbatch.fit(task, batch_size=10, steps=2, lr=1e300, out=str(tmp_path / "a"), quiet=True)
+    assert not (tmp_path / "a").exists()  # refused before the run folder is made
     # below the bound the run starts, and a diverging one stops on NaN with its own clear line
     with pytest.raises(FloatingPointError, match=r"^step 2: the window's loss is nan"):
         bigbatch.fit(task, batch_size=10, steps=2, lr=1e30, out=str(tmp_path / "b"), quiet=True)

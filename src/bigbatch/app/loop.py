@@ -124,8 +124,9 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     rounds.check(config, ranks, task.model)
-    with RunFolder(config.out, ranks) as folder, StopSignals(ranks.device) as stop:
-        run = _prepare(task, config, ranks, folder, stop)
+    folder, stop = RunFolder(config.out, ranks), StopSignals(ranks.device)
+    run = _prepare(task, config, ranks, folder, stop)  # in memory: refused before mkdir
+    with folder, stop:
         progress = _start(run)
         log = (
             RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
