@@ -140,7 +140,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         final = _finish(run, progress)
         with stop.writing():  # the ranks agreed in _finish: metrics.csv is whole for all
             summary = summarize(
-                config.out, progress.elapsed_s, run.batch_size, final, write=ranks.is_main
+                config.out, progress.elapsed_s, run.batch_size, final, ranks.is_main
             )
     distributed.teardown() if joined else distributed.barrier()
     if ranks.is_main and not config.quiet:
@@ -188,7 +188,9 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     record = probe.reset()
     started = time.perf_counter()
     try:
-        result, round_row = _train_step(run, step, batch)
+        result, round_row = rounds.train_step(
+            run.local, run.acc, batch, run.task, step == run.total_steps
+        )
     except NonFiniteError as exc:
         raise stops.NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
     except Exception as exc:
@@ -212,15 +214,6 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     return {**row, **round_row}
 
 
-def _train_step(run: _Run, step: int, batch: Any) -> tuple[StepResult, dict[str, Any]]:
-    """The exact data-parallel step, or this rank's local step (Note [local rounds])."""
-    task = run.task
-    if run.local is None:
-        return run.acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
-    return rounds.train_step(run.local, batch, task, last=step == run.total_steps)
-
-
-# ---------------------------------------------------------------------------- setting up
 def _prepare(
     task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: RunFolder, stop: StopSignals
 ) -> _Run:

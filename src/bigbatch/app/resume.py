@@ -56,6 +56,7 @@ import torch
 
 from bigbatch.app.folder import no_follow
 from bigbatch.core import _rng
+from bigbatch.core._tree import tensor_leaves
 from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.distributed import launch as distributed
@@ -336,17 +337,10 @@ def _write_temp(obj: Any, path: str, kept: str) -> str:
 def bytes_needed(obj: Any) -> int:
     """What ``torch.save(obj)`` writes, at most: each tensor storage once, and a margin for the
     archive's records and the pickled structure."""
-    storages: dict[tuple[str, int], int] = {}
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+    storages = {
+        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for _, t in tensor_leaves(obj)
+    }
     return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
 
 

@@ -103,10 +103,13 @@ def make_local(acc: Accumulator, config: TrainConfig) -> LocalAccumulation | Non
 
 
 def train_step(
-    local: LocalAccumulation, batch: Batch, task: Task, last: bool
+    local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task, last: bool
 ) -> tuple[StepResult, dict[str, Any]]:
-    """One local step of this rank; the outer step after every λ-th, and after the run's
-    ``last`` step. Returns the inner step's result and, at a round's end, ``round_count``."""
+    """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
+    the outer step after every λ-th, and after the run's ``last`` step. Returns the step's
+    result and, at a round's end, ``round_count``."""
+    if local is None:
+        return acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
     result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
     outer = result.outer
     if outer is None and last:

@@ -67,11 +67,8 @@ def stopped_line(signum: int, step: int, total_steps: int, out: str, final: bool
         command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
     else:
         command = "the same call with resume=True"
-    name, where, path = (
-        signal.Signals(signum).name,
-        f"after step {step} of {total_steps}",
-        (resume.latest_path(out)),
-    )
+    name, path = signal.Signals(signum).name, resume.latest_path(out)
+    where = f"after step {step} of {total_steps}"
     if final:
         return (
             f"stopped by {name} during the final evaluation, {where}: the training is complete, "

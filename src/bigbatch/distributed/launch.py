@@ -118,22 +118,20 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
     rank, world_size, local_rank = (
         _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     )
-    if world_size < 1:
-        raise ValueError(
-            f"environment variable WORLD_SIZE={world_size} is not allowed: it is the number of "
-            f"processes, at least 1; {_LAUNCH}"
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"environment variable RANK={rank} is out of range for WORLD_SIZE={world_size} "
-            f"(0 to {world_size - 1}); {_LAUNCH}"
-        )
     devices = torch.cuda.device_count() if on_cuda else world_size
-    if not 0 <= local_rank < max(devices, 1):
-        what = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
-        raise ValueError(
-            f"environment variable LOCAL_RANK={local_rank} is out of range ({what}); {_LAUNCH}"
-        )
+    where = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
+    for wrong, what in (
+        (world_size < 1, f"WORLD_SIZE={world_size} is not allowed: it is the number of processes"
+         ", at least 1"),
+        (not 0 <= rank < world_size, f"RANK={rank} is out of range for WORLD_SIZE={world_size} "
+         f"(0 to {world_size - 1})"),
+        (not 0 <= local_rank < max(devices, 1), f"LOCAL_RANK={local_rank} is out of range "
+         f"({where})"),
+        (world_size > 1 and not 0 < _env_int("MASTER_PORT", 1) < 65536, "MASTER_PORT="
+         f"{os.environ.get('MASTER_PORT')} is not a port (1 to 65535)"),
+    ):  # fmt: skip
+        if wrong:
+            raise ValueError(f"environment variable {what}; {_LAUNCH}")
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
     if world_size > 1 and missing:
         raise ValueError(
@@ -141,11 +139,6 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch with "
             f"`torchrun --nproc_per_node {world_size} ...`, which sets them, or unset WORLD_SIZE "
             "for one process."
-        )
-    if world_size > 1 and not 0 < _env_int("MASTER_PORT", 0) < 65536:
-        raise ValueError(
-            f"environment variable MASTER_PORT={os.environ['MASTER_PORT']} is not a port (1 to "
-            f"65535); {_LAUNCH}"
         )
     return rank, world_size, local_rank
 
