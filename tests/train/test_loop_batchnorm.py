@@ -66,7 +66,7 @@ def test_resume_refuses_another_batchnorm(tmp_path):
 def test_cli_flag_and_toml_key(tmp_path, capsys):
     task = f"{tasks.__file__}:bn_cnn"
     toml = tmp_path / "run.toml"
-    toml.write_text('batchnorm = "groupnorm"\nsteps = 1\nquiet = true\n')
+    toml.write_text('batchnorm = "groupnorm"\nsteps = 1\nquiet = true\nbatch_size = 12\n')
     assert main(["train", task, "--config", str(toml), "--out", str(tmp_path / "a")]) == 0
     assert not any("running_mean" in k for k in torch.load(tmp_path / "a" / "model.pt"))
     flag = ["--batchnorm", "freeze", "--out", str(tmp_path / "b")]
