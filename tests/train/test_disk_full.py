@@ -47,7 +47,8 @@ def test_a_snapshot_that_does_not_fit_keeps_every_snapshot(tmp_path):
         need, free = (runs.parse_size(g) for g in match.groups())
         assert free <= 8192 < need
         assert sorted(os.listdir(out)) == [
-            ".lock", "metrics.csv", "snapshot-00000003.pt", "snapshot.pt", "tensorboard"
+            ".lock", "metrics.csv", "snapshot-00000003.pt", "snapshot.pt", "tensorboard",
+            "train.log",
         ]  # fmt: skip
         assert read_snapshot(str(out / "snapshot.pt")).step == 4
         assert read_snapshot(str(out / "snapshot-00000003.pt")).step == 3
