@@ -65,28 +65,75 @@ def killable() -> bigbatch.Task:
     Under torchrun "{rank}" in $KILL_LOG is the rank, and rank 0 alone stops. With $OOM_ABOVE
     set, a micro-batch larger than that raises ``MemoryError`` after its forward (as a real
     out-of-memory error would), so ``--micro-batch-size auto`` adopts a smaller one."""
-    task = classify_dropout()
+    return _stoppable(classify_dropout())
+
+
+def _stoppable(task: bigbatch.Task) -> bigbatch.Task:
+    """``task`` with the $KILL_LOG / $STOP_AT / $OOM_ABOVE loss of ``killable``."""
     rank = os.environ.get("RANK", "0")
     log = os.environ.get("KILL_LOG", "").replace("{rank}", rank)
     stops = os.environ.get("STOP_AT", "") if rank == "0" else ""
     stop_at = {int(n) for n in stops.split(",") if n}
     oom_above = int(os.environ.get("OOM_ABOVE", "0"))
-    calls = [0]
+    calls, inner = [0], task.loss_fn
 
-    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    def loss_fn(model: nn.Module, batch):
         calls[0] += 1
         if log:
             with open(log, "a") as f:
                 f.write(f"{os.getpid()} {calls[0]}\n")
         if calls[0] in stop_at:
             os.kill(os.getpid(), signal.SIGSTOP)
-        loss = _loss(model, batch)
-        if oom_above and len(batch[0]) > oom_above:
-            raise MemoryError(f"micro-batch {len(batch[0])} > OOM_ABOVE={oom_above}")
+        loss = inner(model, batch)
+        size = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch["input_ids"])
+        if oom_above and size > oom_above:
+            raise MemoryError(f"micro-batch {size} > OOM_ABOVE={oom_above}")
         return loss
 
     task.loss_fn = loss_fn
     return task
+
+
+class _TextLM(nn.Module):
+    """Each position's logits from its own token (with dropout): exact under any cut."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.embed, self.drop = nn.Embedding(11, 16), nn.Dropout(dropout)
+        self.head = nn.Linear(16, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.drop(self.embed(ids))))
+
+
+def _text_loss(model: nn.Module, batch) -> dict:
+    """Named terms: the token loss, and an auxiliary loss on each text's first 3 tokens."""
+    logits = model(batch["input_ids"])
+    aux_labels = batch["labels"].masked_fill(torch.arange(batch["labels"].shape[1]) > 3, -100)
+    lm = bigbatch.token_cross_entropy(logits, batch["labels"], shift=True)
+    aux = bigbatch.token_cross_entropy(logits, aux_labels, shift=True)
+    return {"lm": lm, "aux": (*aux, 0.1)}
+
+
+def text(n: int = 50, dropout: float = 0.0) -> bigbatch.Task:
+    """Variable-length text (2 to 12 tokens, right-padded, with an attention mask) for token
+    windows, with a loss of two named terms."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(2, 13, (n,), generator=gen)
+    mask = torch.arange(12)[None] < lengths[:, None]
+    ids = torch.randint(1, 11, (n, 12), generator=gen) * mask
+    labels = ids.masked_fill(~mask, -100)
+    rows = [
+        {"input_ids": i, "attention_mask": m.long(), "labels": y}
+        for i, m, y in zip(ids, mask, labels, strict=True)
+    ]
+    torch.manual_seed(0)  # the same initial weights in every run of the task
+    return bigbatch.Task(model=_TextLM(dropout).double(), train_data=rows, loss_fn=_text_loss)
+
+
+def text_killable() -> bigbatch.Task:
+    """``text`` with dropout and the stops of ``killable``."""
+    return _stoppable(text(dropout=0.3))
 
 
 def fsdp_classify() -> bigbatch.Task:

@@ -96,6 +96,19 @@ class TrainConfig:
     gradient_accumulation_steps: int | None = setting(
         None, "micro-batches per optimizer step", low=1
     )
+    micro_batch_tokens: int | Literal["auto"] | None = setting(
+        None,
+        "token windows: cut each batch by padded tokens per micro-batch, sorted by length, each "
+        "trimmed to its longest (a batch with attention_mask, or the task's lengths); or auto; "
+        "--micro-batch-size is then an optional row cap",
+        low=1,
+    )
+    pad_to_multiple_of: int | None = setting(
+        None, "with --micro-batch-tokens: pad lengths to a multiple (one shape per bucket)", low=1
+    )
+    compile: bool = setting(
+        False, "torch.compile the model (give --pad-to-multiple-of with tokens)"
+    )
     gradient_checkpointing: bool = setting(
         False, "recompute the model's repeated blocks in backward (less memory, ~1 more forward)"
     )
@@ -311,6 +324,13 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
         (10, 4, 3)
     """
     k = config.gradient_accumulation_steps
+    if config.micro_batch_tokens is not None:  # cut by tokens: micro_batch_size caps rows
+        if k is not None:
+            raise ValueError(
+                f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: the "
+                "tokens decide how many micro-batches a batch takes. Drop one of the two."
+            )
+        return (config.batch_size or DEFAULT_BATCH_SIZE), config.micro_batch_size, None  # type: ignore[return-value]
     if config.micro_batch_size == "auto":
         if k is not None:
             raise ValueError(

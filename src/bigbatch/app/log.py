@@ -32,7 +32,7 @@ COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
     "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
     "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
-    "round_loss", "round_count", "round_skipped",
+    "round_loss", "round_count", "round_skipped", "padding", "terms", "graphs",
 ]  # fmt: skip
 TENSORBOARD = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric",
                "round_loss")  # fmt: skip
@@ -124,6 +124,8 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
         f"step {row['step']}/{total_steps}", f"loss {float(row['loss']):.4f}", speed,
         f"micro-batch {row['micro_batch_size']} x {row['micro_batches']}",
         f"peak {format_bytes(float(row['peak_bytes']))}",
+        *([f"padding {float(row['padding']):.0%}"] if row.get("padding") not in (None, "") else []),
+        *([row["terms"]] if row.get("terms") else []),
         *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
         f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
     ])  # fmt: skip

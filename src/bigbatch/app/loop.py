@@ -228,6 +228,8 @@ def _prepare(
     acc = Accumulator(
         model, optimizer, resolve_batch(config)[1], scheduler, config.max_grad_norm,
         config.precision, config.memory_budget, nonfinite=config.nonfinite,
+        micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
+        pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
     local = rounds.make_local(acc, config)
     identity = prepare.identity(task, config, optimizer)
@@ -331,7 +333,7 @@ def _row(
     step: int, epoch: int, result: StepResult, optimizer: torch.optim.Optimizer, seconds: float,
     peak: Any, samples: int, counted: int,
 ) -> dict[str, Any]:  # fmt: skip
-    tokens = result.count != counted  # the loss counts tokens (or pixels), not samples
+    tokens = result.count != counted or result.tokens is not None  # tokens, not samples
     # A step redone after running out of memory: the adopted attempt's peak, the retries' apart.
     step_peak = (
         result.peak_bytes
@@ -344,7 +346,9 @@ def _row(
         "micro_batch_size": result.micro_batch_size, "micro_batches": result.micro_batches,
         "oom_retries": result.oom_retries, "skipped": int(result.skipped),
         "nonfinite": int(result.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
-        "tokens_per_s": result.count / seconds if tokens else "",
+        "tokens_per_s": (result.tokens or result.count) / seconds if tokens else "",
+        "padding": 1 - (result.tokens or 0) / result.padded_tokens if result.padded_tokens else "",
+        "terms": _terms_text(result.terms), "graphs": _compiled_graphs(),
         "peak_bytes": peak.baseline_bytes + step_peak, "step_peak_bytes": step_peak,
         "retry_peak_bytes": peak.peak_bytes if result.oom_retries else "",
     }  # fmt: skip
@@ -412,3 +416,19 @@ def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""
     return run.acc.current_micro_batch_size or run.batch_size
+
+
+def _terms_text(terms: dict[str, float]) -> str:
+    """``"lm=2.31 aux=0.052"`` for a loss of several named terms; empty for one."""
+    return (
+        " ".join(f"{name}={value:.4g}" for name, value in terms.items()) if len(terms) > 1 else ""
+    )
+
+
+def _compiled_graphs() -> int | str:
+    """Graphs ``torch.compile`` has built in this process (its recompiles), or empty."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    graphs = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0  # type: ignore[attr-defined]
+    return graphs or ""

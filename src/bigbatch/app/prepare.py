@@ -68,8 +68,10 @@ def prepare_model(
         apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
     if config.local_steps > 1:  # each rank steps its own replica (Note [local rounds])
-        return model.to(ranks.device)
-    return distributed.wrap(model, ranks)
+        model = model.to(ranks.device)
+    else:
+        model = distributed.wrap(model, ranks)
+    return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
 def default_schedule(config: TrainConfig) -> Any:

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,10 @@ class Summary:
             memory and were redone smaller (``None`` when no step was redone).
         skipped_steps: optimizer steps skipped (fp16 overflow, or ``nonfinite="skip"``); under
             ``--local-steps`` λ > 1, the inner steps skipped on every rank, summed.
+        padding: the share of the tokens computed that were padding (token windows), else
+            ``None``.
+        terms: the last step's named loss terms (``"lm=2.31 aux=0.052"``), else empty.
+        compiled_graphs: graphs ``torch.compile`` built (its recompiles), else ``None``.
     """
 
     steps: int
@@ -75,6 +80,9 @@ class Summary:
     out: str
     retry_peak_bytes: int | None = None
     skipped_steps: int = 0
+    padding: float | None = None
+    terms: str = ""
+    compiled_graphs: int | None = None
 
 
 def summarize(
@@ -101,6 +109,9 @@ def summarize(
         micro_batch_size=_whole(col("micro_batch_size")[-1:]), out=out,
         retry_peak_bytes=_whole(col("retry_peak_bytes")),
         skipped_steps=int(sum(ends("round_skipped") or col("skipped"))),  # every rank's
+        padding=statistics.fmean(col("padding")) if col("padding") else None,
+        terms=(rows[-1].get("terms") or "") if rows else "",
+        compiled_graphs=_whole(col("graphs")[-1:]),
     )  # fmt: skip
     if write:
         plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}
@@ -200,11 +211,14 @@ def summary_rows(summary: Summary) -> list[tuple[str, str]]:
         ("time", f"{summary.time_s:.1f} s"),
         ("samples/s", f"{summary.samples_per_s:,.1f}"),
         ("tokens/s", None if summary.tokens_per_s is None else f"{summary.tokens_per_s:,.0f}"),
+        ("padding computed", None if summary.padding is None else f"{summary.padding:.1%}"),
+        ("compiled graphs", summary.compiled_graphs and f"{summary.compiled_graphs}"),
         ("peak memory", format_bytes(summary.peak_bytes)),
         ("peak added by a step", format_bytes(summary.step_peak_bytes)),
         ("... with redone attempts", retried and format_bytes(retried)),
         ("skipped steps", summary.skipped_steps and f"{summary.skipped_steps:,}"),
         ("final loss", "nan" if summary.final_loss is None else f"{summary.final_loss:.4f}"),
+        ("final terms", summary.terms),
         ("eval loss", None if summary.eval_loss is None else f"{summary.eval_loss:.4f}"),
         ("eval metric", None if summary.metric is None else f"{summary.metric:.4f}"),
     ]  # fmt: skip

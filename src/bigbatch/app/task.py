@@ -44,6 +44,8 @@ class Task:
             ``ceil(len(train_data) / batch_size)`` steps: write it as a step schedule, e.g.
             ``LambdaLR(opt, lambda step: 0.1 ** (step // steps_per_epoch))``.
         collate_fn: optional ``collate_fn`` for the ``DataLoader``.
+        lengths: optional ``lengths(batch)`` -> each sample's tokens, for ``--micro-batch-tokens``
+            when the batch has no ``attention_mask``.
         count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
             (e.g. non-padding tokens): fp16 then back-propagates at the full batch's scale
             (Note [backward scale] in ``bigbatch.core.engine``).
@@ -64,6 +66,7 @@ class Task:
     scheduler: SchedulerFactory | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     count_fn: Callable[[Any], Any] | None = None
+    lengths: Callable[[Any], Any] | None = None
 
 
 def check_task(task: object) -> None:

@@ -216,7 +216,9 @@ def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a ``DistributedDataParallel`` (for saving a plain state dict)."""
+    """The user's module inside ``torch.compile`` and ``DistributedDataParallel`` (for saving a
+    plain state dict)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
