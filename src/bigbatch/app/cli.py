@@ -223,7 +223,17 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser(
-        "check", help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)"
+        "check",
+        help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)",
+        description="Compute the gradient of the first --batch-size samples of TASK twice, on "
+        "float64 copies of its model from the same seed: in one piece, and as "
+        "bigbatch.Accumulator accumulates it over micro-batches of --micro-batch-size. Print "
+        "the parameters that differ most, the verdict and, when not exact, why: a BatchNorm or "
+        "other module that couples the samples, a loss that returns a mean as a sum, a "
+        "batch-coupled loss, NaN or inf, non-determinism. Dropout is turned off in both runs "
+        "(micro-batches draw other masks than the full batch: equal in distribution, not the "
+        "same numbers), and the verdict says so. The model runs in the mode TASK builds it in "
+        "(a transformers model built from a config: train); --eval checks it in eval mode.",
     )
     check.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
     check.add_argument("--batch-size", type=int, default=16, help="samples in the batch compared")
@@ -233,20 +243,34 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="samples per micro-batch (default: a third)",
     )
+    check.add_argument(
+        "--tolerance", type=float, default=1e-10,
+        help="relative difference counted as float64 rounding (default 1e-10; raised to 1e-5 "
+        "where the model computes in float32, and the verdict says so)",
+    )  # fmt: skip
+    check.add_argument(
+        "--eval", action="store_true", help="check the model in eval mode (model.eval())"
+    )
     check.set_defaults(run=_run_check)
 
 
 def _run_check(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_check
     from bigbatch.app.task import first_batch, load_task
+    from bigbatch.core.split import batch_size
     from bigbatch.verifier._check import check
 
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
     task = load_task(args.task)
-    report = check(
-        task.model, first_batch(task, args.batch_size), task.loss_fn, args.micro_batch_size
-    )
+    batch = first_batch(task, args.batch_size)
+    if batch_size(batch) < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than the training data "
+            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
+        )
+    model = task.model.eval() if args.eval else task.model
+    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
     print_check(report, title=f"bigbatch check {args.task}: worst parameters")
     return 0 if report.exact else 1
 
