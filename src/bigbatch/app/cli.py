@@ -316,7 +316,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "none, selective, full, offload (selective:0.5 for a fraction); default: "
         "none,selective,0.5,1 (and offload on CUDA)",
     )  # fmt: skip
-    plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
+    plan.add_argument(
+        "--steps", type=int, default=5,
+        help="timed steps per configuration, one per round (median and spread; default 5)",
+    )  # fmt: skip
     plan.set_defaults(run=_run_plan)
 
 
