@@ -173,7 +173,7 @@ def plan_close_candidates() -> tuple:
     )  # fmt: skip
     c = result.choice
     return (c.micro_batch_size, c.policy, c.checkpointing), [
-        (x.micro_batch_size, x.label, x.seconds_per_step, x.noise_seconds, x.peak_bytes)
+        (x.micro_batch_size, x.label, x.seconds_per_step, x.spread_seconds, x.peak_bytes)
         for x in result.candidates
     ]
 
@@ -377,12 +377,36 @@ def test_cli_prints_the_table_the_margin_and_the_runner_up(tmp_path, capsys):
     )
 
 
-def test_cli_help_says_what_it_measures(capsys):
+def test_cli_bad_inputs_are_one_line(tmp_path, capsys):
+    """A batch larger than the data, and a model without parameters: one line, exit 2."""
+    (tmp_path / "plan_bad_task.py").write_text(textwrap.dedent(TASK) + NO_PARAMETERS)
+    path = tmp_path / "plan_bad_task.py"
+    assert main(["plan", f"{path}:task", "--batch-size", "100"]) == 2
+    assert capsys.readouterr().err == (
+        "bigbatch plan: error: --batch-size 100 is larger than the training data (40 samples): "
+        "use --batch-size 40 or less.\n"
+    )
+    assert main(["plan", f"{path}:no_parameters", "--batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bigbatch plan: error: plan needs a model with trainable parameters, and "
+                          "Tanh has none") and err.count("\n") == 1  # fmt: skip
+
+
+NO_PARAMETERS = """
+def no_parameters():
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8, 64), torch.randn(40, 8, 64))
+    return Task(model=nn.Tanh(), train_data=data, loss_fn=loss)
+"""
+
+
+def test_cli_help_says_what_it_measures(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside "runner-up"
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "peak memory" in out and "--memory-budget" in out and "--micro-batch-sizes" in out
     assert "--margin" in out and "selective" in out and "runner-up" in out
+    assert "50% and 100%" in out and "alternating rounds" in out and "spread" in out
 
 
 def test_plan_reads_peaks_under_the_small_threshold_and_times_under_the_settled_ones(monkeypatch):

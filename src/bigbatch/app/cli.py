@@ -281,15 +281,16 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
         description="Run real optimizer steps of one effective batch of TASK (a deep copy of its "
         "model and optimizer) at several micro-batch sizes, without checkpointing, with "
-        "selective checkpointing, and with 50%% and 100%% of the model's repeated blocks "
-        "recomputed (and offloaded to host memory on CUDA). For each: the peak memory of a step "
-        "(CUDA allocator, or the CPU's resident-set high-water mark; model, gradients, optimizer "
-        "state and activations), the median time per optimizer step, its noise (the spread of "
-        "the timed steps) and samples/s. Memory is fitted as peak = a + b x micro-batch to "
-        "predict sizes not run. Chooses the fastest configuration whose peak stays within the "
-        "budget less the safety margin; times within the measured noise tie, and a tie goes to "
-        "the one with more headroom (what a tie could turn on is measured again when too close "
-        "to call). Prints the table, the margin, the choice, the runner-up and why it lost.",
+        "selective checkpointing, and with 50% and 100% of the model's repeated blocks "
+        "recomputed (and offloaded to host memory on CUDA). First the peak memory of a step for "
+        "each (CUDA allocator, or the CPU's resident-set high-water mark; model, gradients, "
+        "optimizer state and activations); memory is fitted as peak = a + b x micro-batch to "
+        "predict sizes not run. Then the configurations that fit the budget less the safety "
+        "margin are timed in alternating rounds (--steps rounds, one timed step each): the "
+        "median time per optimizer step, its spread (the interquartile range) and samples/s. "
+        "Chooses the fastest; configurations whose spreads overlap and whose times are within "
+        "5% tie, and a tie goes to the one with more headroom. Prints the table, the margin, "
+        "the choice, the runner-up and why it lost.",
     )
     plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
     plan.add_argument(
@@ -326,13 +327,20 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_plan
     from bigbatch.app.task import first_batch, load_task
+    from bigbatch.core.split import batch_size
     from bigbatch.memory.planner import plan
 
     task = load_task(args.task)
     factory = task.optimizer
+    batch = first_batch(task, args.batch_size)
+    if batch_size(batch) < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than the training data "
+            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
+        )
     result = plan(
         task.model,
-        first_batch(task, args.batch_size),
+        batch,
         task.loss_fn,
         memory_budget=args.memory_budget,
         micro_batch_sizes=args.micro_batch_sizes,

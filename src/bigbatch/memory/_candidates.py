@@ -26,6 +26,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import nan
 
 from bigbatch.core._units import format_bytes
 
@@ -210,7 +211,7 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     verdict = "is the fastest that fits" if choice is tied[0] else (
         "ties with the fastest that fits and has the most headroom"
     )  # fmt: skip
-    parts = [_capital(f"{choice.describe()} {verdict}: {room}.")]
+    parts = [f"M{choice.describe()[1:]} {verdict}: {room}."]
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
     parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
@@ -227,81 +228,51 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
         f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})"
     )
     if not tied:
-        apart = "the spreads do not overlap"
-        why = f"more than {TIE_COST:.0%} slower" if _overlap(runner_up, choice) else apart
+        apart = not _overlap(runner_up, choice)
+        why = "the spreads do not overlap" if apart else f"more than {TIE_COST:.0%} slower"
         return f"{head}: it lost on time ({why})."
     more = runner_up.peak_bytes - choice.peak_bytes
+    tie = f"{head}: the spreads overlap and it is within {TIE_COST:.0%}"
     if more > SAME_PEAK * choice.peak_bytes:
-        return (
-            f"{head}: the spreads overlap and it is within {TIE_COST:.0%}, a tie, and it needs "
-            f"{format_bytes(more)} more, so it lost on headroom."
-        )
+        return f"{tie}, a tie, and it needs {format_bytes(more)} more, so it lost on headroom."
     return (
-        f"{head}: the spreads overlap and it is within {TIE_COST:.0%} and within 2% of its peak, "
-        "a tie on both, so it lost to the simpler configuration (less checkpointing, fewer "
-        "micro-batches)."
+        f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
+        "configuration (less checkpointing, fewer micro-batches)."
     )
 
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
-    """The fastest timed configuration ruled out by memory, or the next larger size."""
-    faster = [c for c in candidates if not c.fits and _seconds(c) < _seconds(choice)]
-    if faster:
-        best = min(faster, key=_seconds)
-        gain = 1 - _seconds(best) / _seconds(choice)
-        return [
-            _capital(
-                f"{best.describe()} would be {gain:.1%} faster but peaks at "
-                f"{format_bytes(best.peak_bytes)}, {_where(best, budget)}."
-            )
-        ]
+    """The next larger size of the chosen option, when memory ruled it out."""
     option = (choice.policy, choice.checkpointing)
-    bigger = [
-        c
-        for c in candidates
-        if (c.policy, c.checkpointing) == option and c.micro_batch_size > choice.micro_batch_size
-    ]
-    if not bigger or bigger[0].fits:
+    b = next((c for c in candidates if (c.policy, c.checkpointing) == option
+              and c.micro_batch_size > choice.micro_batch_size), None)  # fmt: skip
+    if b is None or b.fits:
         return []
-    b = bigger[0]
     if b.out_of_memory:
         return [f"Micro-batch {b.micro_batch_size} ran out of memory."]
     how = "needs" if b.measured else "would need (predicted)"
-    return [
-        f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {_where(b, budget)}."
-    ]
-
-
-def _where(c: Candidate, budget: int) -> str:
-    return "within the budget but not its margin" if c.peak_bytes <= budget else "over the budget"
-
-
-def _capital(sentence: str) -> str:
-    return sentence[:1].upper() + sentence[1:]
+    where = "within the budget but not its margin" if b.peak_bytes <= budget else "over the budget"
+    return [f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {where}."]
 
 
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
     plain = {c.micro_batch_size: c for c in candidates if c.policy == "none" and c.measured}
     by_option: dict[Option, list[Candidate]] = {}
-    for c in candidates:
-        if c.saved_bytes is not None:
-            by_option.setdefault((c.policy, c.checkpointing), []).append(c)
+    for c in (c for c in candidates if c.saved_bytes is not None):
+        by_option.setdefault((c.policy, c.checkpointing), []).append(c)
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
-    if not useless:
-        return []
     shown = "; ".join(
         f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
         f"{format_bytes(plain[c.micro_batch_size].peak_bytes)} without"
-        + (
-            f", for {_seconds(c) / _seconds(plain[c.micro_batch_size]):.2f}x the time"
-            if c.seconds_per_step and plain[c.micro_batch_size].seconds_per_step
-            else ""
-        )
+        + (f", for {ratio:.2f}x the time" if math.isfinite(ratio) else "")
         for c in useless
+        for ratio in [
+            (c.seconds_per_step or nan) / (plain[c.micro_batch_size].seconds_per_step or nan)
+        ]
     )
-    if len(useless) < len(by_option):
-        return [f"Some checkpointing saves nothing measurable here ({shown})."]
+    if not useless or len(useless) < len(by_option):
+        return [f"Some checkpointing saves nothing measurable here ({shown})."] * bool(useless)
     return [
         f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
         "blocks' activations but the parameters, gradients and optimizer state (or activations "

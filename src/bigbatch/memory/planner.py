@@ -35,6 +35,11 @@ Note [timing under load]
     the round's median cancels a load that slowed a whole round. A configuration's time is the
     median of its relative times (in seconds: times the median round), its spread their
     interquartile range; Note [ties and headroom] (in ``bigbatch.memory._candidates``) decides.
+    On the CPU the timing runs on a thread of its own: glibc gives a new thread its own malloc
+    arena, so the heap those steps leave behind is not the one later peaks are read from
+    (timed on the main thread, a second plan in the same process read micro-batch 16 of the
+    planner test's MLP 5 MiB higher than the first: large requests were served from free chunks
+    of the timing's heap, and the high-water mark followed them).
 
 Note [honest CPU peaks] (in ``bigbatch.core.peak``)
     On the CPU the planner reads peaks inside ``small_mmap_threshold()``, and first runs one
@@ -44,6 +49,7 @@ Note [honest CPU peaks] (in ``bigbatch.core.peak``)
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import ctypes
@@ -65,19 +71,8 @@ from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_me
 from bigbatch.core.peak import measure_peak, resolve_device, small_mmap_threshold
 from bigbatch.core.split import Batch, split
 from bigbatch.core.split import batch_size as count_samples
-from bigbatch.memory._candidates import (
-    POLICIES,
-    Candidate,
-    Option,
-    decide,
-    explain,
-    nothing_fits,
-    option_label,
-    parse_option,
-    timed,
-    usable,
-    with_savings,
-)
+from bigbatch.memory import _candidates as rules
+from bigbatch.memory._candidates import Candidate, Option
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing, find_blocks
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
@@ -96,7 +91,7 @@ class MemoryFit:
     @property
     def label(self) -> str:
         """The option's short name (``Candidate.label``)."""
-        return option_label((self.policy, self.checkpointing))
+        return rules.option_label((self.policy, self.checkpointing))
 
     def predict(self, micro_batch_size: int) -> int:
         """Predicted peak bytes at ``micro_batch_size``."""
@@ -142,7 +137,7 @@ class Plan:
     @property
     def usable_bytes(self) -> int:
         """The budget less the safety margin: what a configuration's peak must stay within."""
-        return usable(self.memory_budget, self.margin)
+        return rules.usable(self.memory_budget, self.margin)
 
     @property
     def headroom_bytes(self) -> int:
@@ -166,7 +161,7 @@ class _Setup:
     @property
     def usable(self) -> int:
         """The budget less the margin (Note [safety margin])."""
-        return usable(self.budget, self.margin)
+        return rules.usable(self.budget, self.margin)
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -261,9 +256,12 @@ def plan(
     with small_mmap_threshold() if device.type == "cpu" else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
         candidates, fits = _measure_peaks(setup, options, sizes)
-    if device.type == "cpu":
-        settle_malloc()  # Note [timing under load]
-    return _choose(setup, _time(setup, candidates), tuple(fits), tuple(skipped))
+    if device.type != "cpu":
+        return _choose(setup, _time(setup, candidates), tuple(fits), tuple(skipped))
+    settle_malloc()  # Note [timing under load]
+    with concurrent.futures.ThreadPoolExecutor(1) as own_arena:  # Note [timing under load]
+        timed_ = own_arena.submit(_time, setup, candidates).result()
+    return _choose(setup, timed_, tuple(fits), tuple(skipped))
 
 
 def _measure_peaks(
@@ -282,7 +280,7 @@ def _measure_peaks(
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
         candidates += measured + _predicted(sizes[len(measured) :], n, fit, measured[-1])
-    return with_savings(candidates), fits
+    return rules.with_savings(candidates), fits
 
 
 def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
@@ -320,7 +318,7 @@ def _time(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[id(c)].append(setup.step(acc))
             disable_checkpointing(net)
-    done = timed(fitting, list(seconds.values()), count_samples(setup.batch))
+    done = rules.timed(fitting, list(seconds.values()), count_samples(setup.batch))
     again = {id(c): d for c, d in zip(fitting, done, strict=True)}
     return [again.get(id(c), c) for c in candidates]
 
@@ -339,16 +337,11 @@ def settle_malloc() -> None:
 def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
     """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
     fewer than two sizes."""
-    points = [(c.micro_batch_size, c.peak_bytes) for c in measured]
-    if len({m for m, _ in points}) < 2:
+    if len({c.micro_batch_size for c in measured}) < 2:
         return None
-    mean_m = statistics.fmean(m for m, _ in points)
-    mean_p = statistics.fmean(p for _, p in points)
-    slope = sum((m - mean_m) * (p - mean_p) for m, p in points) / sum(
-        (m - mean_m) ** 2 for m, _ in points
-    )
-    first = measured[0]
-    return MemoryFit(first.checkpointing, mean_p - slope * mean_m, slope, first.policy)
+    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
+    slope, base = statistics.linear_regression(sizes, peaks)
+    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
 
 
 def default_budget(device: torch.device) -> int:
@@ -396,10 +389,10 @@ def _choose(
 ) -> Plan:
     measured = [c for c in candidates if c.measured and not c.out_of_memory]
     if not any(c.fits for c in candidates):
-        raise MemoryBudgetExceeded(nothing_fits(measured, setup.budget, setup.margin))
-    choice, runner_up, _ = decide(candidates)
+        raise MemoryBudgetExceeded(rules.nothing_fits(measured, setup.budget, setup.margin))
+    choice, runner_up, _ = rules.decide(candidates)
     naive = min(measured, key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"))
-    reason = explain(candidates, naive, setup.budget, setup.margin)
+    reason = rules.explain(candidates, naive, setup.budget, setup.margin)
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
         memory_budget=setup.budget, batch_size=count_samples(setup.batch), device=str(setup.device),
@@ -463,8 +456,9 @@ def _check_options(
     """The checkpointing options to measure, and the default policies left out (with why)."""
     if spec is None:
         return _default_options(model, device)
-    options = [] if isinstance(spec, str) else [parse_option(o) for o in spec]
-    if not options or None in options:
+    options = [] if isinstance(spec, str) else [rules.parse_option(o) for o in spec]
+    valid = [o for o in options if o is not None]
+    if not valid or len(valid) < len(options):
         shown = spec if isinstance(spec, str) else list(spec)
         raise ValueError(
             f"checkpointing={shown!r} is not allowed: use fractions of the blocks in [0, 1] "
@@ -472,31 +466,24 @@ def _check_options(
             "optionally with a fraction ('selective:0.5'), e.g. checkpointing=(0, 'selective', "
             "0.5, 1)."
         )
-    valid = [o for o in options if o is not None]
-    return sorted(set(valid), key=lambda o: (POLICIES.index(o[0]), o[1])), []
+    return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
 
 
 def _default_options(
     model: torch.nn.Module, device: torch.device
 ) -> tuple[list[Option], list[str]]:
+    """None, selective, half and all the blocks (and offload on CUDA), less what this machine
+    and torch refuse (``enable_checkpointing`` says why); only none without repeated blocks."""
     try:
         find_blocks(model)
     except ValueError:
-        return [("none", 0.0)], []  # no repeated blocks: nothing to checkpoint
+        return [("none", 0.0)], []
     wanted: list[Option] = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0)]
-    wanted += [("offload", 1.0)] if device.type == "cuda" else []
-    why = {policy: _cannot_run(policy) for policy, _ in wanted}
-    skipped = [f"{policy}: {reason}" for policy, reason in why.items() if reason]
-    return [o for o in wanted if not why[o[0]]], skipped
-
-
-def _cannot_run(policy: str) -> str | None:
-    """Why ``enable_checkpointing`` refuses ``policy`` on this machine and torch, or ``None``."""
-    if policy == "none":
-        return None
-    probe = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
-    try:
-        enable_checkpointing(probe, policy=policy)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    options, skipped = [], []
+    for option in wanted + [("offload", 1.0)] * (device.type == "cuda"):
+        try:
+            checkpoint(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)), option)
+            options.append(option)
+        except ValueError as exc:
+            skipped.append(f"{option[0]}: {exc}")
+    return options, skipped
