@@ -22,9 +22,10 @@ Note [safety margin]
 Note [timing under load]
     Peaks and times are measured in separate passes. On the CPU, honest peaks need glibc to map
     every tensor over 64 KiB on its own (Note [honest CPU peaks]), and a step timed that way
-    maps and faults in its activations again each time: measured on the demo's MLP, 1.5-3x the
-    time of the same step in training, and not uniformly (micro-batch 512 of 512 looked the
-    fastest at 230 ms when, in training, it is 1.4x slower than micro-batch 64 at 96 ms). So
+    maps and faults in its activations again each time: measured on the demo's MLP (batch 512,
+    1 thread, threshold fixed at 128 KiB), 1.7-2.7x the time of the same step with glibc
+    untouched, and not uniformly (micro-batch 512 looked the fastest, at 230 ms, when with glibc
+    untouched it is 1.4x slower than micro-batch 128, at 96 ms). So
     peaks are read first, under that threshold, and the steps are timed afterwards under the
     thresholds a training loop's glibc settles at (mmap 32 MiB, trim 64 MiB), which ``plan``
     leaves in place (glibc cannot turn its dynamic adjustment back on). The timing runs in

@@ -160,9 +160,7 @@ def check(
         >>> check(m, (torch.randn(10, 3), torch.randn(10, 1)), mse).exact
         True
     """
-    n, size = _sizes(batch, micro_batch_size)
-    _check_tolerance(tolerance)
-    _check_trainable(model)
+    n, size = _check_arguments(model, batch, micro_batch_size, tolerance)
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     case = Case(model, batch, loss_fn, size, seed)
     full = full_run(case)
@@ -192,49 +190,41 @@ def check(
     return report
 
 
-def _sizes(batch: Batch, micro_batch_size: int | None) -> tuple[int, int]:
+def _check_arguments(
+    model: nn.Module, batch: Batch, micro_batch_size: int | None, tolerance: object
+) -> tuple[int, int]:
+    """``(samples, micro-batch size)``, or one clear error about the argument at fault."""
     n = batch_size(batch)
     if n < 2:
         raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
-    if micro_batch_size is not None and (
-        isinstance(micro_batch_size, bool)
-        or not isinstance(micro_batch_size, int)
-        or micro_batch_size < 1
-    ):
+    m = micro_batch_size
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ValueError(
-            f"micro_batch_size={micro_batch_size!r} is not allowed: use a positive integer "
-            "smaller than the batch, or None for about a third of it."
+            f"micro_batch_size={m!r} is not allowed: use a positive integer smaller than the "
+            "batch, or None for about a third of it."
         )
-    size = micro_batch_size or max(1, (n + 2) // 3)
+    size = m or max(1, (n + 2) // 3)
     if size >= n:
         raise ValueError(
             f"micro_batch_size={size} covers the whole batch of {n} samples, so there is nothing "
             "to compare: use a smaller micro_batch_size or a larger batch."
         )
-    return n, size
-
-
-def _check_tolerance(tolerance: object) -> None:
     allowed = "use a relative difference >= 0, e.g. tolerance=1e-10 (float64 rounding)."
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
         raise TypeError(f"tolerance={tolerance!r} is not allowed: {allowed}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance={tolerance!r} is not allowed: {allowed}")
-
-
-def _check_trainable(model: nn.Module) -> None:
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
-        held = (
-            f"all {len(params)} of its parameters have requires_grad=False"
-            if params
-            else "it has no parameters"
-        )
+        held = f"all {len(params)} of its parameters have requires_grad=False" if params else (
+            "it has no parameters"
+        )  # fmt: skip
         raise ValueError(
             f"check needs a model with trainable parameters, and {type(model).__name__} has none "
             f"({held}): pass the module that holds the weights you train, or call "
             "requires_grad_(True) on the ones to train."
         )
+    return n, size
 
 
 def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:

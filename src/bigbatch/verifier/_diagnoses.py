@@ -14,15 +14,7 @@ from bigbatch.core._tree import tensor_leaves
 from bigbatch.core.loss import WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.verifier._probes import finite, probe_coupling
-from bigbatch.verifier._runs import (
-    Case,
-    FullRun,
-    Grads,
-    copy_float64,
-    differences,
-    full_run,
-    seeded,
-)
+from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, full_run, seeded
 
 
 @dataclass(frozen=True)
@@ -42,7 +34,7 @@ class Diagnosis:
     message: str
 
 
-def diagnose(case: Case, tolerance: float, full: Grads) -> list[Diagnosis]:
+def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> list[Diagnosis]:
     """Why the accumulated gradient differs from ``full``: every cause found, most specific
     first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
     ``tolerance`` is the relative difference counted as rounding (Note [float32 islands])."""
@@ -191,7 +183,9 @@ LOSS_MESSAGES = {
 }
 
 
-def nonfinite(case: Case, full: FullRun, acc: Grads, acc_loss: float) -> Diagnosis | None:
+def nonfinite(
+    case: Case, full: FullRun, acc: dict[str, torch.Tensor], acc_loss: float
+) -> Diagnosis | None:
     """Where the NaN or inf comes from, when a loss or gradient is not finite (``None`` when
     everything is): the inputs, the model's weights, the first module whose output is not
     finite, the loss, the backward; and when only the accumulated gradient (``acc``, window loss
@@ -233,11 +227,9 @@ def _nonfinite_backward(bad: list[str]) -> Diagnosis:
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
     """Non-finite values in the batch's floating tensors, or in the model's weights."""
-    inputs = [
-        _count_nonfinite(path, t)
-        for path, t in tensor_leaves(batch)
-        if t.is_floating_point() and not finite(t)
-    ]
+    inputs = [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]
+    state = chain(model.named_parameters(), model.named_buffers())
+    weights = [name for name, t in state if not finite(t)]
     if inputs:
         return Diagnosis(
             "non-finite",
@@ -245,8 +237,6 @@ def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
             f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
             "clean the data (drop those samples, or torch.nan_to_num) before training.",
         )
-    state = chain(model.named_parameters(), model.named_buffers())
-    weights = [name for name, t in state if t.is_floating_point() and not finite(t)]
     if not weights:
         return None
     return Diagnosis(
