@@ -279,23 +279,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
-        description="Run real optimizer steps of one effective batch of TASK (a deep copy of its "
-        "model and optimizer) at several micro-batch sizes, without checkpointing, with "
-        "selective checkpointing, and with 50% and 100% of the model's repeated blocks "
-        "recomputed (and offloaded to host memory on CUDA). First the peak memory of a step for "
-        "each (CUDA allocator, or the CPU's resident-set high-water mark; model, gradients, "
-        "optimizer state and activations); memory is fitted as peak = a + b x micro-batch to "
-        "predict sizes not run. Then the configurations that fit the budget less the safety "
-        "margin are timed in alternating rounds (--steps rounds, one timed step each): the "
-        "median time per optimizer step, its spread (the interquartile range) and samples/s. "
-        "Chooses the fastest; configurations whose spreads overlap and whose times are within "
-        "5% tie, and a tie goes to the one with more headroom. Prints the table, the margin, "
-        "the choice, the runner-up and why it lost.",
+        description="Run real optimizer steps of one effective batch of TASK on copies of its model "
+        "and optimizer, at several micro-batch sizes, without checkpointing, with selective "
+        "checkpointing and with 50% and 100% of the repeated blocks recomputed (offloaded too on "
+        "CUDA). First the peak memory of each (model, gradients, optimizer state, activations; "
+        "fitted as a + b x micro-batch to predict sizes not run); then the configurations that "
+        "fit the budget less the safety margin are timed in --steps alternating rounds: the "
+        "median time per step and its spread (interquartile range). Chooses the fastest; "
+        "spreads that overlap within 5% tie, and a tie goes to the one with more headroom. "
+        "Prints the table, the choice, the runner-up and why it lost.",
     )
     plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
-    plan.add_argument(
-        "--batch-size", type=int, required=True, help="effective batch (samples per step)"
-    )
+    plan.add_argument("--batch-size", type=int, required=True, help="samples per optimizer step")
     plan.add_argument(
         "--memory-budget", default=None,
         help="memory a step may use, e.g. 6GiB (default: the GPU's memory, or the CPU's available memory)",
@@ -317,10 +312,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "none, selective, full, offload (selective:0.5 for a fraction); default: "
         "none,selective,0.5,1 (and offload on CUDA)",
     )  # fmt: skip
-    plan.add_argument(
-        "--steps", type=int, default=5,
-        help="timed steps per configuration, one per round (median and spread; default 5)",
-    )  # fmt: skip
+    plan.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     plan.set_defaults(run=_run_plan)
 
 

@@ -257,12 +257,13 @@ def plan(
     with small_mmap_threshold() if device.type == "cpu" else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
         candidates, fits = _measure_peaks(setup, options, sizes)
-    if device.type != "cpu":
-        return _choose(setup, _time(setup, candidates), tuple(fits), tuple(skipped))
-    settle_malloc()  # Note [timing under load]
-    with concurrent.futures.ThreadPoolExecutor(1) as own_arena:  # Note [timing under load]
-        timed_ = own_arena.submit(_time, setup, candidates).result()
-    return _choose(setup, timed_, tuple(fits), tuple(skipped))
+    if device.type == "cpu":  # Note [timing under load]: training's thresholds, own arena
+        settle_malloc()
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            candidates = thread.submit(_time, setup, candidates).result()
+    else:
+        candidates = _time(setup, candidates)
+    return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
 
 def _measure_peaks(
@@ -311,17 +312,17 @@ def _time(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
     if not fitting:
         return candidates
     net, opt = setup.copy()
-    seconds: dict[int, list[float]] = {id(c): [] for c in fitting}
+    seconds: list[list[float]] = [[] for _ in fitting]
+    visits = list(enumerate(fitting))
     for r in range(setup.steps):
-        for c in fitting if r % 2 == 0 else fitting[::-1]:
+        for i, c in visits if r % 2 == 0 else visits[::-1]:
             checkpoint(net, (c.policy, c.checkpointing))
             acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
-            seconds[id(c)].append(setup.step(acc))
+            seconds[i].append(setup.step(acc))
             disable_checkpointing(net)
-    done = rules.timed(fitting, list(seconds.values()), count_samples(setup.batch))
-    again = {id(c): d for c, d in zip(fitting, done, strict=True)}
-    return [again.get(id(c), c) for c in candidates]
+    done = iter(rules.timed(fitting, seconds, count_samples(setup.batch)))
+    return [next(done) if c.fits else c for c in candidates]
 
 
 def settle_malloc() -> None:
