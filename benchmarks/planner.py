@@ -19,7 +19,7 @@ them in ``--rounds`` interleaved rounds (each visit: one untimed step, then two 
 alternating order), median. "Fastest fitting" is the fastest of those; each plan's choice is
 reported as its reference time over the fastest's, and is within the target when at most 1.10.
 
-Run (about 6 minutes on 2 shared cores):
+Run (11 minutes on 2 idle cores, 18 with four other jobs on them):
     PYTHONPATH=src python benchmarks/planner.py
     PYTHONPATH=src python benchmarks/planner.py --task gpt2 --plans 3 --rounds 9
 """
