@@ -9,7 +9,12 @@ seconds. The rules of the choice itself are pinned without timings in test_candi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import fresh
@@ -183,6 +188,43 @@ def test_repeated_plans_choose_the_same(tmp_path):
     runs = [in_a_fresh_process("plan_close_candidates", tmp_path / f"run{i}.pt") for i in range(3)]
     print(json.dumps([measured for _, measured in runs], indent=1))
     assert len({choice for choice, _ in runs}) == 1, runs
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+INTERRUPTED = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import test_planner as t
+from bigbatch.memory import planner
+
+settle = planner.settle_malloc
+def announce():  # the timing starts right after this call
+    settle()
+    print("timing", flush=True)
+planner.settle_malloc = announce
+torch.set_num_threads(1)
+planner.plan(t.make_model(), torch.randn(t.BATCH, 32, 128), t.square_loss,
+             micro_batch_sizes=[4, 8], checkpointing=(0,), steps=1000)
+"""
+
+
+@pytest.mark.slow  # a child process planning until a real SIGINT
+def test_ctrl_c_during_the_timing_stops_plan_and_the_process_exits_cleanly():
+    """The steps are timed on a thread of their own. A real SIGINT stops plan() with
+    KeyboardInterrupt (1000 rounds would take minutes), and the process exits as Python does on
+    an uncaught KeyboardInterrupt (by SIGINT), not by an abort: with the timing thread still in
+    a backward when the interpreter finalised, the process died of SIGABRT ("terminate called
+    without an active exception")."""
+    code = INTERRUPTED.format(here=str(Path(__file__).parent))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout.readline() == "timing\n"
+    time.sleep(0.5)  # into the rounds
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=300)
+    assert "KeyboardInterrupt" in err and "terminate called" not in err, err[-2000:]
+    assert child.returncode == -signal.SIGINT, (child.returncode, err[-2000:])
 
 
 # ---------------------------------------------------------------------------- what it says

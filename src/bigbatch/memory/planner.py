@@ -50,7 +50,6 @@ Note [honest CPU peaks] (in ``bigbatch.core.peak``)
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import ctypes
@@ -58,6 +57,7 @@ import ctypes.util
 import dataclasses
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,10 +259,9 @@ def plan(
         candidates, fits = _measure_peaks(setup, options, sizes)
     if device.type == "cpu":  # Note [timing under load]: training's thresholds, own arena
         settle_malloc()
-        with concurrent.futures.ThreadPoolExecutor(1) as thread:
-            candidates = thread.submit(_time, setup, candidates).result()
+        candidates = _on_own_thread(setup, candidates)
     else:
-        candidates = _time(setup, candidates)
+        candidates = _time(setup, candidates, threading.Event())
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
 
@@ -306,8 +305,35 @@ def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
     return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=fits)
 
 
-def _time(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
-    """The fitting configurations timed in alternating rounds (Note [timing under load])."""
+def _on_own_thread(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
+    """``_time`` on a thread of its own (Note [timing under load]). A Ctrl-C stops the timing
+    after the step in flight, which ends before ``plan`` raises: torch must not be running on
+    another thread when the interpreter exits (it aborts the process)."""
+    result: list[Any] = []
+    stop, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(_time(setup, candidates, stop))
+        except BaseException as exc:  # handed to the caller's thread
+            result.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="bigbatch-plan-timing").start()
+    try:
+        done.wait()
+    finally:
+        stop.set()
+        done.wait()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _time(setup: _Setup, candidates: list[Candidate], stop: threading.Event) -> list[Candidate]:
+    """The fitting configurations timed in alternating rounds (Note [timing under load]), until
+    ``stop`` is set."""
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return candidates
@@ -316,6 +342,8 @@ def _time(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
     visits = list(enumerate(fitting))
     for r in range(setup.steps):
         for i, c in visits if r % 2 == 0 else visits[::-1]:
+            if stop.is_set():
+                return candidates
             checkpoint(net, (c.policy, c.checkpointing))
             acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
