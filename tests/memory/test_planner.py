@@ -25,7 +25,7 @@ import torch.nn as nn
 from bigbatch import MemoryBudgetExceeded
 from bigbatch.app.cli import main
 from bigbatch.memory import planner
-from bigbatch.memory._candidates import ranked, ties
+from bigbatch.memory._candidates import predicted, ranked, ties
 from bigbatch.memory.planner import fit_memory, plan
 
 BATCH = 32
@@ -253,8 +253,8 @@ def test_sizes_above_one_that_does_not_fit_are_predicted_not_run():
 
     fit = fit_memory([fake(2, 300, True), fake(4, 500, False)])
     assert (fit.base_bytes, fit.bytes_per_sample, fit.policy) == pytest.approx((100, 100, "none"))
-    [predicted] = planner._predicted([8], 32, fit, fake(4, 500, False))
-    assert (predicted.peak_bytes, predicted.measured, predicted.fits) == (900, False, False)
+    [guess] = predicted([8], 32, fit, fake(4, 500, False))
+    assert (guess.peak_bytes, guess.measured, guess.fits) == (900, False, False)
     assert fit.largest_fitting(400) == 3
 
 

@@ -1,8 +1,10 @@
 """Measured configurations, and how the planner chooses between them: pure, no model.
 
 ``Candidate`` is one way to run a step (micro-batch size and checkpointing option) with what its
-measurement cost; ``decide`` chooses among candidates (Note [ties and headroom]), and
-``explain`` says why in words. ``bigbatch.memory.planner`` measures the candidates.
+measurement cost; ``timed`` turns rounds of timed steps into times and spreads, ``MemoryFit``
+(``fit_memory``) predicts the peaks of sizes not run (``predicted``), ``decide`` chooses among
+candidates (Note [ties and headroom]), and ``explain`` says why in words.
+``bigbatch.memory.planner`` measures the candidates.
 
 Note [ties and headroom]
     A configuration's time is the median of its timed steps and its spread their interquartile
@@ -120,6 +122,56 @@ def timed(
         out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,
                                        spread_seconds=(q1, q3), step_seconds=tuple(times)))  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
+
+    checkpointing: float
+    base_bytes: float
+    bytes_per_sample: float
+    policy: str = "full"
+
+    @property
+    def label(self) -> str:
+        """The option's short name (``Candidate.label``)."""
+        return option_label((self.policy, self.checkpointing))
+
+    def predict(self, micro_batch_size: int) -> int:
+        """Predicted peak bytes at ``micro_batch_size``."""
+        return int(self.base_bytes + self.bytes_per_sample * micro_batch_size)
+
+    def largest_fitting(self, memory_budget: int) -> int:
+        """Largest micro-batch the line keeps within ``memory_budget`` (0 if none)."""
+        if self.bytes_per_sample <= 0:
+            return 0 if self.base_bytes > memory_budget else 2**31
+        return max(0, math.floor((memory_budget - self.base_bytes) / self.bytes_per_sample))
+
+
+def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
+    """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
+    fewer than two sizes."""
+    if len({c.micro_batch_size for c in measured}) < 2:
+        return None
+    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
+    slope, base = statistics.linear_regression(sizes, peaks)
+    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
+
+
+def predicted(
+    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
+) -> list[Candidate]:
+    """Candidates for ``sizes``, larger than ``last`` (which did not fit), predicted by ``fit``:
+    not run, the peak only grows with the micro-batch."""
+    return [
+        dataclasses.replace(
+            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
+            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), fits=False,
+            measured=False, out_of_memory=False,
+        )
+        for m in sizes
+    ]  # fmt: skip
 
 
 def option_label(option: Option) -> str:

@@ -56,7 +56,6 @@ import ctypes
 import ctypes.util
 import dataclasses
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,36 +72,11 @@ from bigbatch.core.peak import measure_peak, resolve_device, small_mmap_threshol
 from bigbatch.core.split import Batch, split
 from bigbatch.core.split import batch_size as count_samples
 from bigbatch.memory import _candidates as rules
-from bigbatch.memory._candidates import Candidate, Option
+from bigbatch.memory._candidates import Candidate, MemoryFit, Option, fit_memory
 from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing, find_blocks
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
-
-    checkpointing: float
-    base_bytes: float
-    bytes_per_sample: float
-    policy: str = "full"
-
-    @property
-    def label(self) -> str:
-        """The option's short name (``Candidate.label``)."""
-        return rules.option_label((self.policy, self.checkpointing))
-
-    def predict(self, micro_batch_size: int) -> int:
-        """Predicted peak bytes at ``micro_batch_size``."""
-        return int(self.base_bytes + self.bytes_per_sample * micro_batch_size)
-
-    def largest_fitting(self, memory_budget: int) -> int:
-        """Largest micro-batch the line keeps within ``memory_budget`` (0 if none)."""
-        if self.bytes_per_sample <= 0:
-            return 0 if self.base_bytes > memory_budget else 2**31
-        return max(0, math.floor((memory_budget - self.base_bytes) / self.bytes_per_sample))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +254,7 @@ def _measure_peaks(
             measured.append(_peak(setup, m, option))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        candidates += measured + _predicted(sizes[len(measured) :], n, fit, measured[-1])
+        candidates += measured + rules.predicted(sizes[len(measured) :], n, fit, measured[-1])
     return rules.with_savings(candidates), fits
 
 
@@ -364,16 +338,6 @@ def settle_malloc() -> None:
         pass
 
 
-def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
-    """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
-    fewer than two sizes."""
-    if len({c.micro_batch_size for c in measured}) < 2:
-        return None
-    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
-    slope, base = statistics.linear_regression(sizes, peaks)
-    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
-
-
 def default_budget(device: torch.device) -> int:
     """The CUDA device's total memory, or the CPU system's available memory (``MemAvailable``)."""
     if device.type == "cuda":
@@ -395,20 +359,6 @@ def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) ->
     for option in options:
         checkpoint(disable_checkpointing(net), option)
         Accumulator(net, opt, micro_batch_size=micro_batch_size).train_step(first, setup.loss_fn)
-
-
-def _predicted(
-    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
-) -> list[Candidate]:
-    # Larger than a size that did not fit: the peak only grows with the micro-batch.
-    return [
-        dataclasses.replace(
-            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
-            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), fits=False,
-            measured=False, out_of_memory=False,
-        )
-        for m in sizes
-    ]  # fmt: skip
 
 
 def _choose(
