@@ -1,5 +1,6 @@
-"""benchmarks/memory.py's planner part runs: the plan's table, its margin, its runner-up, the
-planner row beside the others and whether repeated plans chose alike (tiny model, seconds)."""
+"""The planner's benchmarks run: benchmarks/memory.py's planner part (the plan's table, its margin,
+its runner-up, the planner row beside the others, whether repeated plans chose alike) and
+benchmarks/planner.py (plans side by side against a reference pass); tiny models."""
 
 from __future__ import annotations
 
@@ -30,3 +31,23 @@ def test_memory_benchmark_planner_part_prints_the_plan_and_its_stability() -> No
     assert "- planner's choice among its" in out and "configurations that fit the budget" in out
     assert "- 2 plans, same choice: " in out
     assert "Checkpointing frontier" not in out  # --no-frontier
+
+
+@pytest.mark.slow  # seven child processes planning a tiny MLP and a tiny GPT-2 (~2 min on 2 cores)
+def test_planner_benchmark_prints_the_plans_side_by_side() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("sklearn")  # the demo's digits
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--tiny", "--plans", "2"]
+    done = subprocess.run(
+        command + ["--rounds", "2", "--steps", "2"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    for task in ("demo", "gpt2"):
+        assert f"{task}: 2 plans side by side (each in a fresh process)" in out
+    assert out.count("| run 1 |") == 2 and out.count("| run 2 |") == 2
+    assert "| plan spread |" in out and "| / fastest |" in out
+    assert "reference pass: every fitting configuration" in out
+    assert "- every choice within 10% of the fastest fitting configuration: " in out

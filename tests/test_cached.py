@@ -251,7 +251,8 @@ def test_check_says_a_coupled_loss_can_be_written_as_cached_loss(gen):
 def test_check_on_a_cached_loss_with_dropout_names_the_dropout(gen):
     model = two_tower(dropout=0.3)
     report = bigbatch.check(model, pairs(N, gen), bigbatch.cached_loss(*losses(model)), 4)
-    assert [d.kind for d in report.diagnoses] == ["dropout"]
+    assert report.exact and report.diagnoses == []  # compared with dropout off (issue 21 item 6)
+    assert report.dropout_off == tuple(f"'{t}.{i}.drop' (Dropout)" for t in "ab" for i in (1, 2))
     model.eval()
     assert bigbatch.check(model, pairs(N, gen), bigbatch.cached_loss(*losses(model)), 4).exact
 

@@ -95,10 +95,70 @@ def test_float32_island_sets_the_tolerance_and_is_reported(gen):
     assert [d.kind for d in check(model, batch, wrong).diagnoses] == ["mean-as-sum"]
 
 
-def test_dropout_with_the_same_seed_is_exact(gen):
+class Dropouts(nn.Module):
+    """Dropout three ways: a module, a functional call, and attention's dropout_p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(6, 16), nn.Dropout(0.3)
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.2, batch_first=True)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.drop(self.lin(x)), p=0.4, training=self.training).unsqueeze(1)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        p = 0.5 if self.training else 0.0  # as transformers' attention calls it
+        return self.out(F.scaled_dot_product_attention(h, h, h, dropout_p=p).squeeze(1))
+
+
+def test_dropout_is_turned_off_and_named(gen):
+    """Micro-batches draw other masks than the full batch (here the accumulated gradient differs
+    from the full batch's with dropout on); check compares with every dropout off and says so."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 3))
-    assert check(model, classification_batch(10, torch.float64, gen), mean_ce).exact
+    model = Dropouts().double()
+    batch = classification_batch(10, torch.float64, gen)
+    full, acc = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    mean_ce(full, batch).backward()
+    torch.optim.SGD(full.parameters(), lr=1.0).step()
+    torch.manual_seed(1)
+    bigbatch.Accumulator(acc, torch.optim.SGD(acc.parameters(), lr=1.0), micro_batch_size=4)\
+        .train_step(batch, mean_ce)  # fmt: skip
+    assert not torch.allclose(full.lin.weight, acc.lin.weight)  # other masks, other step
+    report = check(model, batch, mean_ce, micro_batch_size=4)
+    assert report.exact and report.max_difference < 1e-10, report.summary()
+    assert report.dropout_off == ("'drop' (Dropout)", "Dropouts", "'attn' (MultiheadAttention)")
+    assert report.summary().startswith(
+        "exact (dropout off); with dropout on, equal in distribution: max relative difference"
+    )
+    assert "- dropout off in Dropout, Dropouts, MultiheadAttention (dropout_off names them)" in (
+        report.summary()
+    )
+    assert model.training and model.drop.training  # the user's model is left as it was
+    assert check(model.eval(), batch, mean_ce).dropout_off == ()
+
+
+def test_dropout_off_leaves_batch_statistics_on(gen):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 3))
+    report = check(model, classification_batch(10, torch.float64, gen), mean_ce)
+    assert not report.exact and report.dropout_off == ("'2' (Dropout)",)
+    assert report.summary().startswith("NOT exact (dropout off): max relative difference")
+    assert [d.kind for d in report.diagnoses] == ["batch-statistics"]
+
+
+@pytest.mark.parametrize(
+    ("tolerance", "error"),
+    [(-1, ValueError), (math.nan, ValueError), (math.inf, ValueError), ("1e-5", TypeError),
+     (True, TypeError), (None, TypeError)],
+)  # fmt: skip
+def test_bad_tolerance_is_one_clear_error(tolerance, error, gen):
+    with pytest.raises(
+        error,
+        match=rf"tolerance={tolerance!r} is not allowed: use a relative difference >= 0, e\.g\. "
+        r"tolerance=1e-10",
+    ):
+        check(mlp(), classification_batch(10, torch.float64, gen), mean_ce, tolerance=tolerance)
 
 
 def test_batchnorm_is_not_exact_and_named(gen):
@@ -231,6 +291,31 @@ def test_cli_check(tmp_path, capsys):
     assert "bigbatch check: error: task" in capsys.readouterr().err
     assert main(["check", f"{path}:good", "--batch-size", "1"]) == 2
     assert "--batch-size 1 is too small: use at least 2" in capsys.readouterr().err
+
+
+def test_cli_check_eval_tolerance_and_a_batch_larger_than_the_data(tmp_path, capsys):
+    path = tmp_path / "tasks_for_check_flags.py"
+    path.write_text(TASK)
+    assert main(["check", f"{path}:bad", "--batch-size", "12"]) == 1  # BatchNorm, train mode
+    capsys.readouterr()
+    assert main(["check", f"{path}:bad", "--batch-size", "12", "--eval"]) == 0  # running stats
+    assert "exact: max relative difference" in capsys.readouterr().out
+    assert main(["check", f"{path}:bad", "--batch-size", "12", "--tolerance", "100"]) == 0
+    assert main(["check", f"{path}:good", "--tolerance", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "bigbatch check: error: tolerance=-1.0 is not allowed: use a relative difference >= 0, "
+        "e.g. tolerance=1e-10 (float64 rounding).\n"
+    )
+    assert main(["check", f"{path}:good", "--batch-size", "100"]) == 2
+    assert (
+        "--batch-size 100 is larger than the training data (32 samples): use --batch-size 32"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Dropout is turned off in both runs" in out and "--eval" in out and "--tolerance" in out
 
 
 def test_checkpointing_same_gradient_or_diagnosed(gen):

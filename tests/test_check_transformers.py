@@ -125,7 +125,7 @@ def mean_as_sum(masked_lm: bool):
 def prepared(name: str) -> nn.Module:
     model = build(name)
     if name in ("gpt2", "bert"):
-        model.eval()  # dropout 0.1 by default: see test_default_dropout_is_the_only_diagnosis
+        model.eval()  # dropout 0.1 by default: train mode in test_train_mode_is_checked_with_dropout_off
     return model
 
 
@@ -165,8 +165,7 @@ def test_every_module_replays_without_the_recorded_cache(name, gen):
     def run():  # use_cache=True explicitly: a cache object is passed down to every layer
         return work(**batch, use_cache=True).loss
 
-    probe = probe_coupling(work, run, N, lambda: seeded(0), 1e-5)
-    assert probe.coupled == [] and probe.unprobed == []
+    assert probe_coupling(work, run, N, lambda: seeded(0), 1e-5) == ([], [])  # (coupled, unprobed)
 
 
 class BatchCentre(nn.Module):
@@ -192,14 +191,31 @@ def test_batch_coupling_inside_a_transformers_model_is_named(name, gen):
     assert report.diagnoses[0].modules == (f"{parent}.{attr}.1",)
 
 
-@pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_default_dropout_is_the_only_diagnosis(name, gen):
-    """In training mode with the config's dropout (0.1), masks are drawn per micro-batch."""
+DROPOUT_IN = {  # with the config's defaults in train mode: dropout 0.1 (GPT-2, BERT), 0 (Llama)
+    "gpt2": "Dropout ×5, GPT2Attention ×2",
+    "llama": None,
+    "bert": "Dropout ×5, BertSelfAttention ×2",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DROPOUT_IN))
+def test_train_mode_is_checked_with_dropout_off(name, gen):
+    """Built from a config, a model is in train mode with the config's dropout: micro-batches
+    draw other masks than the full batch (check said "NOT exact" for every such model). check
+    turns dropout off in both runs, names where, and says so in the verdict."""
     masked_lm = name == "bert"
-    report = check(build(name), padded_batch(gen, masked_lm), token_loss(masked_lm), 4)
-    assert not report.exact
-    assert [d.kind for d in report.diagnoses] == ["dropout"], report.summary()
+    model = build(name)
+    assert model.training
+    report = check(model, padded_batch(gen, masked_lm), token_loss(masked_lm), 4)
+    assert report.exact and report.diagnoses == [], report.summary()
+    if DROPOUT_IN[name] is None:
+        assert report.dropout_off == () and "dropout" not in report.summary()
+        return
+    assert report.summary().startswith(
+        "exact (dropout off); with dropout on, equal in distribution: max relative difference"
+    )
+    assert f"- dropout off in {DROPOUT_IN[name]} (dropout_off names them)" in report.summary()
+    assert all(m.training for m in model.modules())  # the user's model is left in train mode
 
 
 @pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin

@@ -249,7 +249,17 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser(
-        "check", help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)"
+        "check",
+        help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)",
+        description="Compute the gradient of the first --batch-size samples of TASK twice, on "
+        "float64 copies of its model from the same seed: in one piece, and as "
+        "bigbatch.Accumulator accumulates it over micro-batches of --micro-batch-size. Print "
+        "the parameters that differ most, the verdict and, when not exact, why: a BatchNorm or "
+        "other module that couples the samples, a loss that returns a mean as a sum, a "
+        "batch-coupled loss, NaN or inf, non-determinism. Dropout is turned off in both runs "
+        "(micro-batches draw other masks than the full batch: equal in distribution, not the "
+        "same numbers), and the verdict says so. The model runs in the mode TASK builds it in "
+        "(a transformers model built from a config: train); --eval checks it in eval mode.",
     )
     check.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
     check.add_argument("--batch-size", type=int, default=16, help="samples in the batch compared")
@@ -259,20 +269,34 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="samples per micro-batch (default: a third)",
     )
+    check.add_argument(
+        "--tolerance", type=float, default=1e-10,
+        help="relative difference counted as float64 rounding (default 1e-10; raised to 1e-5 "
+        "where the model computes in float32, and the verdict says so)",
+    )  # fmt: skip
+    check.add_argument(
+        "--eval", action="store_true", help="check the model in eval mode (model.eval())"
+    )
     check.set_defaults(run=_run_check)
 
 
 def _run_check(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_check
     from bigbatch.app.task import first_batch, load_task
+    from bigbatch.core.split import batch_size
     from bigbatch.verifier._check import check
 
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
     task = load_task(args.task)
-    report = check(
-        task.model, first_batch(task, args.batch_size), task.loss_fn, args.micro_batch_size
-    )
+    batch = first_batch(task, args.batch_size)
+    if batch_size(batch) < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than the training data "
+            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
+        )
+    model = task.model.eval() if args.eval else task.model
+    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
     print_check(report, title=f"bigbatch check {args.task}: worst parameters")
     return 0 if report.exact else 1
 
@@ -281,22 +305,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
-        description="Run real optimizer steps of one effective batch of TASK (a deep copy of its "
-        "model and optimizer) at several micro-batch sizes, without checkpointing, with "
-        "selective checkpointing, and with 50%% and 100%% of the model's repeated blocks "
-        "recomputed (and offloaded to host memory on CUDA). For each: the peak memory of a step "
-        "(CUDA allocator, or the CPU's resident-set high-water mark; model, gradients, optimizer "
-        "state and activations), the median time per optimizer step, its noise (the spread of "
-        "the timed steps) and samples/s. Memory is fitted as peak = a + b x micro-batch to "
-        "predict sizes not run. Chooses the fastest configuration whose peak stays within the "
-        "budget less the safety margin; times within the measured noise tie, and a tie goes to "
-        "the one with more headroom (what a tie could turn on is measured again when too close "
-        "to call). Prints the table, the margin, the choice, the runner-up and why it lost.",
+        description="Run real optimizer steps of one effective batch of TASK on copies of its model "
+        "and optimizer, at several micro-batch sizes, without checkpointing, with selective "
+        "checkpointing and with 50% and 100% of the repeated blocks recomputed (offloaded too on "
+        "CUDA). First the peak memory of each (model, gradients, optimizer state, activations; "
+        "fitted as a + b x micro-batch to predict sizes not run); then the configurations that "
+        "fit the budget less the safety margin are timed in --steps alternating rounds: the "
+        "median time per step and its spread (interquartile range). Chooses the fastest; "
+        "spreads that overlap within 5% tie, and a tie goes to the one with more headroom. "
+        "Prints the table, the choice, the runner-up and why it lost.",
     )
     plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
-    plan.add_argument(
-        "--batch-size", type=int, required=True, help="effective batch (samples per step)"
-    )
+    plan.add_argument("--batch-size", type=int, required=True, help="samples per optimizer step")
     plan.add_argument(
         "--memory-budget", default=None,
         help="memory a step may use, e.g. 6GiB (default: the GPU's memory, or the CPU's available memory)",
@@ -318,20 +338,27 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "none, selective, full, offload (selective:0.5 for a fraction); default: "
         "none,selective,0.5,1 (and offload on CUDA)",
     )  # fmt: skip
-    plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration (median)")
+    plan.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
     plan.set_defaults(run=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_plan
     from bigbatch.app.task import first_batch, load_task
+    from bigbatch.core.split import batch_size
     from bigbatch.memory.planner import plan
 
     task = load_task(args.task)
     factory = task.optimizer
+    batch = first_batch(task, args.batch_size)
+    if batch_size(batch) < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is larger than the training data "
+            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
+        )
     result = plan(
         task.model,
-        first_batch(task, args.batch_size),
+        batch,
         task.loss_fn,
         memory_budget=args.memory_budget,
         micro_batch_sizes=args.micro_batch_sizes,

@@ -30,15 +30,17 @@ def print_plan(result: Plan) -> None:
         f"{format_bytes(result.memory_budget)}, safety margin {result.margin:.0%}"
     )
     headers = ("micro-batch", "steps", "checkpointing", "peak MiB", "saved MiB", "ms/step")
-    for name in (*headers, "noise", "samples/s", "fits"):
+    for name in (*headers, "spread (ms)", "samples/s", "fits"):
         table.add_column(name, justify="right", no_wrap=True)
     for c in result.candidates:
         table.add_row(*_plan_row(result, c))
     console = _console(width=132)
     console.print(table)
     say = functools.partial(console.print, markup=False)
-    if any(c.remeasured for c in result.candidates):
-        say("* measured twice: too close to call (Note [ties and headroom])")
+    say(
+        "ms/step: the median of the timed steps, taken in alternating rounds; spread: their "
+        "interquartile range (a tie needs overlapping spreads and at most 5% between medians)"
+    )
     if any(c.saves_nothing for c in result.candidates):
         say("! saves nothing measurable: within 2% of the same micro-batch without checkpointing")
     say(
@@ -64,6 +66,7 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     peak = f"{c.peak_bytes / 2**20:,.1f}" + ("" if c.measured else " (fit)")
     saved = "-" if c.saved_bytes is None else f"{c.saved_bytes / 2**20:,.1f}"
     seconds = c.seconds_per_step
+    spread = c.spread_seconds and tuple(t * 1000 for t in c.spread_seconds)
     if c.out_of_memory:
         fits = "OOM"
     else:
@@ -73,11 +76,11 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     return (
         str(c.micro_batch_size),
         str(c.gradient_accumulation_steps),
-        c.label + ("*" if c.remeasured else ""),
+        c.label,
         "-" if c.out_of_memory else peak,
         saved + ("!" if c.saves_nothing else ""),
         f"{seconds * 1000:,.1f}" if seconds else "-",
-        f"±{c.noise_seconds / seconds:.0%}" if seconds and len(c.step_seconds) > 1 else "-",
+        "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",
         f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
         fits + mark.get(id(c), ""),
     )

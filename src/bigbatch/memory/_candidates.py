@@ -1,29 +1,24 @@
 """Measured configurations, and how the planner chooses between them: pure, no model.
 
 ``Candidate`` is one way to run a step (micro-batch size and checkpointing option) with what its
-measurement cost; ``decide`` chooses among candidates (Note [ties and headroom]), and
-``explain`` says why in words. ``bigbatch.memory.planner`` measures the candidates.
+measurement cost; ``timed`` turns rounds of timed steps into times and spreads, ``MemoryFit``
+(``fit_memory``) predicts the peaks of sizes not run (``predicted``), ``decide`` chooses among
+candidates (Note [ties and headroom]), and ``explain`` says why in words.
+``bigbatch.memory.planner`` measures the candidates.
 
 Note [ties and headroom]
-    Two configurations whose times differ by less than the noise of their measurements cannot
-    be ordered: another run may order them the other way, and a choice that follows the order
-    flips between runs. The noise of a pair is the larger spread of their timed steps (twice
-    the median absolute deviation from their median: a load spike during one step of three
-    does not widen it, as it does not move the median; for a configuration measured twice, the
-    larger of its two passes', since a load that changed between the passes is no scatter),
-    and at least 2% of the faster time (below that, runs on one machine do not agree either). Every fitting configuration within that noise of the fastest ties with it, and the
-    tie goes to the most headroom: the lowest peak, where peaks within 2% of the lowest count as
-    equal (a CPU reading moves by a few pages between runs; an equal choice must not follow
-    them). Among those, the simplest wins: no checkpointing before a policy (selective, then
-    full, then offload), fewer blocks checkpointed, then fewer micro-batches. The choice then
-    rests on memory readings and on the configurations themselves, not on which of two equal
-    times came out lower. When a configuration is not clearly apart from the fastest (closer
-    than twice their noise), the planner measures the fastest and the configurations a tie
-    could turn on (the lowest peaks among those close, three at most) once more, in the
-    reverse order of its first pass, so a load that rose or fell while planning weighs on all
-    of them alike, and each takes the lower median of its two passes: another job's load only
-    ever slows a step down, so the less disturbed pass is the better estimate
-    (``too_close_to_call``).
+    A configuration's time is the median of its timed steps and its spread their interquartile
+    range (Note [timing under load] in the planner). Two configurations tie only when their
+    spreads overlap (another plan could order them the other way) and the slower median is
+    within ``TIE_COST`` (5%) of the faster: speed beyond that is not given up for headroom,
+    since the safety margin already keeps the headroom a step needs. Every fitting configuration
+    tied with the fastest competes, and the tie goes to the most headroom: the lowest peak,
+    where peaks within 2% of the lowest count as equal (a CPU reading moves by a few pages
+    between runs; an equal choice must not follow them). Among those, the simplest wins: no
+    checkpointing before a policy (selective, then full, then offload), fewer blocks
+    checkpointed, then fewer micro-batches. (The rule before issue 21 tied a pair within the
+    larger of their two noises: one noisy slow configuration then tied with the fastest and won
+    on headroom, and plans chose configurations 2.3-3.3x slower than the fastest measured.)
 """
 
 from __future__ import annotations
@@ -33,14 +28,14 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import nan
 
 from bigbatch.core._units import format_bytes
 
 POLICIES = ("none", "selective", "full", "offload")
 """Checkpointing options in the order they are measured (``none``: no checkpointing)."""
-NOISE_FLOOR = 0.02  # Note [ties and headroom]: times closer than 2% are never told apart
+TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for headroom
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
-REMEASURED_AT_MOST = 4  # configurations measured again when the best are too close to call
 Option = tuple[str, float]  # (policy, fraction of the blocks)
 
 
@@ -55,16 +50,17 @@ class Candidate:
         policy: how they are checkpointed: ``"none"``, ``"selective"``, ``"full"`` or
             ``"offload"`` (``enable_checkpointing``'s ``policy``).
         peak_bytes: peak memory of a step (measured, or predicted by the fit when not measured).
-        seconds_per_step: median time of one optimizer step; ``None`` when not measured.
-        samples_per_s: effective batch / seconds_per_step; ``None`` when not measured.
+        seconds_per_step: median time of one optimizer step; ``None`` when not timed (it does
+            not fit, or was not run).
+        samples_per_s: effective batch / seconds_per_step; ``None`` when not timed.
         fits: whether ``peak_bytes`` is within the budget less the safety margin.
         measured: ``False`` when the size was only predicted (a smaller one already did not fit).
         out_of_memory: the measurement itself ran out of memory.
-        step_seconds: every timed step, in the order run (both passes when re-measured; then
-            ``seconds_per_step`` is the lower of the two passes' medians).
+        step_seconds: every timed step, one per round, in the order run.
+        spread_seconds: the interquartile range of the timed steps, ``(q1, q3)`` (Note [timing
+            under load]); ``None`` when not timed.
         saved_bytes: peak saved against no checkpointing at the same micro-batch (``None`` when
             not checkpointed or not both measured).
-        remeasured: measured a second time because the best were too close to call.
     """
 
     micro_batch_size: int
@@ -72,14 +68,14 @@ class Candidate:
     checkpointing: float
     policy: str
     peak_bytes: int
-    seconds_per_step: float | None
-    samples_per_s: float | None
-    fits: bool
+    seconds_per_step: float | None = None
+    samples_per_s: float | None = None
+    fits: bool = False
     measured: bool = True
     out_of_memory: bool = False
     step_seconds: tuple[float, ...] = ()
+    spread_seconds: tuple[float, float] | None = None
     saved_bytes: int | None = None
-    remeasured: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
@@ -88,16 +84,6 @@ class Candidate:
                 "policy='none' with checkpointing=0, else one of 'selective', 'full', 'offload' "
                 "with a fraction in (0, 1]."
             )
-
-    @property
-    def noise_seconds(self) -> float:
-        """Twice the median absolute deviation of the timed steps from their median (the range
-        of two steps; one slow step of three does not widen it), the larger of the two passes'
-        when measured twice (a load that changed between passes is not scatter); 0 with fewer
-        than two steps."""
-        steps, half = self.step_seconds, len(self.step_seconds) // 2
-        passes = (steps[:half], steps[half:]) if self.remeasured else (steps,)
-        return max(_spread(p) for p in passes)
 
     @property
     def saves_nothing(self) -> bool:
@@ -119,11 +105,73 @@ class Candidate:
         )
 
 
-def _spread(seconds: Sequence[float]) -> float:
-    if len(seconds) < 2:
-        return 0.0
-    middle = statistics.median(seconds)
-    return 2 * statistics.median(abs(t - middle) for t in seconds)
+def timed(
+    fitting: Sequence[Candidate], seconds: Sequence[Sequence[float]], samples: int
+) -> list[Candidate]:
+    """``fitting`` with their times: ``seconds[i][r]`` is candidate ``i``'s timed step in round
+    ``r`` (Note [timing under load]). Each round's times are divided by the round's median;
+    a candidate's time is the median of its relative times and its spread their interquartile
+    range, both times the median round."""
+    rounds = [statistics.median(column) for column in zip(*seconds, strict=True)]
+    scale, out = statistics.median(rounds), []
+    for c, times in zip(fitting, seconds, strict=True):
+        relative = [t / level * scale for t, level in zip(times, rounds, strict=True)]
+        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 else (
+            relative * 3
+        )  # fmt: skip
+        out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,
+                                       spread_seconds=(q1, q3), step_seconds=tuple(times)))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
+
+    checkpointing: float
+    base_bytes: float
+    bytes_per_sample: float
+    policy: str = "full"
+
+    @property
+    def label(self) -> str:
+        """The option's short name (``Candidate.label``)."""
+        return option_label((self.policy, self.checkpointing))
+
+    def predict(self, micro_batch_size: int) -> int:
+        """Predicted peak bytes at ``micro_batch_size``."""
+        return int(self.base_bytes + self.bytes_per_sample * micro_batch_size)
+
+    def largest_fitting(self, memory_budget: int) -> int:
+        """Largest micro-batch the line keeps within ``memory_budget`` (0 if none)."""
+        if self.bytes_per_sample <= 0:
+            return 0 if self.base_bytes > memory_budget else 2**31
+        return max(0, math.floor((memory_budget - self.base_bytes) / self.bytes_per_sample))
+
+
+def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
+    """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
+    fewer than two sizes."""
+    if len({c.micro_batch_size for c in measured}) < 2:
+        return None
+    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
+    slope, base = statistics.linear_regression(sizes, peaks)
+    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
+
+
+def predicted(
+    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
+) -> list[Candidate]:
+    """Candidates for ``sizes``, larger than ``last`` (which did not fit), predicted by ``fit``:
+    not run, the peak only grows with the micro-batch."""
+    return [
+        dataclasses.replace(
+            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
+            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), fits=False,
+            measured=False, out_of_memory=False,
+        )
+        for m in sizes
+    ]  # fmt: skip
 
 
 def option_label(option: Option) -> str:
@@ -151,95 +199,74 @@ def usable(memory_budget: int, margin: float) -> int:
 
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
-    plain = {
-        c.micro_batch_size: c.peak_bytes
-        for c in candidates
-        if c.policy == "none" and c.measured and not c.out_of_memory
-    }
+    plain = {c.micro_batch_size: c.peak_bytes for c in candidates if c.policy == "none" and _ran(c)}
     return [
         dataclasses.replace(c, saved_bytes=plain[c.micro_batch_size] - c.peak_bytes)
-        if c.policy != "none" and c.measured and not c.out_of_memory and c.micro_batch_size in plain
+        if c.policy != "none" and _ran(c) and c.micro_batch_size in plain
         else c
         for c in candidates
     ]
 
 
-def noise_between(a: Candidate, b: Candidate) -> float:
-    """Seconds within which ``a`` and ``b`` tie (Note [ties and headroom])."""
-    floor = NOISE_FLOOR * min(a.seconds_per_step or math.inf, b.seconds_per_step or math.inf)
-    return max(a.noise_seconds, b.noise_seconds, floor)
+def _ran(c: Candidate) -> bool:
+    return c.measured and not c.out_of_memory
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The measured configurations that fit, fastest first."""
-    fitting = [c for c in candidates if c.fits and c.seconds_per_step is not None]
-    return sorted(fitting, key=lambda c: c.seconds_per_step or math.inf)
+    """The timed configurations that fit, fastest first."""
+    return sorted((c for c in candidates if c.fits and c.seconds_per_step), key=_seconds)
+
+
+def ties(a: Candidate, b: Candidate) -> bool:
+    """Do ``a`` and ``b`` tie (Note [ties and headroom])?"""
+    slower, faster = max(_seconds(a), _seconds(b)), min(_seconds(a), _seconds(b))
+    return _overlap(a, b) and slower <= faster * (1 + TIE_COST)
+
+
+def _overlap(a: Candidate, b: Candidate) -> bool:
+    (a1, a3), (b1, b3) = a.spread_seconds or (0, 0), b.spread_seconds or (0, 0)
+    return a1 <= b3 and b1 <= a3
 
 
 def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None, list[Candidate]]:
     """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]).
 
     Raises:
-        ValueError: no measured configuration fits.
+        ValueError: no timed configuration fits.
     """
     order = ranked(candidates)
     if not order:
         raise ValueError("no measured configuration fits")
-    fastest = order[0]
-    tied = [c for c in order if _gap(c, fastest) <= noise_between(c, fastest)]
+    tied = [c for c in order if ties(c, order[0])]
     least = min(c.peak_bytes for c in tied)
     choice = min((c for c in tied if c.peak_bytes <= least * (1 + SAME_PEAK)), key=_simplest)
-    runner_up = next((c for c in order if c is not choice), None)
-    return choice, runner_up, tied
-
-
-def too_close_to_call(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """What a tie could turn on: the fastest, and (lowest peak first) up to three configurations
-    within twice their noise of it; ``[]`` when none is that close."""
-    order = ranked(candidates)
-    if not order:
-        return []
-    fastest = order[0]
-    close = [c for c in order[1:] if _gap(c, fastest) <= 2 * noise_between(c, fastest)]
-    if not close:
-        return []
-    return [fastest, *sorted(close, key=lambda c: c.peak_bytes)[: REMEASURED_AT_MOST - 1]]
+    return choice, next((c for c in order if c is not choice), None), tied
 
 
 def _simplest(c: Candidate) -> tuple[int, float, int]:
     return POLICIES.index(c.policy), c.checkpointing, -c.micro_batch_size
 
 
-def _gap(c: Candidate, fastest: Candidate) -> float:
-    return (c.seconds_per_step or math.inf) - (fastest.seconds_per_step or math.inf)
+def _seconds(c: Candidate) -> float:
+    return c.seconds_per_step or math.inf
 
 
 def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, margin: float) -> str:
     """Why ``decide(candidates)`` chose what it chose, in sentences: the room it leaves under the
     budget less the margin, the runner-up and why it lost, a faster configuration memory ruled
-    out, a re-measure, checkpointing that saves nothing, and the speed-up over ``naive``."""
+    out, checkpointing that saves nothing, and the speed-up over ``naive``."""
     choice, runner_up, tied = decide(candidates)
     room = (
         f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} usable "
         f"({format_bytes(budget)} less the {margin:.0%} safety margin)"
     )
-    if choice is ranked(candidates)[0]:
-        parts = [_capital(f"{choice.describe()} is the fastest that fits: {room}.")]
-    else:
-        parts = [
-            _capital(
-                f"{choice.describe()} ties with the fastest that fits and has the most headroom: {room}."
-            )
-        ]
+    verdict = "is the fastest that fits" if choice is tied[0] else (
+        "ties with the fastest that fits and has the most headroom"
+    )  # fmt: skip
+    parts = [f"M{choice.describe()[1:]} {verdict}: {room}."]
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
-    parts += _what_did_not_fit(candidates, choice, budget)
-    if any(c.remeasured for c in candidates):
-        parts.append(
-            "Configurations too close to call were measured again, in reverse order; each "
-            "takes the lower median of its two passes."
-        )
-    parts += _saves_nothing(candidates)
+    parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
     if naive is not choice and naive.seconds_per_step and choice.seconds_per_step:
         speedup = naive.seconds_per_step / choice.seconds_per_step
         parts.append(f"{speedup:.2f}x the speed of the naive {naive.describe()}.")
@@ -247,93 +274,62 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
 
 
 def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
-    t = choice.seconds_per_step or math.nan
-    gap = ((runner_up.seconds_per_step or math.nan) - t) / t
-    noise = noise_between(choice, runner_up) / t
+    gap = _seconds(runner_up) / _seconds(choice) - 1
     head = (
         f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
         f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})"
     )
     if not tied:
-        return f"{head}: it lost on time, slower by more than the measured noise (±{noise:.1%})."
+        apart = not _overlap(runner_up, choice)
+        why = "the spreads do not overlap" if apart else f"more than {TIE_COST:.0%} slower"
+        return f"{head}: it lost on time ({why})."
     more = runner_up.peak_bytes - choice.peak_bytes
+    tie = f"{head}: the spreads overlap and it is within {TIE_COST:.0%}"
     if more > SAME_PEAK * choice.peak_bytes:
-        return (
-            f"{head}: within the measured noise (±{noise:.1%}), a tie, and it needs "
-            f"{format_bytes(more)} more, so it lost on headroom."
-        )
+        return f"{tie}, a tie, and it needs {format_bytes(more)} more, so it lost on headroom."
     return (
-        f"{head}: within the measured noise (±{noise:.1%}) and within 2% of its peak, a tie "
-        "on both, so it lost to the simpler configuration (less checkpointing, fewer "
-        "micro-batches)."
+        f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
+        "configuration (less checkpointing, fewer micro-batches)."
     )
 
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
-    """The fastest measured configuration ruled out by memory, or the next larger size."""
-    t = choice.seconds_per_step or math.nan
-    faster = [c for c in candidates if not c.fits and (c.seconds_per_step or math.inf) < t]
-    if faster:
-        best = min(faster, key=lambda c: c.seconds_per_step or math.inf)
-        gain = 1 - (best.seconds_per_step or t) / t
-        return [
-            _capital(
-                f"{best.describe()} would be {gain:.1%} faster but peaks at "
-                f"{format_bytes(best.peak_bytes)}, {_where(best, budget)}."
-            )
-        ]
+    """The next larger size of the chosen option, when memory ruled it out."""
     option = (choice.policy, choice.checkpointing)
-    bigger = [
-        c
-        for c in candidates
-        if (c.policy, c.checkpointing) == option and c.micro_batch_size > choice.micro_batch_size
-    ]
-    if not bigger or bigger[0].fits:
+    b = next((c for c in candidates if (c.policy, c.checkpointing) == option
+              and c.micro_batch_size > choice.micro_batch_size), None)  # fmt: skip
+    if b is None or b.fits:
         return []
-    b = bigger[0]
     if b.out_of_memory:
         return [f"Micro-batch {b.micro_batch_size} ran out of memory."]
     how = "needs" if b.measured else "would need (predicted)"
-    return [
-        f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {_where(b, budget)}."
-    ]
-
-
-def _where(c: Candidate, budget: int) -> str:
-    return "within the budget but not its margin" if c.peak_bytes <= budget else "over the budget"
-
-
-def _capital(sentence: str) -> str:
-    return sentence[:1].upper() + sentence[1:]
+    where = "within the budget but not its margin" if b.peak_bytes <= budget else "over the budget"
+    return [f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {where}."]
 
 
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
     plain = {c.micro_batch_size: c for c in candidates if c.policy == "none" and c.measured}
     by_option: dict[Option, list[Candidate]] = {}
-    for c in candidates:
-        if c.saved_bytes is not None:
-            by_option.setdefault((c.policy, c.checkpointing), []).append(c)
+    for c in (c for c in candidates if c.saved_bytes is not None):
+        by_option.setdefault((c.policy, c.checkpointing), []).append(c)
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
-    if not useless:
-        return []
     shown = "; ".join(
         f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
-        f"{format_bytes(plain[c.micro_batch_size].peak_bytes)} without, for "
-        f"{_ratio(c, plain[c.micro_batch_size]):.2f}x the time"
+        f"{format_bytes(plain[c.micro_batch_size].peak_bytes)} without"
+        + (f", for {ratio:.2f}x the time" if math.isfinite(ratio) else "")
         for c in useless
+        for ratio in [
+            (c.seconds_per_step or nan) / (plain[c.micro_batch_size].seconds_per_step or nan)
+        ]
     )
-    if len(useless) < len(by_option):
-        return [f"Some checkpointing saves nothing measurable here ({shown})."]
+    if not useless or len(useless) < len(by_option):
+        return [f"Some checkpointing saves nothing measurable here ({shown})."] * bool(useless)
     return [
         f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
         "blocks' activations but the parameters, gradients and optimizer state (or activations "
         "outside the blocks), which checkpointing does not reduce."
     ]
-
-
-def _ratio(c: Candidate, base: Candidate) -> float:
-    return (c.seconds_per_step or math.nan) / (base.seconds_per_step or math.nan)
 
 
 def nothing_fits(measured: Sequence[Candidate], budget: int, margin: float) -> str:

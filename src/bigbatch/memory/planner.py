@@ -3,15 +3,15 @@
 Note [what the planner measures]
     Each configuration (micro-batch ``m``, checkpointing option: none, ``selective``, a fraction
     of whole-block recompute, ``offload`` on CUDA) runs real optimizer steps of the whole
-    effective batch on a deep copy of the model and optimizer: one warm-up step, then ``steps``
-    timed steps (their median is the time, their spread the noise: ``Candidate.noise_seconds``).
-    Its peak is ``measure_peak`` around all of it, so it counts what training needs above what
-    was in use before: the copy of the parameters, their gradients, the optimizer state and the
-    activations of one micro-batch (accumulation keeps only the gradients between
-    micro-batches). Within one option the peak grows about linearly with the micro-batch,
-    ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the activations
-    per sample. Sizes are measured smallest first; once one does not fit, the larger ones of
-    that option are not run, only predicted by the fit.
+    effective batch on a deep copy of the model and optimizer. Its peak is ``measure_peak``
+    around the copy and two steps (the second with the optimizer's state in memory), so it
+    counts what training needs above what was in use before: the parameters, their gradients,
+    the optimizer state and the activations of one micro-batch (accumulation keeps only the
+    gradients between micro-batches). Within one option the peak grows about linearly with the
+    micro-batch, ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the
+    activations per sample. Sizes are measured smallest first; once one does not fit, the larger
+    ones of that option are not run, only predicted by the fit. Then the configurations that
+    fit are timed (Note [timing under load]).
 
 Note [safety margin]
     A peak is one run's reading; training the same step later can take a little more (another
@@ -19,22 +19,44 @@ Note [safety margin]
     pages). So a configuration fits only when its peak is within the budget less ``margin``
     (10% by default): the choice keeps at least that much headroom.
 
-Note [ties and headroom] (in ``bigbatch.memory._candidates``) decides between the fitting ones.
+Note [timing under load]
+    Peaks and times are measured in separate passes. On the CPU, honest peaks need glibc to map
+    every tensor over 64 KiB on its own (Note [honest CPU peaks]), and a step timed that way
+    maps and faults in its activations again each time: measured on the demo's MLP (batch 512,
+    1 thread, threshold fixed at 128 KiB), 1.7-2.7x the time of the same step with glibc
+    untouched, and not uniformly (micro-batch 512 looked the fastest, at 230 ms, when with glibc
+    untouched it is 1.4x slower than micro-batch 128, at 96 ms). So
+    peaks are read first, under that threshold, and the steps are timed afterwards under the
+    thresholds a training loop's glibc settles at (mmap 32 MiB, trim 64 MiB), which ``plan``
+    leaves in place (glibc cannot turn its dynamic adjustment back on). The timing runs in
+    ``steps`` rounds on one copy of the model and optimizer: each round visits every fitting
+    configuration, in alternating order (forward, then backward), and runs one untimed step
+    (the allocator and kernels settle on that size) and one timed step. A load that rises or
+    falls while planning so touches all configurations alike; dividing each round's times by
+    the round's median cancels a load that slowed a whole round. A configuration's time is the
+    median of its relative times (in seconds: times the median round), its spread their
+    interquartile range; Note [ties and headroom] (in ``bigbatch.memory._candidates``) decides.
+    On the CPU the timing runs on a thread of its own: glibc gives a new thread its own malloc
+    arena, so the heap those steps leave behind is not the one later peaks are read from
+    (timed on the main thread, a second plan in the same process read micro-batch 16 of the
+    planner test's MLP 5 MiB higher than the first: large requests were served from free chunks
+    of the timing's heap, and the high-water mark followed them).
 
 Note [honest CPU peaks] (in ``bigbatch.core.peak``)
-    On the CPU the planner measures inside ``small_mmap_threshold()``, and first runs one untimed
-    micro-batch per checkpointing option so that one-time allocations (thread pools, kernel
-    caches, checkpointing's machinery) are not charged to the first configuration measured.
-    The process's malloc settings are put back when ``plan`` returns.
+    On the CPU the planner reads peaks inside ``small_mmap_threshold()``, and first runs one
+    untimed micro-batch per checkpointing option so that one-time allocations (thread pools,
+    kernel caches, checkpointing's machinery) are not charged to the first configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import dataclasses
 import math
-import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,49 +71,12 @@ from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_me
 from bigbatch.core.peak import measure_peak, resolve_device, small_mmap_threshold
 from bigbatch.core.split import Batch, split
 from bigbatch.core.split import batch_size as count_samples
-from bigbatch.memory._candidates import (
-    POLICIES,
-    Candidate,
-    Option,
-    decide,
-    explain,
-    nothing_fits,
-    option_label,
-    parse_option,
-    ranked,
-    too_close_to_call,
-    usable,
-    with_savings,
-)
-from bigbatch.memory.checkpointing import enable_checkpointing, find_blocks
+from bigbatch.memory import _candidates as rules
+from bigbatch.memory._candidates import Candidate, MemoryFit, Option, fit_memory
+from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpointing, find_blocks
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
-
-    checkpointing: float
-    base_bytes: float
-    bytes_per_sample: float
-    policy: str = "full"
-
-    @property
-    def label(self) -> str:
-        """The option's short name (``Candidate.label``)."""
-        return option_label((self.policy, self.checkpointing))
-
-    def predict(self, micro_batch_size: int) -> int:
-        """Predicted peak bytes at ``micro_batch_size``."""
-        return int(self.base_bytes + self.bytes_per_sample * micro_batch_size)
-
-    def largest_fitting(self, memory_budget: int) -> int:
-        """Largest micro-batch the line keeps within ``memory_budget`` (0 if none)."""
-        if self.bytes_per_sample <= 0:
-            return 0 if self.base_bytes > memory_budget else 2**31
-        return max(0, math.floor((memory_budget - self.base_bytes) / self.bytes_per_sample))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,19 +112,12 @@ class Plan:
     @property
     def usable_bytes(self) -> int:
         """The budget less the safety margin: what a configuration's peak must stay within."""
-        return usable(self.memory_budget, self.margin)
+        return rules.usable(self.memory_budget, self.margin)
 
     @property
     def headroom_bytes(self) -> int:
         """Budget left above the choice's peak."""
         return self.memory_budget - self.choice.peak_bytes
-
-    @property
-    def speedup_over_naive(self) -> float:
-        """Naive seconds per step / chosen seconds per step."""
-        return (self.naive.seconds_per_step or math.nan) / (
-            self.choice.seconds_per_step or math.nan
-        )
 
 
 @dataclass(frozen=True)
@@ -158,7 +136,31 @@ class _Setup:
     @property
     def usable(self) -> int:
         """The budget less the margin (Note [safety margin])."""
-        return usable(self.budget, self.margin)
+        return rules.usable(self.budget, self.margin)
+
+    def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
+        """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
+        if isinstance(self.optimizer, torch.optim.Optimizer):  # one memo: it steps the copy
+            net, opt = copy.deepcopy((self.model, self.optimizer))
+        else:
+            net = copy.deepcopy(self.model)
+            opt = (self.optimizer or torch.optim.AdamW)(net.parameters())
+        checkpoint(disable_checkpointing(net), option)
+        return net, opt
+
+    def step(self, acc: Accumulator) -> float:
+        """Seconds of one optimizer step of the effective batch."""
+        start = time.perf_counter()
+        acc.train_step(self.batch, self.loss_fn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def checkpoint(model: torch.nn.Module, option: Option) -> None:
+    """Checkpoint ``model``'s blocks as ``option`` says (nothing for ``"none"``)."""
+    if option[0] != "none":
+        enable_checkpointing(model, fraction=option[1], policy=option[0])
 
 
 def plan(
@@ -171,18 +173,18 @@ def plan(
     micro_batch_sizes: Sequence[int] | None = None,
     checkpointing: Sequence[float | str] | None = None,
     optimizer: OptimizerArg = None,
-    steps: int = 3,
+    steps: int = 5,
     margin: float = 0.1,
 ) -> Plan:
     """Find a fast way to cut ``batch_size`` samples into micro-batches that fits in memory.
 
-    Measures time per optimizer step and peak memory for each micro-batch size and
-    checkpointing option (Note [what the planner measures]), fits how memory grows with the
-    micro-batch, and chooses the fastest configuration whose peak stays within
-    ``memory_budget`` less ``margin`` (Note [safety margin]); configurations whose times are
-    within the measured noise tie, and a tie goes to the one with more headroom (Note [ties
-    and headroom]), so repeated plans choose alike. The model and optimizer are deep-copied
-    for each configuration: yours are not changed.
+    Measures peak memory and then time per optimizer step for each micro-batch size and
+    checkpointing option (Note [what the planner measures], Note [timing under load]), fits how
+    memory grows with the micro-batch, and chooses the fastest configuration whose peak stays
+    within ``memory_budget`` less ``margin`` (Note [safety margin]); configurations whose
+    spreads overlap and whose times are within 5% tie, and a tie goes to the one with more
+    headroom (Note [ties and headroom]). The model and optimizer are deep-copied: yours are not
+    changed. On the CPU it leaves glibc's malloc thresholds where training settles them.
 
     Args:
         model: the module to train, on the device to plan for.
@@ -200,16 +202,16 @@ def plan(
             a policy that this torch cannot run; only ``"none"`` without repeated blocks.
         optimizer: an optimizer over ``model``'s parameters (copied with it), a factory
             ``optimizer(params)``, or ``None`` for ``AdamW``. Its state counts in the peak.
-        steps: timed optimizer steps per configuration (after one warm-up step); at least 2
-            give a measure of the noise.
+        steps: timed optimizer steps per fitting configuration, one per round (Note [timing
+            under load]); at least 2 give a spread.
         margin: fraction of ``memory_budget`` kept free, in [0, 1).
 
     Returns:
         A ``Plan``; ``plan.choice`` is the configuration to use, ``plan.reason`` says why.
 
     Raises:
-        ValueError: bad sizes, options, steps or margin, or a batch whose size is not
-            ``batch_size``.
+        ValueError: bad sizes, options, steps or margin, a model without trainable parameters,
+            or a batch whose size is not ``batch_size``.
         MemoryBudgetExceeded: no measured configuration fits the budget less the margin.
 
     Example:
@@ -220,21 +222,24 @@ def plan(
         True
     """
     full = _full_batch(batch, batch_size)
-    n = count_samples(full)
-    sizes = _check_sizes(micro_batch_sizes, n)
-    device = resolve_device(next(model.parameters()).device)
+    sizes = _check_sizes(micro_batch_sizes, count_samples(full))
+    device = _device_of(model)
     options, skipped = _check_options(checkpointing, model, device)
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
     setup = _Setup(model, optimizer, full, loss_fn, steps, budget, margin, device)
     with small_mmap_threshold() if device.type == "cpu" else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
-        candidates, fits = _measure_all(setup, options, sizes)
-        candidates = _settle(setup, candidates)
+        candidates, fits = _measure_peaks(setup, options, sizes)
+    if device.type == "cpu":  # Note [timing under load]: training's thresholds, own arena
+        settle_malloc()
+        candidates = _on_own_thread(setup, candidates)
+    else:
+        candidates = _time(setup, candidates, threading.Event())
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
 
-def _measure_all(
+def _measure_peaks(
     setup: _Setup, options: Sequence[Option], sizes: Sequence[int]
 ) -> tuple[list[Candidate], list[MemoryFit]]:
     """Every option at every size, smallest first, until a size does not fit; then the fits."""
@@ -246,26 +251,91 @@ def _measure_all(
         for m in sizes:
             if measured and not measured[-1].fits:
                 break
-            measured.append(_measure(setup, m, option))
+            measured.append(_peak(setup, m, option))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        candidates += measured + _predicted(sizes[len(measured) :], n, fit, measured[-1])
-    return with_savings(candidates), fits
+        candidates += measured + rules.predicted(sizes[len(measured) :], n, fit, measured[-1])
+    return rules.with_savings(candidates), fits
 
 
-def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
-    """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
-    fewer than two sizes."""
-    points = [(c.micro_batch_size, c.peak_bytes) for c in measured]
-    if len({m for m, _ in points}) < 2:
-        return None
-    mean_m = statistics.fmean(m for m, _ in points)
-    mean_p = statistics.fmean(p for _, p in points)
-    slope = sum((m - mean_m) * (p - mean_p) for m, p in points) / sum(
-        (m - mean_m) ** 2 for m, _ in points
-    )
-    first = measured[0]
-    return MemoryFit(first.checkpointing, mean_p - slope * mean_m, slope, first.policy)
+def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
+    """Peak memory of a copy, its optimizer and two steps (Note [what the planner measures])."""
+    k = math.ceil(count_samples(setup.batch) / micro_batch_size)
+    out = Candidate(micro_batch_size=micro_batch_size, gradient_accumulation_steps=k,
+                    checkpointing=option[1], policy=option[0], peak_bytes=setup.usable + 1)  # fmt: skip
+    try:
+        with measure_peak(setup.device) as peak:
+            acc = Accumulator(*setup.copy(option), micro_batch_size=micro_batch_size)
+            for _ in range(2):  # the second with the optimizer's state in memory
+                setup.step(acc)
+            del acc
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        del exc
+        release_memory(setup.device)
+        return dataclasses.replace(out, out_of_memory=True)
+    fits = peak.peak_bytes <= setup.usable
+    return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=fits)
+
+
+def _on_own_thread(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
+    """``_time`` on a thread of its own (Note [timing under load]). A Ctrl-C stops the timing
+    after the step in flight, which ends before ``plan`` raises: torch must not be running on
+    another thread when the interpreter exits (it aborts the process)."""
+    result: list[Any] = []
+    stop, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(_time(setup, candidates, stop))
+        except BaseException as exc:  # handed to the caller's thread
+            result.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="bigbatch-plan-timing").start()
+    try:
+        done.wait()
+    finally:
+        stop.set()
+        done.wait()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _time(setup: _Setup, candidates: list[Candidate], stop: threading.Event) -> list[Candidate]:
+    """The fitting configurations timed in alternating rounds (Note [timing under load]), until
+    ``stop`` is set."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return candidates
+    net, opt = setup.copy()
+    seconds: list[list[float]] = [[] for _ in fitting]
+    visits = list(enumerate(fitting))
+    for r in range(setup.steps):
+        for i, c in visits if r % 2 == 0 else visits[::-1]:
+            if stop.is_set():
+                return candidates
+            checkpoint(net, (c.policy, c.checkpointing))
+            acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
+            setup.step(acc)  # untimed: the allocator and kernels settle on this size
+            seconds[i].append(setup.step(acc))
+            disable_checkpointing(net)
+    done = iter(rules.timed(fitting, seconds, count_samples(setup.batch)))
+    return [next(done) if c.fits else c for c in candidates]
+
+
+def settle_malloc() -> None:
+    """glibc's mmap and trim thresholds as its dynamic adjustment settles them in a training loop
+    (32 and 64 MiB; Note [timing under load]); a no-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 * 2**20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 def default_budget(device: torch.device) -> int:
@@ -281,94 +351,14 @@ def default_budget(device: torch.device) -> int:
     )
 
 
-def _measure(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
-    n = count_samples(setup.batch)
-    k = math.ceil(n / micro_batch_size)
-    policy, fraction = option
-    seconds: list[float] = []
-    try:
-        with measure_peak(setup.device) as peak:
-            net, opt = _copy(setup.model, setup.optimizer)
-            if policy != "none":
-                enable_checkpointing(net, fraction=fraction, policy=policy)
-            acc = Accumulator(net, opt, micro_batch_size=micro_batch_size)
-            for step in range(setup.steps + 1):  # the first is a warm-up
-                start = time.perf_counter()
-                acc.train_step(setup.batch, setup.loss_fn)
-                if setup.device.type == "cuda":
-                    torch.cuda.synchronize(setup.device)
-                seconds += [time.perf_counter() - start] if step else []
-            del net, opt, acc
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        del exc
-        release_memory(setup.device)
-        return Candidate(
-            micro_batch_size=micro_batch_size, gradient_accumulation_steps=k,
-            checkpointing=fraction, policy=policy, peak_bytes=setup.usable + 1,
-            seconds_per_step=None, samples_per_s=None, fits=False, out_of_memory=True,
-        )  # fmt: skip
-    t = statistics.median(seconds)
-    return Candidate(
-        micro_batch_size=micro_batch_size, gradient_accumulation_steps=k, checkpointing=fraction,
-        policy=policy, peak_bytes=peak.peak_bytes, seconds_per_step=t, samples_per_s=n / t,
-        fits=peak.peak_bytes <= setup.usable, step_seconds=tuple(seconds),
-    )  # fmt: skip
-
-
 def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) -> None:
     """One untimed micro-batch per option, so that what runs once per process (thread pools,
     kernel caches, checkpointing's machinery) is not charged to the first configuration."""
-    net, opt = _copy(setup.model, setup.optimizer)
+    net, opt = setup.copy()
     first = split(setup.batch, micro_batch_size)[0]
-    for policy, fraction in options:
-        if policy != "none":
-            enable_checkpointing(net, fraction=fraction, policy=policy)
+    for option in options:
+        checkpoint(disable_checkpointing(net), option)
         Accumulator(net, opt, micro_batch_size=micro_batch_size).train_step(first, setup.loss_fn)
-
-
-def _copy(model: torch.nn.Module, optimizer: OptimizerArg) -> tuple[torch.nn.Module, Any]:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return copy.deepcopy((model, optimizer))  # one memo: the copy steps the copied parameters
-    net = copy.deepcopy(model)
-    factory = optimizer if optimizer is not None else torch.optim.AdamW
-    return net, factory(net.parameters())
-
-
-def _predicted(
-    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
-) -> list[Candidate]:
-    # Larger than a size that did not fit: the peak only grows with the micro-batch.
-    return [
-        dataclasses.replace(
-            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
-            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), seconds_per_step=None,
-            samples_per_s=None, fits=False, measured=False, out_of_memory=False, step_seconds=(),
-        )
-        for m in sizes
-    ]  # fmt: skip
-
-
-def _settle(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
-    """Measure again, in reverse order, the best configurations if they are too close to call."""
-    close = too_close_to_call(candidates)
-    again = {id(c): _remeasure(setup, c) for c in sorted(close, key=candidates.index)[::-1]}
-    return [again.get(id(c), c) for c in candidates]
-
-
-def _remeasure(setup: _Setup, first: Candidate) -> Candidate:
-    second = _measure(setup, first.micro_batch_size, (first.policy, first.checkpointing))
-    if second.out_of_memory:
-        return dataclasses.replace(second, remeasured=True)
-    times = first.step_seconds + second.step_seconds
-    peak = max(first.peak_bytes, second.peak_bytes)
-    t = min(first.seconds_per_step or math.inf, second.seconds_per_step or math.inf)
-    saved = None if first.saved_bytes is None else first.saved_bytes - (peak - first.peak_bytes)
-    return dataclasses.replace(
-        first, step_seconds=times, seconds_per_step=t, samples_per_s=count_samples(setup.batch) / t,
-        peak_bytes=peak, fits=peak <= setup.usable, saved_bytes=saved, remeasured=True,
-    )  # fmt: skip
 
 
 def _choose(
@@ -378,11 +368,11 @@ def _choose(
     skipped: tuple[str, ...],
 ) -> Plan:
     measured = [c for c in candidates if c.measured and not c.out_of_memory]
-    if not ranked(candidates):
-        raise MemoryBudgetExceeded(nothing_fits(measured, setup.budget, setup.margin))
-    choice, runner_up, _ = decide(candidates)
+    if not any(c.fits for c in candidates):
+        raise MemoryBudgetExceeded(rules.nothing_fits(measured, setup.budget, setup.margin))
+    choice, runner_up, _ = rules.decide(candidates)
     naive = min(measured, key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"))
-    reason = explain(candidates, naive, setup.budget, setup.margin)
+    reason = rules.explain(candidates, naive, setup.budget, setup.margin)
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
         memory_budget=setup.budget, batch_size=count_samples(setup.batch), device=str(setup.device),
@@ -392,24 +382,36 @@ def _choose(
 
 # ---------------------------------------------------------------------------- arguments
 def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -> Batch:
-    if callable(batch):
-        if batch_size is None:
-            raise ValueError("batch is a function: pass batch_size, e.g. plan(..., batch_size=64).")
-        return batch(batch_size)
-    n = count_samples(batch)
+    if callable(batch) and batch_size is None:
+        raise ValueError("batch is a function: pass batch_size, e.g. plan(..., batch_size=64).")
+    full = batch(batch_size) if callable(batch) and batch_size is not None else batch
+    n = count_samples(full)
     if batch_size is not None and batch_size != n:
+        got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
+        fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
         raise ValueError(
-            f"batch_size={batch_size} but the batch has {n} samples: pass one effective batch, or "
-            "a function batch_fn(n) that returns n samples."
+            f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one effective batch of "
+            "batch_size samples, or a function batch_fn(n) that returns n samples."
         )
-    return batch
+    return full
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if not trained:
+        raise ValueError(
+            f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
+            "pass the module that holds the weights you train (a model without parameters uses "
+            "no memory for gradients or optimizer state, and any micro-batch will do)."
+        )
+    return resolve_device(trained[0].device)
 
 
 def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
     if sizes is None:
         powers = [2**i for i in range(n.bit_length()) if n / 32 <= 2**i < n]
         return powers + [n]
-    bad = [s for s in sizes if not (isinstance(s, int) and 1 <= s <= n)]
+    bad = [s for s in sizes if isinstance(s, bool) or not (isinstance(s, int) and 1 <= s <= n)]
     if not sizes or bad:
         raise ValueError(
             f"micro_batch_sizes={list(sizes)!r} is not allowed: use integers from 1 to the batch "
@@ -419,8 +421,8 @@ def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
 
 
 def _check_steps_and_margin(steps: int, margin: float) -> None:
-    if not (isinstance(steps, int) and steps >= 1):
-        raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=3.")
+    if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=5.")
     if isinstance(margin, bool) or not (isinstance(margin, (int, float)) and 0 <= margin < 1):
         raise ValueError(
             f"margin={margin!r} is not allowed: use the fraction of the budget to keep free, in "
@@ -434,8 +436,9 @@ def _check_options(
     """The checkpointing options to measure, and the default policies left out (with why)."""
     if spec is None:
         return _default_options(model, device)
-    options = [] if isinstance(spec, str) else [parse_option(o) for o in spec]
-    if not options or None in options:
+    options = [] if isinstance(spec, str) else [rules.parse_option(o) for o in spec]
+    valid = [o for o in options if o is not None]
+    if not valid or len(valid) < len(options):
         shown = spec if isinstance(spec, str) else list(spec)
         raise ValueError(
             f"checkpointing={shown!r} is not allowed: use fractions of the blocks in [0, 1] "
@@ -443,35 +446,24 @@ def _check_options(
             "optionally with a fraction ('selective:0.5'), e.g. checkpointing=(0, 'selective', "
             "0.5, 1)."
         )
-    valid = [o for o in options if o is not None]
-    return sorted(set(valid), key=lambda o: (POLICIES.index(o[0]), o[1])), []
+    return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
 
 
 def _default_options(
     model: torch.nn.Module, device: torch.device
 ) -> tuple[list[Option], list[str]]:
+    """None, selective, half and all the blocks (and offload on CUDA), less what this machine
+    and torch refuse (``enable_checkpointing`` says why); only none without repeated blocks."""
     try:
         find_blocks(model)
     except ValueError:
-        return [("none", 0.0)], []  # no repeated blocks: nothing to checkpoint
+        return [("none", 0.0)], []
     wanted: list[Option] = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0)]
-    wanted += [("offload", 1.0)] if device.type == "cuda" else []
-    options: list[Option] = []
-    skipped: list[str] = []
-    for option in wanted:
-        why = _cannot_run(option[0])
-        options += [] if why else [option]
-        skipped += [f"{option[0]}: {why}"] if why else []
+    options, skipped = [], []
+    for option in wanted + [("offload", 1.0)] * (device.type == "cuda"):
+        try:
+            checkpoint(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)), option)
+            options.append(option)
+        except ValueError as exc:
+            skipped.append(f"{option[0]}: {exc}")
     return options, skipped
-
-
-def _cannot_run(policy: str) -> str | None:
-    """Why ``enable_checkpointing`` refuses ``policy`` on this machine and torch, or ``None``."""
-    if policy == "none":
-        return None
-    probe = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
-    try:
-        enable_checkpointing(probe, policy=policy)
-    except ValueError as exc:
-        return str(exc)
-    return None

@@ -1,16 +1,16 @@
 """``check(model, batch, loss_fn)``: is accumulation exact for *this* model and loss?
 
 On float64 deep copies (the user's model, its running statistics and the global RNG are left
-as they were), with the same seed for both runs, it computes the full-batch gradient of the mean
-loss and the gradient that ``Accumulator.train_step`` really accumulates (Σ loss_sum / Σ count),
-and compares them per parameter, within the rounding of the precision the copy really computes
-in (Note [float32 islands] in ``_check_probes``). When they differ it diagnoses why: non-finite
-inputs, weights, outputs or losses; modules whose output for one sample depends on the other samples
-(found by replaying every module, not by class name: Note [replay without caches]); a loss that
-returns a mean as if it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens);
-a batch-coupled loss (in-batch negatives); dropout drawn per micro-batch; or non-determinism.
-When blocks of the model are checkpointed (``enable_checkpointing``) it also checks that the
-gradient is the same without.
+as they were), with the same seed for both runs and dropout off (Note [dropout in check]), it
+computes the full-batch gradient of the mean loss and the gradient that
+``Accumulator.train_step`` really accumulates (Σ loss_sum / Σ count), and compares them per
+parameter, within the rounding of the precision the copy really computes in (Note [float32
+islands] in ``_probes``). When they differ it diagnoses why: non-finite inputs, weights, outputs
+or losses; modules whose output for one sample depends on the other samples (found by replaying
+every module, not by class name: Note [replay without caches]); a loss that returns a mean as if
+it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
+(in-batch negatives); or non-determinism. When blocks of the model are checkpointed
+(``enable_checkpointing``) it also checks that the gradient is the same without.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
 from bigbatch.verifier._diagnoses import Diagnosis, diagnose, nonfinite
-from bigbatch.verifier._probes import LOSS_FN, ROUNDING, Precision
-from bigbatch.verifier._runs import Grads, accumulated_grads, differences, full_run
+from bigbatch.verifier._probes import LOSS_FN, ROUNDING
+from bigbatch.verifier._runs import Case, accumulated_grads, differences, full_run
 
-__all__ = ["CheckReport", "Diagnosis", "NotExactError", "check", "diagnose"]
+__all__ = ["CheckReport", "Diagnosis", "NotExactError", "check"]
 
 
 @dataclass
@@ -50,6 +50,9 @@ class CheckReport:
             float32 (or a half type) where the model or loss casts down (Note [float32 islands]).
         low_precision_in: where it computed in ``compute_dtype`` (modules, or ``loss_fn``);
             empty when that is float64.
+        dropout_off: the modules whose dropout ``check`` turned off (Note [dropout in check]);
+            with dropout on, the accumulated gradient is equal to the full batch's in
+            distribution, not in value.
     """
 
     exact: bool
@@ -60,6 +63,7 @@ class CheckReport:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     compute_dtype: torch.dtype = torch.float64
     low_precision_in: tuple[str, ...] = ()
+    dropout_off: tuple[str, ...] = ()
 
     @property
     def max_difference(self) -> float:
@@ -74,13 +78,20 @@ class CheckReport:
         )[:k]
 
     def summary(self) -> str:
-        """One paragraph: the verdict, the precision it holds to, and each diagnosis."""
-        head = (
-            f"{'exact' if self.exact else 'NOT exact'}: max relative difference "
-            f"{self.max_difference:.2e} (batch {self.batch_size}, micro-batches of "
-            f"{self.micro_batch_size})"
-        )
-        lines = [head]
+        """One paragraph: the verdict, the precision it holds to, dropout, each diagnosis."""
+        verdict = "exact" if self.exact else "NOT exact"
+        if self.dropout_off:
+            verdict += " (dropout off)" + ("; with dropout on, equal in distribution" * self.exact)
+        lines = [
+            f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
+            f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
+        ]
+        if self.dropout_off:
+            lines.append(
+                f"- dropout off in {_by_class(self.dropout_off)} (dropout_off names them): "
+                "micro-batches draw other masks than the full batch, from the same distribution, "
+                "so check compares the rest with dropout off"
+            )
         if self.compute_dtype != torch.float64:
             dtype = str(self.compute_dtype).removeprefix("torch.")
             lines.append(
@@ -118,7 +129,9 @@ def check(
     """Compare the accumulated gradient with the full-batch gradient on one batch, in float64.
 
     Works on any ``nn.Module``, transformers models included (their key/value caches are never
-    replayed; their float32 islands set the tolerance, and the report says so).
+    replayed; their float32 islands set the tolerance, and the report says so). Dropout is
+    turned off in every run, and the report names where (Note [dropout in check]): with it on,
+    micro-batches draw other masks than the full batch, which is expected, not a bug.
 
     Args:
         model: the model, in the mode (train / eval) it trains in; it is not changed.
@@ -126,9 +139,9 @@ def check(
         loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator``.
         micro_batch_size: samples per micro-batch; default about a third of the batch
             (uneven: 10 samples give 4 + 4 + 2).
-        tolerance: relative difference counted as rounding in float64; raised to ``ROUNDING``
-            of a lower precision the copy computes in (``CheckReport.compute_dtype``).
-        seed: the seed both runs start from (dropout masks, other randomness).
+        tolerance: relative difference counted as rounding in float64, a number >= 0; raised to
+            ``ROUNDING`` of a lower precision the copy computes in (``CheckReport.compute_dtype``).
+        seed: the seed both runs start from (randomness other than dropout).
         raise_on_failure: raise ``NotExactError`` instead of returning a report that is not exact.
 
     Returns:
@@ -136,8 +149,9 @@ def check(
 
     Raises:
         ValueError: the batch has fewer than 2 samples, ``micro_batch_size`` is not positive or
-            covers it all, the model has no trainable parameter, or no gradient reaches one
-            from the loss.
+            covers it all, ``tolerance`` is negative or not finite, the model has no trainable
+            parameter, or no gradient reaches one from the loss.
+        TypeError: ``tolerance`` is not a number.
         NotExactError: not exact and ``raise_on_failure`` is set.
 
     Example:
@@ -146,92 +160,85 @@ def check(
         >>> check(m, (torch.randn(10, 3), torch.randn(10, 1)), mse).exact
         True
     """
-    n, size = _sizes(batch, micro_batch_size)
-    _check_trainable(model)
+    n, size = _check_arguments(model, batch, micro_batch_size, tolerance)
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
-    full = full_run(model, batch, loss_fn, seed, observe=True)
-    precision = full.precision
-    tolerance = max(tolerance, ROUNDING.get(precision.dtype, 0.0))
-    acc, acc_loss = (
-        accumulated_grads(model, batch, loss_fn, size, seed) if full.finite else ({}, math.nan)
-    )
-    diffs = differences(acc, full.grads) if full.finite else {k: math.nan for k in full.grads}
+    case = Case(model, batch, loss_fn, size, seed)
+    full = full_run(case)
+    observed = full.observed
+    tolerance = max(tolerance, ROUNDING.get(observed.dtype, 0.0))
+    acc, acc_loss = accumulated_grads(case) if full.finite else ({}, math.nan)
+    diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     report = CheckReport(
         exact=all(d <= tolerance for d in diffs.values()),
         differences=diffs,
         batch_size=n,
         micro_batch_size=size,
         tolerance=tolerance,
-        compute_dtype=precision.dtype,
-        low_precision_in=_where(model, precision),
+        compute_dtype=observed.dtype,
+        low_precision_in=_labels(model, observed.where),
+        dropout_off=_labels(model, observed.dropout),
     )
-    found = nonfinite(model, batch, loss_fn, size, seed, full, acc, acc_loss)
+    found = nonfinite(case, full, acc, acc_loss)
     if found is not None:
         report.exact, report.diagnoses = False, [found]
     elif not report.exact:
-        report.diagnoses = diagnose(model, batch, loss_fn, size, seed, tolerance, full.grads)
+        report.diagnoses = diagnose(case, tolerance, full.grads)
     if checkpointed_blocks(model) and found is None:
-        _check_checkpointing(model, batch, loss_fn, seed, full.grads, report)
+        _check_checkpointing(case, full.grads, report)
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
     return report
 
 
-def _sizes(batch: Batch, micro_batch_size: int | None) -> tuple[int, int]:
+def _check_arguments(
+    model: nn.Module, batch: Batch, micro_batch_size: int | None, tolerance: object
+) -> tuple[int, int]:
+    """``(samples, micro-batch size)``, or one clear error about the argument at fault."""
     n = batch_size(batch)
     if n < 2:
         raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
-    if micro_batch_size is not None and (
-        isinstance(micro_batch_size, bool)
-        or not isinstance(micro_batch_size, int)
-        or micro_batch_size < 1
-    ):
+    m = micro_batch_size
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
         raise ValueError(
-            f"micro_batch_size={micro_batch_size!r} is not allowed: use a positive integer "
-            "smaller than the batch, or None for about a third of it."
+            f"micro_batch_size={m!r} is not allowed: use a positive integer smaller than the "
+            "batch, or None for about a third of it."
         )
-    size = micro_batch_size or max(1, (n + 2) // 3)
+    size = m or max(1, (n + 2) // 3)
     if size >= n:
         raise ValueError(
             f"micro_batch_size={size} covers the whole batch of {n} samples, so there is nothing "
             "to compare: use a smaller micro_batch_size or a larger batch."
         )
-    return n, size
-
-
-def _check_trainable(model: nn.Module) -> None:
+    allowed = "use a relative difference >= 0, e.g. tolerance=1e-10 (float64 rounding)."
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise TypeError(f"tolerance={tolerance!r} is not allowed: {allowed}")
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance={tolerance!r} is not allowed: {allowed}")
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
-        held = (
-            f"all {len(params)} of its parameters have requires_grad=False"
-            if params
-            else "it has no parameters"
-        )
+        held = f"all {len(params)} of its parameters have requires_grad=False" if params else (
+            "it has no parameters"
+        )  # fmt: skip
         raise ValueError(
             f"check needs a model with trainable parameters, and {type(model).__name__} has none "
             f"({held}): pass the module that holds the weights you train, or call "
             "requires_grad_(True) on the ones to train."
         )
+    return n, size
 
 
-def _where(model: nn.Module, precision: Precision) -> tuple[str, ...]:
-    return tuple(
-        where if where == LOSS_FN else label(where, model.get_submodule(where))
-        for where in precision.where
-    )
+def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:
+    return tuple(n if n == LOSS_FN else label(n, model.get_submodule(n)) for n in names)
 
 
-def _check_checkpointing(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, full: Grads, report: CheckReport
-) -> None:
-    plain = full_run(model, batch, loss_fn, seed, checkpointing=False).grads
-    worst = max(differences(full, plain).values(), default=0.0)
+def _check_checkpointing(case: Case, full: dict[str, torch.Tensor], report: CheckReport) -> None:
+    worst = max(differences(full, full_run(case, checkpointing=False).grads).values(), default=0.0)
     if worst > report.tolerance:
         report.exact = False
         report.diagnoses.append(
             Diagnosis(
                 "checkpointing",
-                tuple(checkpointed_blocks(model)),
+                tuple(checkpointed_blocks(case.model)),
                 f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
                 "recomputed forward of these blocks is not the first one (state changed by the "
                 "forward, or randomness outside torch's RNG).",

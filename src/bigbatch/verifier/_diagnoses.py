@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import chain
 
 import torch
 from torch import nn
 
 from bigbatch.core._batchnorm import label
 from bigbatch.core._tree import tensor_leaves
-from bigbatch.core.loss import LossFn, WindowLoss
-from bigbatch.core.split import Batch, batch_size, micro_batch_sizes, split
-from bigbatch.verifier._probes import first_nonfinite_output, probe_coupling
-from bigbatch.verifier._runs import (
-    FullRun,
-    Grads,
-    call_seeded,
-    copy_float64,
-    differences,
-    full_run,
-    rows,
-    seeded,
-    sum_and_count,
-)
+from bigbatch.core.loss import WindowLoss
+from bigbatch.core.split import Batch, batch_size, split
+from bigbatch.verifier._probes import finite, probe_coupling
+from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, full_run, seeded
 
 
 @dataclass(frozen=True)
@@ -33,8 +23,8 @@ class Diagnosis:
 
     Attributes:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
-            ``"batch-coupled-loss"``, ``"dropout"``, ``"non-deterministic"``, ``"unprobed"`` (no
-            cause found, and these modules could not be replayed) or ``"checkpointing"``.
+            ``"batch-coupled-loss"``, ``"non-deterministic"``, ``"unprobed"`` (no cause found,
+            and these modules could not be replayed) or ``"checkpointing"``.
         modules: the modules (names in the model) or parameters responsible, if any.
         message: what happens and what to do.
     """
@@ -44,103 +34,55 @@ class Diagnosis:
     message: str
 
 
-def diagnose(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    size: int,
-    seed: int,
-    tolerance: float,
-    full: Grads,
-) -> list[Diagnosis]:
-    """Why the accumulated gradient differs from ``full``: every cause found.
-
-    Args:
-        model: the user's model (not changed: every probe works on a float64 copy).
-        batch: the float64 batch compared.
-        loss_fn: as given to ``check``.
-        size: the micro-batch size compared.
-        seed: the seed of every run.
-        tolerance: the relative difference counted as rounding (Note [float32 islands]).
-        full: the full batch's gradients.
-
-    Returns:
-        The diagnoses, most specific first; empty when no cause is found.
-    """
+def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> list[Diagnosis]:
+    """Why the accumulated gradient differs from ``full``: every cause found, most specific
+    first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
+    ``tolerance`` is the relative difference counted as rounding (Note [float32 islands])."""
     found = []
-    again = full_run(model, batch, loss_fn, seed).grads
-    if max(differences(again, full).values(), default=0.0) > tolerance:
-        found.append(NON_DETERMINISTIC)
-    work = copy_float64(model)
-    rtol = max(1e-9, tolerance)
-    probe = probe_coupling(
-        work, lambda: loss_fn(work, batch), batch_size(batch), lambda: seeded(seed), rtol
+    if max(differences(full_run(case).grads, full).values(), default=0.0) > tolerance:
+        found.append(
+            Diagnosis(
+                "non-deterministic",
+                (),
+                "two full-batch runs from the same seed give different gradients: the model or "
+                "loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
+            )
+        )
+    work, rtol = copy_float64(case.model), max(1e-9, tolerance)
+    n = batch_size(case.batch)
+    coupled, unprobed = probe_coupling(
+        work, lambda: case.loss_fn(work, case.batch), n, lambda: seeded(case.seed), rtol
     )
-    if probe.coupled:
-        found.append(_batch_statistics(model, probe.coupled))
-    suspect = bool(probe.coupled or probe.unprobed)
-    found.extend(_loss_diagnoses(model, batch, loss_fn, seed, rtol, suspect))
-    if not found:
-        found.extend(_dropout(model))
-    if not found and probe.unprobed:
+    if coupled:
+        found.append(
+            Diagnosis(
+                "batch-statistics",
+                tuple(coupled),
+                f"{_labels(case.model, coupled)} change one sample's output when other "
+                "samples change (batch statistics in training mode): each micro-batch sees its "
+                'own statistics. Use bigbatch.batchnorm(model, policy="groupnorm") or "freeze", '
+                "or accept ghost-batch semantics.",
+            )
+        )
+    found += _loss_diagnoses(case, rtol, suspect=bool(coupled or unprobed))
+    if not found and unprobed:
         found.append(
             Diagnosis(
                 "unprobed",
-                tuple(probe.unprobed),
-                f"no cause found, and {_labels(model, probe.unprobed)} could not be probed for "
-                "batch statistics: called again on their recorded inputs they raised or gave "
+                tuple(unprobed),
+                f"no cause found, and {_labels(case.model, unprobed)} could not be probed "
+                "for batch statistics: called again on their recorded inputs they raised or gave "
                 "another result (state that each call changes). Look for such state in them.",
             )
         )
     return found
 
 
-NON_DETERMINISTIC = Diagnosis(
-    "non-deterministic",
-    (),
-    "two full-batch runs from the same seed give different gradients: the model or loss uses "
-    "randomness or non-deterministic kernels outside torch's seeded RNG.",
-)
-
-
-def _batch_statistics(model: nn.Module, coupled: list[str]) -> Diagnosis:
-    return Diagnosis(
-        "batch-statistics",
-        tuple(coupled),
-        f"{_labels(model, coupled)} change one sample's output when other samples change (batch "
-        "statistics in training mode): each micro-batch sees its own statistics. Use "
-        'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch '
-        "semantics.",
-    )
-
-
-def _dropout(model: nn.Module) -> list[Diagnosis]:
-    dropout = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0
-    ]
-    if not dropout:
-        return []
-    return [
-        Diagnosis(
-            "dropout",
-            tuple(dropout),
-            f"{_labels(model, dropout)} draw their masks per micro-batch, so the masks differ "
-            "from the full batch's (fused kernels draw in another order): each step is an "
-            "equally valid sample, not the same numbers. Put those modules in eval() to check "
-            "the rest.",
-        )
-    ]
-
-
 def _labels(model: nn.Module, names: list[str]) -> str:
     return ", ".join(label(name, model.get_submodule(name)) for name in names)
 
 
-def _loss_diagnoses(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, seed: int, rtol: float, suspect: bool
-) -> list[Diagnosis]:
+def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
     """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
 
     When modules of the model couple the samples or change state with every call (``suspect``;
@@ -148,16 +90,15 @@ def _loss_diagnoses(
     up whatever the loss does, so the loss is blamed only for a pattern it alone explains. A
     window loss (``cached_loss``) is coupled by design and exact through the window.
     """
-    if isinstance(loss_fn, WindowLoss):
+    if isinstance(case.loss_fn, WindowLoss):
         return []
-    n = batch_size(batch)
-    work = copy_float64(model).eval()  # probes the loss alone: no dropout, running statistics
-    bounds = [(0, n // 2), (n // 2, n)]
+    work = copy_float64(case.model).eval()  # probes the loss alone: running statistics
+    half = (batch_size(case.batch) + 1) // 2
     with torch.no_grad():
-        whole = sum_and_count(work, batch, loss_fn, seed)
-        parts = [sum_and_count(work, rows(batch, a, b), loss_fn, seed) for a, b in bounds]
-    per_sample = [torch.ones(n, dtype=torch.float64), *labelled_tokens(batch)]
-    weights = [[float(k[a:b].sum()) for a, b in bounds] for k in per_sample]
+        whole = case.sum_and_count(work, case.batch)
+        parts = [case.sum_and_count(work, part) for part in split(case.batch, half)]
+    per_sample = [torch.ones(batch_size(case.batch)), *labelled_tokens(case.batch)]
+    weights = [[float(k.sum()) for k in split(items, half)] for items in per_sample]
     kind = loss_kind(whole, parts, weights, rtol)
     if kind is None or (suspect and kind == "batch-coupled-loss"):
         return []
@@ -193,16 +134,18 @@ def loss_kind(
     def adds_up(total: float, pieces: list[float]) -> bool:
         return abs(total - sum(pieces)) <= rtol * max(1.0, abs(total), *(abs(p) for p in pieces))
 
+    def weighted(values: list[float], w: list[float]) -> list[float]:
+        return [v * k for v, k in zip(values, w, strict=True)]
+
     (s, c), sums, counts = whole, [p[0] for p in parts], [p[1] for p in parts]
     if adds_up(s, sums) and adds_up(c, counts):
         return None
-    means = [ps / pc for ps, pc in parts]
-    as_sum = [counts, weights[0]]  # the mean returned as loss_sum, over its count or samples
-    if any(adds_up(s * sum(w), [ps * k for ps, k in zip(sums, w, strict=True)]) for w in as_sum):
+    # the mean returned as loss_sum, over its count or samples
+    if any(adds_up(s * sum(w), weighted(sums, w)) for w in (counts, weights[0])):
         return "mean-as-sum"
-    for w in weights[1:]:
-        if adds_up(s / c * sum(w), [m * k for m, k in zip(means, w, strict=True)]):
-            return "token-mean"
+    means = [ps / pc for ps, pc in parts]
+    if any(adds_up(s / c * sum(w), weighted(means, w)) for w in weights[1:]):
+        return "token-mean"
     return "batch-coupled-loss"
 
 
@@ -241,50 +184,25 @@ LOSS_MESSAGES = {
 
 
 def nonfinite(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    size: int,
-    seed: int,
-    full: FullRun,
-    acc: Grads,
-    acc_loss: float,
+    case: Case, full: FullRun, acc: dict[str, torch.Tensor], acc_loss: float
 ) -> Diagnosis | None:
-    """Where the NaN or inf comes from, when a loss or gradient is not finite.
-
-    In order: the inputs, the model's weights, the first module whose output is not finite,
-    the loss, the backward; and when only the accumulated gradient is not finite, the first
-    micro-batch whose loss is not.
-
-    Args:
-        model, batch, loss_fn, size, seed: as given to ``diagnose``.
-        full: the full-batch run.
-        acc, acc_loss: the accumulated gradients and window loss (empty and NaN when the full
-            batch's were not finite).
-
-    Returns:
-        A ``"non-finite"`` diagnosis, or ``None`` when everything is finite.
-    """
-    if (
-        full.finite
-        and math.isfinite(acc_loss)
-        and all(bool(torch.isfinite(g).all()) for g in acc.values())
-    ):
+    """Where the NaN or inf comes from, when a loss or gradient is not finite (``None`` when
+    everything is): the inputs, the model's weights, the first module whose output is not
+    finite, the loss, the backward; and when only the accumulated gradient (``acc``, window loss
+    ``acc_loss``) is not finite, the first micro-batch whose loss is not."""
+    if full.finite and math.isfinite(acc_loss) and all(finite(g) for g in acc.values()):
         return None
-    found = _nonfinite_data(model, batch)
-    if found is not None:
-        return found
-    if full.finite:
-        return _nonfinite_micro_batch(model, batch, loss_fn, size, seed)
-    work = copy_float64(model)
-    first = first_nonfinite_output(work, lambda: call_seeded(loss_fn, work, batch, seed))
+    found = _nonfinite_data(case.model, case.batch)
+    if found is not None or full.finite:
+        return found or _nonfinite_micro_batch(case)
+    first = full.observed.nonfinite
     if first is not None:
         return Diagnosis(
             "non-finite",
             (first,),
-            f"non-finite outputs: {label(first, model.get_submodule(first))} is the first module "
-            "whose output holds NaN or inf, from finite inputs and weights (an overflow, a log "
-            "or division by zero, ...): fix that computation.",
+            f"non-finite outputs: {_labels(case.model, [first])} is the first module whose "
+            "output holds NaN or inf, from finite inputs and weights (an overflow, a log or "
+            "division by zero, ...): fix that computation.",
         )
     if not math.isfinite(full.loss):
         return Diagnosis(
@@ -293,22 +211,25 @@ def nonfinite(
             f"non-finite loss: loss_fn returns a loss of {full.loss} from finite model outputs "
             "(a log of 0, a division by a zero count, ...): fix loss_fn.",
         )
-    bad = [name for name, g in full.grads.items() if not bool(torch.isfinite(g).all())]
+    return _nonfinite_backward([name for name, g in full.grads.items() if not finite(g)])
+
+
+def _nonfinite_backward(bad: list[str]) -> Diagnosis:
+    shown = f" ({', '.join(bad[:5])})" if bad else ""
+    where = "a finite loss" if bad else "finite losses on every micro-batch"
     return Diagnosis(
         "non-finite",
         tuple(bad),
-        f"non-finite gradients ({', '.join(bad[:5])}) from a finite loss: a backward that "
-        "divides by zero (the square root or norm of 0, ...): add an epsilon there.",
+        f"non-finite gradients{shown} from {where}: a backward that divides by zero (the square "
+        "root or norm of 0, ...): add an epsilon there.",
     )
 
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
     """Non-finite values in the batch's floating tensors, or in the model's weights."""
-    inputs = [
-        _count_nonfinite(path, t)
-        for path, t in tensor_leaves(batch)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
+    inputs = [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]
+    state = chain(model.named_parameters(), model.named_buffers())
+    weights = [name for name, t in state if not finite(t)]
     if inputs:
         return Diagnosis(
             "non-finite",
@@ -316,18 +237,14 @@ def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
             f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
             "clean the data (drop those samples, or torch.nan_to_num) before training.",
         )
-    state = chain(model.named_parameters(), model.named_buffers())
-    weights = [
-        name for name, t in state if t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
-    if weights:
-        return Diagnosis(
-            "non-finite",
-            tuple(weights),
-            f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights "
-            "or initialise them again.",
-        )
-    return None
+    if not weights:
+        return None
+    return Diagnosis(
+        "non-finite",
+        tuple(weights),
+        f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights "
+        "or initialise them again.",
+    )
 
 
 def _count_nonfinite(path: str, t: torch.Tensor) -> str:
@@ -341,17 +258,14 @@ def _count_nonfinite(path: str, t: torch.Tensor) -> str:
     return f"{path} holds {kinds}" + (f" in {noun} {shown}" if samples else "")
 
 
-def _nonfinite_micro_batch(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, size: int, seed: int
-) -> Diagnosis:
+def _nonfinite_micro_batch(case: Case) -> Diagnosis:
     """The first micro-batch whose loss is not finite when the full batch's is."""
-    work = copy_float64(model)
-    ends = list(accumulate(micro_batch_sizes(batch_size(batch), size)))
-    for i, (micro, end) in enumerate(zip(split(batch, size), ends, strict=True)):
+    work, start = copy_float64(case.model), 0
+    for i, micro in enumerate(split(case.batch, case.size)):
         with torch.no_grad():
-            loss_sum, count = sum_and_count(work, micro, loss_fn, seed)
+            loss_sum, count = case.sum_and_count(work, micro)
+        end = start + batch_size(micro)
         if not (math.isfinite(loss_sum) and math.isfinite(count)):
-            start = end - batch_size(micro)
             return Diagnosis(
                 "non-finite",
                 (),
@@ -360,10 +274,5 @@ def _nonfinite_micro_batch(
                 "zero items (all padding?) is NaN. Return (loss_sum, count) with a sum, which is "
                 "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels).",
             )
-    return Diagnosis(
-        "non-finite",
-        (),
-        "the accumulated gradient or loss is not finite although the full batch's and every "
-        "micro-batch's loss are: a backward that divides by zero on some micro-batch (the "
-        "square root or norm of 0, ...): add an epsilon there.",
-    )
+        start = end
+    return _nonfinite_backward([])

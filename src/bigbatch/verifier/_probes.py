@@ -1,43 +1,49 @@
 """What ``check`` learns by running a float64 copy of the model under observation.
 
-Three probes, each a function over a model copy that ``check`` owns:
+Every run of ``check`` computes with dropout off (``dropout_off``, Note [dropout in check]); the
+full-batch run also records where the copy computes below float64, where dropout was on and where
+a NaN or inf first appears (``observe``); ``probe_coupling`` replays every module to find those
+that couple the samples.
 
-* ``observe_precision``: which operations of the float64 run really compute in a lower
-  precision (float32 islands), and in which modules (Note [float32 islands]
+Note [float32 islands]
     A model cast to float64 does not always compute in float64: transformers' RMSNorm and rotary
     embeddings (Llama, Mistral), GPT-Neo's attention and the ``labels=`` loss of every family
     cast to float32 on purpose. Their gradients then differ between a full batch and its
     micro-batches by float32 rounding (1e-7 relative on those families), far above float64's
-    1e-10, although accumulation is exact. ``observe_precision`` watches every torch function
-    called during the float64 forward and loss (a ``TorchFunctionMode``, public torch API) and
-    records each call that returns a floating tensor below float64 from tensor arguments
-    (constants made from Python numbers are not computation and do not count), with the
-    innermost module it ran in. The lowest such dtype sets the tolerance, ``ROUNDING[dtype]``
-    (1e-5 for float32: a hundred times the rounding measured, while a wrong loss or a coupled
-    module differs by 1e-3 to 1), and ``check`` reports the dtype and the modules, so "exact"
-    says how exact. Observing is used rather than a list of module classes: it finds islands in
-    any model, including ones written after this note, and names them.
+    1e-10, although accumulation is exact. ``observe`` watches every torch function called
+    during the float64 forward and loss (a ``TorchFunctionMode``, public torch API) and records
+    each call that returns a floating tensor below float64 from tensor arguments (constants made
+    from Python numbers are not computation and do not count), with the innermost module it ran
+    in. The lowest such dtype sets the tolerance, ``ROUNDING[dtype]`` (1e-5 for float32: a
+    hundred times the rounding measured, while a wrong loss or a coupled module differs by 1e-3
+    to 1), and ``check`` reports the dtype and the modules, so "exact" says how exact. Observing
+    finds islands in any model, including ones written after this note, and names them.
+
+Note [dropout in check]
+    Dropout draws its masks per call: a micro-batch draws other masks than the same samples
+    drew in the full batch (several dropout calls per layer interleave their draws differently),
+    so with dropout on the accumulated gradient is another, equally likely sample of the same
+    distribution, never the same numbers. ``check`` therefore computes every run with dropout
+    off and says so ("exact (dropout off); with dropout on, equal in distribution"): the same
+    ``TorchFunctionMode`` sets the probability of every dropout call to 0 (``nn.Dropout`` and
+    its kin, ``F.dropout``, attention kernels called with ``dropout_p``, ``nn.MultiheadAttention``),
+    which is what ``eval()`` does to dropout and nothing else: BatchNorm keeps its training mode.
 
 Note [replay without caches]
     ``probe_coupling`` records every module's first call and calls the module again with the
     recorded arguments. Arguments that are state mutated by the call must not be reused:
     transformers' key/value ``Cache`` objects grow on every call, so a replayed attention layer
-    saw twice the sequence length and failed ("The size of tensor a (128) must match the size
-    of tensor b (64)"). A replay therefore
-    (1) passes ``None`` in place of every cache object (``is_cache``). Within one training
-        forward that is what the layer computed with: its cache slot is empty until the layer
-        fills it. A cache the caller filled beforehand (a prefix) is dropped too; both replays
-        see the same arguments, so the comparison stays fair, and a layer that cannot run
-        without it is reported as not probed (3);
+    saw twice the sequence length and failed. A replay therefore
+    (1) passes ``None`` in place of every cache object (``is_cache``): within one training
+        forward that is what the layer computed with (its cache slot is empty until the layer
+        fills it); a layer that cannot run without it is reported as not probed (3);
     (2) clones every tensor argument, so a module working in place cannot alter a recording;
     (3) when sample 0's output changed with the other samples, runs the unperturbed input again;
-        if that changes the output too (the call changed state that the next call reads: a
-        counter, a cache not recognised), or when a replay raises, the module is reported as
-        not probed instead of guessing.
-    Rejected: ``use_cache=False`` in the copy's config (only transformers, bypassed by a
-    ``loss_fn`` that passes ``use_cache=True``, and it changes a ``loss_fn`` that chains calls
-    through ``past_key_values``); deep copies of the arguments at record time (a cache costs
-    its whole size once per layer: quadratic in depth).
+        if that changes the output too (the call changed state that the next call reads), or
+        when a replay raises, the module is reported as not probed instead of guessing.
+    Rejected: ``use_cache=False`` in the copy's config (only transformers, and bypassed by a
+    ``loss_fn`` that passes ``use_cache=True``); deep copies of the arguments at record time (a
+    cache costs its whole size once per layer: quadratic in depth).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -59,21 +66,38 @@ ROUNDING = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 a few for the half types, whose rounding leaves check little to tell)."""
 
 LOSS_FN = "loss_fn"
-"""How ``Precision.where`` names operations run outside every module."""
+"""How ``Observed`` names operations run outside every module."""
+
+# Dropout calls: (position, keyword, default) of the probability, then of the training flag
+# (``None``: no flag). Setting the probability to 0 turns each into the identity.
+_DROPOUT: dict[Any, tuple[tuple[int, str, Any], tuple[int, str, bool] | None]] = {
+    **{
+        f: ((1, "p", 0.5), (2, "training", True))
+        for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout)
+    },
+    F.alpha_dropout: ((1, "p", 0.5), (2, "training", False)),
+    F.feature_alpha_dropout: ((1, "p", 0.5), (2, "training", False)),
+    F.scaled_dot_product_attention: ((4, "dropout_p", 0.0), None),
+    F.multi_head_attention_forward: ((10, "dropout_p", 0.0), (13, "training", True)),
+}
 
 
 @dataclass
-class Precision:
-    """The lowest precision a float64 run computed in, and where.
+class Observed:
+    """What the full-batch run computed in, and where dropout was turned off.
 
     Attributes:
         dtype: the lowest floating dtype an operation returned (``torch.float64`` if none).
         where: the innermost module (by name, ``""`` for the model itself) of each operation
             that computed in ``dtype``, or ``"loss_fn"`` outside the model; first-seen order.
+        dropout: the innermost module of each dropout call turned off (Note [dropout in check]).
+        nonfinite: the first module (in the order calls finish) whose output holds NaN or inf.
     """
 
     dtype: torch.dtype = torch.float64
     where: list[str] = field(default_factory=list)
+    dropout: list[str] = field(default_factory=list)
+    nonfinite: str | None = None
 
     def add(self, dtype: torch.dtype, where: str) -> None:
         """Record one operation that returned ``dtype``."""
@@ -83,40 +107,73 @@ class Precision:
             self.where.append(where)
 
 
-class _LowPrecisionWatch(TorchFunctionMode):
-    """Records calls whose floating results are below float64 (Note [float32 islands])."""
+class _Watch(TorchFunctionMode):
+    """Turns dropout off; records low precision and dropout in ``observed`` when given one."""
 
-    def __init__(self, precision: Precision, stack: list[str]) -> None:
+    def __init__(self, observed: Observed | None = None, stack: list[str] | None = None) -> None:
         super().__init__()
-        self.precision, self.stack = precision, stack
+        self.observed, self.stack = observed, [] if stack is None else stack
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        low = [t.dtype for _, t in tensor_leaves(out) if _is_low(t)]
+        args, kwargs = list(args), dict(kwargs or {})
+        where = self.stack[-1] if self.stack else LOSS_FN
+        if func in _DROPOUT and _dropout_off(func, args, kwargs) and self.observed is not None:
+            if where not in self.observed.dropout:
+                self.observed.dropout.append(where)
+        out = func(*args, **kwargs)
+        if self.observed is None:
+            return out
+        low = {t.dtype for _, t in tensor_leaves(out) if _is_low(t)}
         if low and any(True for _ in tensor_leaves((args, kwargs))):
-            where = self.stack[-1] if self.stack else LOSS_FN
-            for dtype in set(low):
-                self.precision.add(dtype, where)
+            for dtype in low:
+                self.observed.add(dtype, where)
         return out
+
+
+def _dropout_off(func: Any, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """Set the probability of an active dropout call to 0 in place; was it active?"""
+    (i, name, default), flag = _DROPOUT[func]
+    p = args[i] if len(args) > i else kwargs.get(name, default)
+    on = flag is None or (args[flag[0]] if len(args) > flag[0] else kwargs.get(*flag[1:]))
+    if not (on and p):
+        return False
+    if len(args) > i:
+        args[i] = 0.0
+    else:
+        kwargs[name] = 0.0
+    return True
 
 
 def _is_low(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.dtype != torch.float64
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Every element of ``t`` is finite (integer tensors always are); records no graph (inside
+    a checkpointed block, a recorded op would change what the recompute must save)."""
+    return bool(torch.isfinite(t.detach()).all())
+
+
+def dropout_off() -> TorchFunctionMode:
+    """Within the block every dropout call draws nothing (Note [dropout in check])."""
+    return _Watch()
+
+
 @contextlib.contextmanager
-def observe_precision(model: nn.Module) -> Iterator[Precision]:
-    """Within the block, record the operations that compute below float64 (Note [float32 islands]).
+def observe(model: nn.Module) -> Iterator[Observed]:
+    """Within the block, turn dropout off and record where (Note [dropout in check]), the
+    operations that compute below float64 (Note [float32 islands]) and the first module whose
+    output is not finite.
 
     Args:
         model: the float64 copy whose modules name where each operation ran.
 
     Returns:
-        A context manager yielding the ``Precision`` it fills.
+        A context manager yielding the ``Observed`` it fills.
     """
-    precision, stack = Precision(), []
+    observed, stack = Observed(), []
     names = {m: name for name, m in model.named_modules()}
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -124,37 +181,22 @@ def observe_precision(model: nn.Module) -> Iterator[Precision]:
 
     def leave(module: nn.Module, args: Any, out: Any) -> None:
         stack.pop()
+        if observed.nonfinite is None and not all(finite(t) for _, t in tensor_leaves(out)):
+            observed.nonfinite = names[module]
 
     hooks = [m.register_forward_pre_hook(enter) for m in names]
     hooks += [m.register_forward_hook(leave, always_call=True) for m in names]
     try:
-        with _LowPrecisionWatch(precision, stack):
-            yield precision
+        with _Watch(observed, stack):
+            yield observed
     finally:
         for h in hooks:
             h.remove()
 
 
-@dataclass
-class Coupling:
-    """What ``probe_coupling`` found.
-
-    Attributes:
-        coupled: innermost modules whose output for sample 0 changes with the other samples.
-        unprobed: innermost modules whose replay raised or did not repeat itself
-            (Note [replay without caches]).
-    """
-
-    coupled: list[str]
-    unprobed: list[str]
-
-
-Recorded = tuple[tuple[Any, ...], dict[str, Any]]
-
-
 def probe_coupling(
     work: nn.Module, run: Callable[[], Any], n: int, seeded: Callable[[], Any], rtol: float
-) -> Coupling:
+) -> tuple[list[str], list[str]]:
     """Which modules of ``work`` couple the ``n`` samples of their input.
 
     Args:
@@ -165,14 +207,15 @@ def probe_coupling(
         rtol: relative difference of sample 0's output counted as rounding.
 
     Returns:
-        The ``Coupling``: coupled modules (innermost only: a container of a BatchNorm is coupled
-        through it) and modules that could not be probed.
+        ``(coupled, unprobed)``: the innermost modules whose output for sample 0 changes with the
+        other samples (a container of a BatchNorm is coupled through it), and those whose replay
+        raised or did not repeat itself (Note [replay without caches]).
     """
     names = {m: name for name, m in work.named_modules()}
-    inputs: dict[nn.Module, Recorded] = {}
+    inputs: dict[nn.Module, dict[Any, Any]] = {}
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        inputs.setdefault(module, (args, kwargs))
+        inputs.setdefault(module, {**dict(enumerate(args)), **kwargs})
 
     hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in names]
     try:
@@ -181,12 +224,10 @@ def probe_coupling(
     finally:
         for h in hooks:
             h.remove()
-    found: dict[str, list[str]] = {"coupled": [], "unprobed": []}
+    found: dict[str | None, list[str]] = {"coupled": [], "unprobed": [], None: []}
     for module, recorded in inputs.items():
-        verdict = _replay(module, recorded, n, seeded, rtol)
-        if verdict is not None:
-            found[verdict].append(names[module])
-    return Coupling(_innermost(found["coupled"]), _innermost(found["unprobed"]))
+        found[_replay(module, recorded, n, seeded, rtol)].append(names[module])
+    return _innermost(found["coupled"]), _innermost(found["unprobed"])
 
 
 def _innermost(names: list[str]) -> list[str]:
@@ -197,21 +238,30 @@ def _innermost(names: list[str]) -> list[str]:
 
 
 def _replay(
-    module: nn.Module, recorded: Recorded, n: int, seeded: Callable[[], Any], rtol: float
+    module: nn.Module,
+    recorded: dict[Any, Any],
+    n: int,
+    seeded: Callable[[], Any],
+    rtol: float,
 ) -> str | None:
-    """``"coupled"``, ``"unprobed"``, or ``None`` (independent, or no batch-shaped input)."""
-    args, kwargs = recorded
-    where = _probe_position(args, kwargs, n)
+    """``"coupled"``, ``"unprobed"``, or ``None`` (independent, or no batch-shaped input).
+
+    ``recorded`` holds the call's arguments by position (int) and keyword (str).
+    """
+    where = next((k for k, v in recorded.items() if _batch_shaped(v, n)), None)
     if where is None:
         return None
-    x = _argument(args, kwargs, where)
+    x = recorded[where]
     other = x.clone()
     other[1:] = x[1:] * 1.7 + 0.3
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
-        call_args, call_kwargs = _fresh(args, kwargs, where, first)
+        call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_cache(v) else v
+                for k, v in recorded.items()}  # fmt: skip
+        call[where] = first.clone()
+        args = [call.pop(i) for i in range(len(call)) if i in call]
         with seeded(), torch.no_grad():
-            return _first_rows(module(*call_args, **call_kwargs), n)
+            return _first_rows(module(*args, **call), n)
 
     try:
         a, b = row_0(x), row_0(other)
@@ -223,96 +273,25 @@ def _replay(
     return "coupled" if again is not None and _close(a, again, rtol) else "unprobed"
 
 
-Position = tuple[str, int | str]
-
-
-def _probe_position(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> Position | None:
-    """Where the first floating tensor with ``n`` rows is: positional index or keyword."""
-    candidates: list[tuple[Position, Any]] = [(("args", i), a) for i, a in enumerate(args)]
-    candidates += [(("kwargs", k), v) for k, v in kwargs.items()]
-    for where, value in candidates:
-        if (
-            isinstance(value, torch.Tensor)
-            and value.is_floating_point()
-            and value.dim()
-            and value.shape[0] == n
-        ):
-            return where
-    return None
-
-
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], where: Position) -> torch.Tensor:
-    kind, key = where
-    return args[key] if kind == "args" else kwargs[key]  # type: ignore[index]
-
-
-def _fresh(
-    args: tuple[Any, ...], kwargs: dict[str, Any], where: Position, first: torch.Tensor
-) -> tuple[list[Any], dict[str, Any]]:
-    """The recorded arguments for one replay: tensors cloned, caches dropped, the probe in place."""
-    call_args = [_fresh_value(a) for a in args]
-    call_kwargs = {k: _fresh_value(v) for k, v in kwargs.items()}
-    kind, key = where
-    if kind == "args":
-        call_args[key] = first.clone()  # type: ignore[index]
-    else:
-        call_kwargs[key] = first.clone()  # type: ignore[index]
-    return call_args, call_kwargs
-
-
-def _fresh_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return None if is_cache(value) else value
-
-
 def is_cache(value: Any) -> bool:
     """Is ``value`` a transformers key/value cache (Note [replay without caches])?
 
     Read from ``sys.modules``: a model that holds such a cache has imported transformers, and
     ``import bigbatch`` must not import it.
     """
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    cache_type = getattr(cache_utils, "Cache", None)
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     return isinstance(cache_type, type) and isinstance(value, cache_type)
 
 
+def _batch_shaped(value: Any, n: int) -> bool:
+    is_float = isinstance(value, torch.Tensor) and value.is_floating_point()
+    return is_float and value.dim() > 0 and value.shape[0] == n
+
+
 def _first_rows(out: Any, n: int) -> torch.Tensor | None:
-    for _, t in tensor_leaves(out):
-        if t.dim() and t.shape[0] == n and t.is_floating_point():
-            return t[0]
-    return None
+    """Row 0 of the first floating tensor with ``n`` rows in ``out``."""
+    return next((t[0] for _, t in tensor_leaves(out) if _batch_shaped(t, n)), None)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=1e-12, equal_nan=True)
-
-
-def first_nonfinite_output(work: nn.Module, run: Callable[[], Any]) -> str | None:
-    """The first module (by name, in the order calls finish) whose output holds NaN or inf.
-
-    Args:
-        work: the model copy ``run`` calls.
-        run: calls ``loss_fn`` on ``work`` and the batch.
-
-    Returns:
-        The module's name (``""`` for the model itself), or ``None`` when every output is finite.
-    """
-    names = {m: name for name, m in work.named_modules()}
-    found: list[str] = []
-
-    def watch(module: nn.Module, args: Any, out: Any) -> None:
-        if not found and any(
-            t.is_floating_point() and not bool(torch.isfinite(t).all())
-            for _, t in tensor_leaves(out)
-        ):
-            found.append(names[module])
-
-    hooks = [m.register_forward_hook(watch) for m in names]
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return found[0] if found else None
