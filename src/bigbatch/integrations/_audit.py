@@ -42,7 +42,7 @@ import torch
 
 from bigbatch.core import _rng
 from bigbatch.core.split import batch_size
-from bigbatch.verifier._probes import ROUNDING, observe_precision
+from bigbatch.verifier._probes import ROUNDING, observe
 from bigbatch.verifier._runs import differences
 
 logger = logging.getLogger("bigbatch")
@@ -193,7 +193,7 @@ def one_batch(
 ) -> tuple[dict[str, torch.Tensor], float, float]:
     """The one-batch gradient of ``loss()``, its value and the tolerance its precision allows;
     ``average``: average the gradients over the ranks (a model DDP does not wrap)."""
-    with observe_precision(model) as precision:
+    with observe(model) as precision:
         value = loss()
     value.backward()
     grads = gradients(model)
