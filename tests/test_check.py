@@ -309,8 +309,8 @@ def test_cli_check_eval_tolerance_and_a_batch_larger_than_the_data(tmp_path, cap
     )
     assert main(["check", f"{path}:good", "--batch-size", "100"]) == 2
     assert (
-        "--batch-size 100 is larger than the training data (32 samples): use --batch-size 32"
-        in capsys.readouterr().err
+        "--batch-size 100 is larger than the task's 32 training samples: the batch measured "
+        "would hold only 32. Give --batch-size 32 or less." in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         main(["check", "--help"])

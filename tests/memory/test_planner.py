@@ -425,8 +425,8 @@ def test_cli_bad_inputs_are_one_line(tmp_path, capsys):
     path = tmp_path / "plan_bad_task.py"
     assert main(["plan", f"{path}:task", "--batch-size", "100"]) == 2
     assert capsys.readouterr().err == (
-        "bigbatch plan: error: --batch-size 100 is larger than the training data (40 samples): "
-        "use --batch-size 40 or less.\n"
+        "bigbatch plan: error: --batch-size 100 is larger than the task's 40 training samples: "
+        "the batch measured would hold only 40. Give --batch-size 40 or less.\n"
     )
     assert main(["plan", f"{path}:no_parameters", "--batch-size", "8"]) == 2
     err = capsys.readouterr().err

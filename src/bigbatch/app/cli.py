@@ -283,18 +283,12 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 def _run_check(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_check
     from bigbatch.app.task import first_batch, load_task
-    from bigbatch.core.split import batch_size
     from bigbatch.verifier._check import check
 
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
     task = load_task(args.task)
     batch = first_batch(task, args.batch_size)
-    if batch_size(batch) < args.batch_size:
-        raise ValueError(
-            f"--batch-size {args.batch_size} is larger than the training data "
-            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
-        )
     model = task.model.eval() if args.eval else task.model
     report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
     print_check(report, title=f"bigbatch check {args.task}: worst parameters")
@@ -345,17 +339,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from bigbatch.app.console import print_plan
     from bigbatch.app.task import first_batch, load_task
-    from bigbatch.core.split import batch_size
     from bigbatch.memory.planner import plan
 
     task = load_task(args.task)
     factory = task.optimizer
     batch = first_batch(task, args.batch_size)
-    if batch_size(batch) < args.batch_size:
-        raise ValueError(
-            f"--batch-size {args.batch_size} is larger than the training data "
-            f"({batch_size(batch)} samples): use --batch-size {batch_size(batch)} or less."
-        )
     result = plan(
         task.model,
         batch,
