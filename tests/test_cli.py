@@ -82,7 +82,7 @@ def test_config_file_and_flags_override_it(capsys, tmp_path):
         (["train", f"{TASKS}:nope"], r"has no function 'nope'"),
         (
             ["train", f"{TASKS}:not_a_task"],
-            r"returned dict, not a bigbatch.Task: end the function with",
+            r"task .*: the task is a dict, not a bigbatch.Task: end the task function with",
         ),
         (
             [

@@ -304,7 +304,7 @@ def _vm_data_bytes(pid: int) -> int:
             "Task.loss_fn is None; it must be a function loss_fn(model, batch) returning a mean "
             "or (loss_sum, count).",
         ),
-        ("not_a_task", "returned dict, not a bigbatch.Task: end the function with"),
+        ("not_a_task", "the task is a dict, not a bigbatch.Task: end the task function with"),
     ],
 )
 def test_a_task_that_cannot_be_used(capsys, tmp_path, task, line):

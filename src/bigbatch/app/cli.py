@@ -1,8 +1,9 @@
 """The ``bigbatch`` command line: parse, build the settings, call the library, print.
 
-Each subcommand is registered by one ``_add_<name>(subparsers)`` function that sets ``run``.
-``bigbatch train``'s flags are made from the fields of ``TrainConfig`` (one list of settings;
-docs/design-settings.md says why by hand on argparse). ``main`` is the one error boundary (Note
+Each subcommand is one ``_run_<name>(args)`` function, whose docstring is its ``--help``
+description, and a row of ``_COMMANDS`` (its one-line help and its flags). ``bigbatch train``'s
+flags are made from the fields of ``TrainConfig`` (one list of settings; docs/design-settings.md
+says why by hand on argparse). ``main`` is the one error boundary (Note
 [error boundary]); docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
 
 Note [error boundary]
@@ -21,18 +22,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
+import functools
+import importlib.util
+import inspect
 import os
 import re
 import sys
 import sysconfig
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from bigbatch.app import demo
+from bigbatch.app.config import canonical, closest, kinds, load_toml, make_config, settings, words
 from bigbatch.app.signals import Stopped
+from bigbatch.core._warnings import BigBatchWarning
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
@@ -54,14 +60,13 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads: same behaviour
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+        self, args: Any = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extra = super().parse_known_args(args, namespace)
-        flags = [a for a in extra if a.startswith("-")]
-        if flags:  # (what follows an unknown flag is its value)
-            self.error(
-                f"unknown flag {flags[0]}{_did_you_mean(flags[0], self._option_string_actions)}"
-            )
+        flags = [a for a in extra if a.startswith("-")]  # (what follows one is its value)
+        if flags:
+            close = _did_you_mean(flags[0], self._option_string_actions)
+            self.error(f"unknown flag {flags[0]}{close}")
         if extra:
             self.error(f"unexpected argument(s): {' '.join(extra)}")
         return parsed, extra
@@ -73,10 +78,9 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message.removeprefix('argument ')}")
 
 
-def _did_you_mean(given: str, known: Iterable[str]) -> str:
-    name = given.split("=")[0]
-    close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, 1)
-    return f": did you mean {close[0]}?" if close else ""
+def _did_you_mean(given: str, known: Any) -> str:
+    close = closest(given.split("=")[0], known)
+    return f": did you mean {close}?" if close else ""
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -108,8 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Errors print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in _SUBCOMMANDS:
-        add(sub)
+    for run, help, flags, options in _COMMANDS:
+        name, doc = run.__name__.removeprefix("_run_"), inspect.cleandoc(run.__doc__ or "")
+        description, example, epilog = doc.partition("\n\nexample")
+        command = sub.add_parser(name, **{"help": help, "description": description, **options})
+        command.epilog = command.epilog or (f"example{epilog}" if example else None)
+        for names, settings_ in flags:
+            command.add_argument(*names.split(), **settings_)
+        if name == "train":
+            for f in settings():
+                _add_setting(command, f)
+        command.set_defaults(run=run)
     return parser
 
 
@@ -117,16 +130,10 @@ def run() -> None:
     """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
     from bigbatch.distributed import launch as distributed
 
-    try:
-        import rich  # noqa: F401  (the application's one required extra)
-    except ImportError:
-        print(
-            'bigbatch: the command line needs its extra: pip install "bigbatch[cli]" '
-            "(the library itself, import bigbatch, needs only torch).",
-            file=sys.stderr,
-        )
+    if importlib.util.find_spec("rich") is None:  # the application's one required extra
+        print('bigbatch: the command line needs its extra: pip install "bigbatch[cli]" (the '
+              "library itself, import bigbatch, needs only torch).", file=sys.stderr)  # fmt: skip
         sys.exit(2)
-
     distributed.exit_process(main())
 
 
@@ -141,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    shown = warnings.formatwarning
+    warnings.formatwarning = functools.partial(_one_line, args.command, shown)
     try:
-        with _warnings_in_one_line(args.command):
-            return int(args.run(args) or 0)
+        return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print(f"bigbatch {args.command}: interrupted.", file=sys.stderr)
         return 130
@@ -154,27 +162,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"bigbatch {args.command}: {'' if code != 2 else 'error: '}{line}", file=sys.stderr)
         return int(code)
-
-
-@contextlib.contextmanager
-def _warnings_in_one_line(command: str) -> Iterator[None]:
-    """bigbatch's own warnings as ``bigbatch COMMAND: warning: message`` (not file, line and the
-    line of bigbatch's code that warned); other packages' warnings as Python shows them. Only the
-    text changes (``formatwarning``): filters and recording (``catch_warnings``) work as ever."""
-    from bigbatch.core._warnings import BigBatchWarning
-
-    original = warnings.formatwarning
-
-    def one_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
-        if not issubclass(category, BigBatchWarning):
-            return original(message, category, *args, **kwargs)
-        return f"bigbatch {command}: warning: {message}\n"
-
-    warnings.formatwarning = one_line
-    try:
-        yield
     finally:
-        warnings.formatwarning = original
+        warnings.formatwarning = shown
+
+
+def _one_line(command: str, shown: Any, message: Any, kind: type, *rest: Any, **kw: Any) -> str:
+    """bigbatch's warnings as ``bigbatch COMMAND: warning: message`` (not file, line and the line
+    of bigbatch's code that warned); other packages' warnings as Python ``shown`` them. Only the
+    text changes (``formatwarning``): filters and recording (``catch_warnings``) work as ever."""
+    if issubclass(kind, BigBatchWarning):
+        return f"bigbatch {command}: warning: {message}\n"
+    return str(shown(message, kind, *rest, **kw))
 
 
 def explain(exc: BaseException) -> str | None:
@@ -208,216 +206,16 @@ def _in_bigbatch(path: str) -> bool:
 
 
 def _is_user_code(path: str) -> bool:
-    if path.startswith("<") or _in_bigbatch(path):
-        return False
     resolved = Path(path).resolve()
-    libraries = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if any(resolved.is_relative_to(Path(lib).resolve()) for lib in libraries):
-        return False
-    return "site-packages" not in resolved.parts and "dist-packages" not in resolved.parts
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from bigbatch.app import demo as module
-
-    demo = sub.add_parser(
-        "demo",
-        help="train one model full-batch, accumulated and auto under a budget: same weights, "
-        "less memory",
-        description=(module.__doc__ or "").split("\nNote [")[0],
-        epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
-        formatter_class=_Raw,
-    )
-    for flag, default, text in (
-        ("--steps", 40, "optimizer steps per run"),
-        ("--batch-size", 512, "samples per optimizer step"),
-        ("--micro-batch-size", 64, "the accumulated run's micro-batch"),
-    ):
-        demo.add_argument(flag, type=int, default=default, help=text)  # fmt: skip
-    demo.add_argument(
-        "--out", metavar="FILE.png", default="bigbatch-demo.png", help="where to write the plot"
-    )
-    demo.set_defaults(run=_run_demo)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from bigbatch.app.demo import run_demo
-
-    result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
-    return 0 if result.exact() else 1
-
-
-def _add_check(sub: argparse._SubParsersAction) -> None:
-    check = sub.add_parser(
-        "check",
-        help="is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)",
-        description="Compute the gradient of the first --batch-size samples of TASK twice, on "
-        "float64 copies of its model from the same seed: in one piece, and as "
-        "bigbatch.Accumulator accumulates it over micro-batches of --micro-batch-size. Print "
-        "the parameters that differ most, the verdict and, when not exact, why: a BatchNorm or "
-        "other module that couples the samples, a loss that returns a mean as a sum, a "
-        "batch-coupled loss, NaN or inf, non-determinism. Dropout is turned off in both runs "
-        "(micro-batches draw other masks than the full batch: equal in distribution, not the "
-        "same numbers), and the verdict says so. The model runs in the mode TASK builds it in "
-        "(a transformers model built from a config: train); --eval checks it in eval mode.",
-    )
-    check.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
-    check.add_argument("--batch-size", type=int, default=16, help="samples in the batch compared")
-    check.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=None,
-        help="samples per micro-batch (default: a third)",
-    )
-    check.add_argument(
-        "--tolerance", type=float, default=1e-10,
-        help="relative difference counted as float64 rounding (default 1e-10; raised to 1e-5 "
-        "where the model computes in float32, and the verdict says so)",
-    )  # fmt: skip
-    check.add_argument(
-        "--eval", action="store_true", help="check the model in eval mode (model.eval())"
-    )
-    check.set_defaults(run=_run_check)
-
-
-def _run_check(args: argparse.Namespace) -> int:
-    from bigbatch.app.console import print_check
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.verifier._check import check
-
-    if args.batch_size < 2:
-        raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
-    task = load_task(args.task)
-    batch = first_batch(task, args.batch_size)
-    model = task.model.eval() if args.eval else task.model
-    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
-    print_check(report, title=f"bigbatch check {args.task}: worst parameters")
-    return 0 if report.exact else 1
-
-
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    plan = sub.add_parser(
-        "plan",
-        help="measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
-        description="Run real optimizer steps of one effective batch of TASK on copies of its model "
-        "and optimizer, at several micro-batch sizes, without checkpointing, with selective "
-        "checkpointing and with 50% and 100% of the repeated blocks recomputed (offloaded too on "
-        "CUDA). First the peak memory of each (model, gradients, optimizer state, activations; "
-        "fitted as a + b x micro-batch to predict sizes not run); then the configurations that "
-        "fit the budget less the safety margin are timed in --steps alternating rounds: the "
-        "median time per step and its spread (interquartile range). Chooses the fastest; "
-        "spreads that overlap within 5% tie, and a tie goes to the one with more headroom. "
-        "Prints the table, the choice, the runner-up and why it lost.",
-    )
-    plan.add_argument("task", metavar="TASK", help="module:function returning a bigbatch.Task")
-    plan.add_argument("--batch-size", type=int, required=True, help="samples per optimizer step")
-    plan.add_argument(
-        "--memory-budget", default=None,
-        help="memory a step may use, e.g. 6GiB (default: the GPU's memory, or the CPU's available memory)",
-    )  # fmt: skip
-    plan.add_argument(
-        "--margin", type=float, default=0.1,
-        help="fraction of the budget kept free, in [0, 1) (default 0.1: peaks within 90%% of it)",
-    )  # fmt: skip
-    plan.add_argument(
-        "--micro-batch-sizes", type=_int_list, default=None,
-        help="comma-separated sizes to try, e.g. 1,2,4 (default: powers of two up to the batch)",
-    )  # fmt: skip
-    plan.add_argument(
-        "--checkpointing", type=lambda text: [
-            float(part) if part.strip()[:1].isdigit() else part.strip()
-            for part in text.split(",") if part.strip()
-        ], default=None,
-        help="comma-separated options: fractions of the blocks recomputed whole and policy names "
-        "none, selective, full, offload (selective:0.5 for a fraction); default: "
-        "none,selective,0.5,1 (and offload on CUDA)",
-    )  # fmt: skip
-    plan.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
-    plan.set_defaults(run=_run_plan)
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    from bigbatch.app.console import print_plan
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.memory.planner import plan
-
-    task = load_task(args.task)
-    factory = task.optimizer
-    batch = first_batch(task, args.batch_size)
-    result = plan(
-        task.model,
-        batch,
-        task.loss_fn,
-        memory_budget=args.memory_budget,
-        micro_batch_sizes=args.micro_batch_sizes,
-        checkpointing=args.checkpointing,
-        optimizer=(lambda params: factory(params, 1e-3)) if factory is not None else None,
-        steps=args.steps,
-        margin=args.margin,
-    )
-    print_plan(result)
-    return 0
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-_TRAIN_EPILOG = """\
-examples:
-  bigbatch train my_project/tasks.py:mnist --batch-size 1024 --micro-batch-size 64 --epochs 3
-  bigbatch train my_project.tasks:lm --batch-size 256 --micro-batch-size auto --memory-budget 6GiB
-  bigbatch train my_project.tasks:lm --config run.toml --lr 3e-4        # flags override the file
-  bigbatch train my_project.tasks:lm --config run.toml --resume         # continue after a crash
-
-Any two of --batch-size, --micro-batch-size and --gradient-accumulation-steps give the third
-(batch = micro-batch x steps); the step is the exact big-batch step however the batch is cut.
-A TOML --config holds the same names with _ for - (batch_size = 256). Values are read in any case
-(--micro-batch-size Auto); transformers' names work too (--learning-rate, --max-steps,
---num-train-epochs, --per-device-train-batch-size, --fp16, --bf16). The run folder (--out) gets
-metrics.csv, train.log, snapshots, model.pt and summary.json (`bigbatch report DIR` plots it);
-one run at a time per folder. Ctrl-C or SIGTERM finishes the step in flight, writes a snapshot
-and says how to resume (exit 130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
-"""
-
-
-def _train_description() -> str:
-    import inspect
-
-    import torch
-
-    adamw = inspect.signature(torch.optim.AdamW).parameters
-    return (
-        "Train TASK's model on its data: one exact optimizer step per effective batch, cut into\n"
-        "micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params,\n"
-        f"lr)), else torch.optim.AdamW(lr=--lr, betas={adamw['betas'].default}, weight_decay="
-        f"{adamw['weight_decay'].default}),\nits rate following --lr-schedule after --warmup-steps."
-    )
-
-
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    from bigbatch.app.config import settings
-
-    train = sub.add_parser(
-        "train",
-        help="train a task with exact gradient accumulation (progress, CSV, resume, report)",
-        description=_train_description(),
-        epilog=_TRAIN_EPILOG,
-        formatter_class=_Raw,
-    )
-    train.add_argument(
-        "--config", metavar="FILE.toml", default=None,
-        help="TOML file of settings (keys = these flags' names with _ for -)",
-    )  # fmt: skip
-    for f in settings():
-        _add_setting(train, f)
-    train.set_defaults(run=_run_train)
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    libraries = [Path(sysconfig.get_paths()[k]).resolve() for k in keys]
+    installed = {"site-packages", "dist-packages"} & set(resolved.parts)
+    library = installed or any(resolved.is_relative_to(lib) for lib in libraries)
+    return not (path.startswith("<") or _in_bigbatch(path) or library)
 
 
 def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
     """The flags of one ``TrainConfig`` field; only the flags given override ``--config``."""
-    from bigbatch.app.config import kinds, words
-
     flag, meta = "--" + f.name.replace("_", "-"), f.metadata
     names = [flag, *(a for a in meta["aliases"] if "=" not in a)]
     common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": meta["help"]}
@@ -428,9 +226,9 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
     if kinds(f) == (bool,):
         action = parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
     elif bool in kinds(f):  # --resume, --resume auto, --no-resume
-        action = parser.add_argument(
-            *names, nargs="?", const=True, type=_reader(f), metavar="|".join(words(f)), **common
-        )
+        metavar = "|".join(words(f))
+        optional: dict[str, Any] = {"nargs": "?", "const": True, "metavar": metavar}
+        action = parser.add_argument(*names, type=_reader(f), **optional, **common)
         no = f"not {flag} (overrides --config)"
         parser.add_argument(f"--no-{flag[2:]}", action="store_false", **{**common, "help": no})
     else:
@@ -444,8 +242,6 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
 
 def _reader(f: Any) -> Callable[[str], Any]:
     """Reads a flag's text as setting ``f``: its words in any case, else as its type says."""
-    from bigbatch.app.config import canonical, kinds, words
-
     types = [k for k in kinds(f) if k in (int, float, str)]
 
     def read(text: str) -> Any:
@@ -461,8 +257,36 @@ def _reader(f: Any) -> Callable[[str], Any]:
     return read
 
 
-def _run_train(args: argparse.Namespace) -> int:
-    from bigbatch.app.config import load_toml, make_config, settings
+def _run_demo(args: argparse.Namespace) -> int:
+    """``bigbatch demo`` (its description is the ``demo`` module's docstring)."""
+    from bigbatch.app.demo import run_demo
+
+    result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
+    return 0 if result.exact() else 1
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    """Train TASK's model on its data: one exact optimizer step per effective batch, cut into
+    micro-batches that fit in memory. The optimizer is the task's (Task.optimizer(params,
+    lr)), else torch.optim.AdamW(lr=--lr, betas=(0.9, 0.999), weight_decay=0.01),
+    its rate following --lr-schedule after --warmup-steps.
+
+    examples:
+      bigbatch train my_project/tasks.py:mnist --batch-size 1024 --micro-batch-size 64 --epochs 3
+      bigbatch train my_project.tasks:lm --batch-size 256 --micro-batch-size auto --memory-budget 6GiB
+      bigbatch train my_project.tasks:lm --config run.toml --lr 3e-4        # flags override the file
+      bigbatch train my_project.tasks:lm --config run.toml --resume         # continue after a crash
+
+    Any two of --batch-size, --micro-batch-size and --gradient-accumulation-steps give the
+    third (batch = micro-batch x steps); the step is the exact big-batch step however the
+    batch is cut. A TOML --config holds the same names with _ for - (batch_size = 256).
+    Values are read in any case (--micro-batch-size Auto); transformers' names work too
+    (--learning-rate, --max-steps, --num-train-epochs, --per-device-train-batch-size, --fp16,
+    --bf16). The run folder (--out) gets metrics.csv, train.log, snapshots, model.pt and
+    summary.json (`bigbatch report DIR` plots it); one run at a time per folder. Ctrl-C or
+    SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit
+    130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
+    """
     from bigbatch.app.loop import fit
     from bigbatch.app.task import load_task
     from bigbatch.core import _rng
@@ -471,38 +295,124 @@ def _run_train(args: argparse.Namespace) -> int:
     file_settings = load_toml(args.config) if args.config else {}
     config = make_config(file_settings, **{k: v for k, v in vars(args).items() if k in names})
     if not config.task:
-        raise ValueError(
-            'no task: give TASK (module:function) or `task = "module:function"` in --config.'
-        )
+        raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
+                         "--config.")  # fmt: skip
     _rng.seed_all(config.seed)  # the task function builds the model: same seed, same weights
     fit(load_task(config.task), config)
-    return 0
 
 
-def _add_report(sub: argparse._SubParsersAction) -> None:
-    report = sub.add_parser(
-        "report",
-        help="summarise a run folder and plot its loss and memory over steps (PNG)",
-        description="Print the summary of a `bigbatch train` run and draw DIR/report.png: the "
-        "loss per optimizer step and the peak memory per step. A run still running, or stopped "
-        "before its end, gets a partial report that says so.",
-    )
-    report.add_argument("out", metavar="DIR", help="the --out folder of a `bigbatch train` run")
-    report.add_argument("--png", help="where to write the plot (default DIR/report.png)")
-    report.set_defaults(run=_run_report)
-
-
-def _run_report(args: argparse.Namespace) -> int:
+def _run_report(args: argparse.Namespace) -> None:
+    """Print the summary of a `bigbatch train` run and draw DIR/report.png: the loss per
+    optimizer step and the peak memory per step. A run still running, or stopped before its
+    end, gets a partial report that says so."""
     from bigbatch.app.report import print_summary, report
 
     summary, partial, path = report(args.out, args.png)
     print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
-    if partial:
-        print(f"partial report: {partial}.")
-    print(f"plot: {path}")
-    return 0
+    print(f"partial report: {partial}.\nplot: {path}" if partial else f"plot: {path}")
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo, _add_train, _add_report, _add_check, _add_plan
+def _run_check(args: argparse.Namespace) -> int:
+    """Compute the gradient of the first --batch-size samples of TASK twice, on float64 copies of
+    its model from the same seed: in one piece, and as bigbatch.Accumulator accumulates it over
+    micro-batches of --micro-batch-size. Print the parameters that differ most, the verdict and,
+    when not exact, why: a BatchNorm or other module that couples the samples, a loss that
+    returns a mean as a sum, a batch-coupled loss, NaN or inf, non-determinism. Dropout is
+    turned off in both runs (micro-batches draw other masks than the full batch: equal in
+    distribution, not the same numbers), and the verdict says so. The model runs in the mode
+    TASK builds it in (a transformers model built from a config: train); --eval checks it in
+    eval mode."""
+    from bigbatch.app.console import print_check
+    from bigbatch.app.task import first_batch, load_task
+    from bigbatch.verifier._check import check
+
+    if args.batch_size < 2:
+        raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
+    task = load_task(args.task)
+    batch = first_batch(task, args.batch_size)
+    model = task.model.eval() if args.eval else task.model
+    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
+    print_check(report, title=f"bigbatch check {args.task}: worst parameters")
+    return 0 if report.exact else 1
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    """Run real optimizer steps of one effective batch of TASK on copies of its model and
+    optimizer, at several micro-batch sizes, without checkpointing, with selective
+    checkpointing and with 50% and 100% of the repeated blocks recomputed (offloaded too on
+    CUDA). First the peak memory of each (model, gradients, optimizer state, activations;
+    fitted as a + b x micro-batch to predict sizes not run); then the configurations that fit
+    the budget less the safety margin are timed in --steps alternating rounds: the median time
+    per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
+    within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
+    the runner-up and why it lost."""
+    from bigbatch.app.console import print_plan
+    from bigbatch.app.task import first_batch, load_task
+    from bigbatch.memory.planner import plan
+
+    task = load_task(args.task)
+    factory = task.optimizer
+    optimizer = None if factory is None else lambda params: factory(params, 1e-3)
+    print_plan(plan(
+        task.model, first_batch(task, args.batch_size), task.loss_fn,
+        memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
+        checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
+        margin=args.margin,
+    ))  # fmt: skip
+
+
+def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A flag's reader for a comma-separated list of ``kind``\\ s."""
+    return lambda text: [kind(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def _option(text: str) -> float | str:
+    """A checkpointing option: a fraction of the blocks, or a policy's name."""
+    return float(text) if text[:1].isdigit() else text
+
+
+TASK = ("task", dict(metavar="TASK", help="module:function returning a bigbatch.Task"))
+_COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, dict]], dict]] = [
+    (_run_demo, "train one model full-batch, accumulated and auto under a budget: same weights, "
+     "less memory", [
+        ("--steps", dict(type=int, default=40, help="optimizer steps per run")),
+        ("--batch-size", dict(type=int, default=512, help="samples per optimizer step")),
+        ("--micro-batch-size", dict(type=int, default=64,
+                                    help="the accumulated run's micro-batch")),
+        ("--out", dict(metavar="FILE.png", default="bigbatch-demo.png",
+                       help="where to write the plot")),
+    ], dict(description=(demo.__doc__ or "").split("\nNote [")[0], formatter_class=_Raw,
+            epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png")),
+    (_run_train, "train a task with exact gradient accumulation (progress, CSV, resume, report)", [
+        ("--config", dict(metavar="FILE.toml", default=None,
+                          help="TOML file of settings (keys = these flags' names with _ for -)")),
+    ], dict(formatter_class=_Raw)),
+    (_run_report, "summarise a run folder and plot its loss and memory over steps (PNG)", [
+        ("out", dict(metavar="DIR", help="the --out folder of a `bigbatch train` run")),
+        ("--png", dict(help="where to write the plot (default DIR/report.png)")),
+    ], {}),
+    (_run_check, "is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)", [
+        TASK,
+        ("--batch-size", dict(type=int, default=16, help="samples in the batch compared")),
+        ("--micro-batch-size", dict(type=int, help="samples per micro-batch (default: a third)")),
+        ("--tolerance", dict(type=float, default=1e-10, help="relative difference counted as "
+         "float64 rounding (default 1e-10; raised to 1e-5 where the model computes in float32, "
+         "and the verdict says so)")),
+        ("--eval", dict(action="store_true", help="check the model in eval mode (model.eval())")),
+    ], {}),
+    (_run_plan, "measure micro-batch sizes and checkpointing, choose the fastest that fits in "
+     "memory", [
+        TASK,
+        ("--batch-size", dict(type=int, required=True, help="samples per optimizer step")),
+        ("--memory-budget", dict(help="memory a step may use, e.g. 6GiB (default: the GPU's "
+         "memory, or the CPU's available memory)")),
+        ("--margin", dict(type=float, default=0.1, help="fraction of the budget kept free, in "
+         "[0, 1) (default 0.1: peaks within 90%% of it)")),
+        ("--micro-batch-sizes", dict(type=_listed(int), help="comma-separated sizes to try, e.g. "
+         "1,2,4 (default: powers of two up to the batch)")),
+        ("--checkpointing", dict(type=_listed(_option), help="comma-separated options: fractions "
+         "of the blocks recomputed whole and policy names none, selective, full, offload "
+         "(selective:0.5 for a fraction); default: none,selective,0.5,1 (and offload on CUDA)")),
+        ("--steps", dict(type=int, default=5, help="timed rounds (default 5)")),
+    ], {}),
 ]  # fmt: skip

@@ -32,6 +32,7 @@ import functools
 import math
 import sys
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -222,12 +223,7 @@ class TrainConfig:
         for f in fields(self):
             value = canonical(f, getattr(self, f.name))  # "Auto", "FP16": any case will do
             object.__setattr__(self, f.name, value)
-            if f.metadata["choices"] is not None:
-                _check_choice(f.name, value, f.metadata["choices"])
-            elif f.metadata["low"] is not None:
-                _check_int(f, value, type(None) in kinds(f))
-            elif int not in kinds(f):
-                _check_type(f.name, value, kinds(f))
+            _check_field(f, value)
         _check_numbers(self)
         resolve_batch(self)  # contradictions are reported when the config is made
 
@@ -260,61 +256,74 @@ def canonical(f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-def _check_numbers(config: TrainConfig) -> None:
+def closest(given: str, known: Iterable[str]) -> str | None:
+    """The name in ``known`` that ``given`` most likely means: the first it begins, else the
+    most similar (``None``: none is close). For "did you mean" in every error about a name."""
+    known = list(known)
+    close = [k for k in known if k.startswith(given)] or difflib.get_close_matches(given, known, 1)
+    return close[0] if close else None
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    """The value's type, its choices or its least value, as ``setting(...)`` declares them."""
+    meta, admits = f.metadata, kinds(f)
+    if meta["choices"] is not None:  # "1" is not 1, 1 is not True
+        if not any(value == a and type(value) is type(a) for a in meta["choices"]):
+            shown = ", ".join(repr(a) for a in meta["choices"] if a is not None)
+            raise ValueError(f"{f.name}={value!r} is not allowed: use one of {shown}.")
+    elif meta["low"] is not None:
+        if (value is None and type(None) in admits) or value in words(f):
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < meta["low"]:
+            what = meta["allowed"] or f"a {'positive' if meta['low'] else 'non-negative'} integer"
+            what += "".join(f' or "{w}"' for w in words(f))
+            raise ValueError(f"{f.name}={value!r} is not allowed: use {what}.")
+    elif int not in admits and type(value) not in admits:  # (int where float is: fine)
+        if type(value) is int and float in admits:
+            return
+        wanted = " or ".join(_KINDS[k] for k in admits if k in _KINDS)
+        wanted += " (or is left out)" if type(None) in admits else ""
+        raise TypeError(f"{f.name}={value!r} is {described(type(value))}: {f.name} takes {wanted}.")
+
+
+def _check_numbers(c: TrainConfig) -> None:
     """What one field's type and range do not say."""
-    if config.steps is not None and config.epochs is not None:
-        raise ValueError(
-            f"steps={config.steps} and epochs={config.epochs} are both given: choose one "
-            "(--steps N runs N optimizer steps; --epochs N runs N passes over the data)."
-        )
-    _check_positive("lr", config.lr, "(finite), e.g. lr=3e-4.")
-    if config.max_grad_norm is not None:
-        _check_positive(
-            "max_grad_norm", config.max_grad_norm, "(finite, e.g. 1.0), or leave it out for no "
-            "clipping.",
-        )  # fmt: skip
-    if config.seed > MAX_SEED:
-        raise ValueError(f"seed={config.seed} is not allowed: use an integer from 0 to 2**63 - 1.")
-    parse_bytes(config.memory_budget)  # refuses what is not a finite, positive size
-    if config.lr_scaling != "none" and config.reference_batch_size is None:
-        raise ValueError(
-            f"lr_scaling={config.lr_scaling!r} needs reference_batch_size, the batch size lr "
-            "was tuned for: e.g. --reference-batch-size 256."
-        )
-    _check_outer(config)
-
-
-def _check_outer(config: TrainConfig) -> None:
-    """The outer step of local rounds (Note [local rounds] in ``app.rounds``)."""
-    _check_positive(
-        "outer_lr", config.outer_lr,
-        "(1: the paper's normalised update; the value of --local-steps: average the ranks' "
-        "models).",
-    )  # fmt: skip
-    if not 0 <= config.outer_momentum < 1:
-        raise ValueError(
-            f"outer_momentum={config.outer_momentum!r} is not allowed: use a number in [0, 1) "
-            "(0: the plain outer rule; 0.9 with --outer-nesterov: DiLoCo's)."
-        )
-    if config.outer_nesterov and config.outer_momentum == 0:
-        raise ValueError(
-            "outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 (DiLoCo's), or "
-            "drop --outer-nesterov."
-        )
-    defaults = {f.name: f.default for f in fields(config)}
-    outer = [f"{k}={getattr(config, k)!r}" for k in OUTER if getattr(config, k) != defaults[k]]
-    if config.local_steps == 1 and outer:
-        raise ValueError(
-            f"{', '.join(outer)} has no effect with local_steps=1, the exact data-parallel step "
-            "(one all-reduce per step, no outer step): add --local-steps λ > 1 for local "
-            "accumulation, or drop it."
-        )
+    if c.steps is not None and c.epochs is not None:
+        raise ValueError(f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
+                         "(--steps N runs N optimizer steps; --epochs N runs N passes over the "
+                         "data).")  # fmt: skip
+    for name, right, allowed in [
+        ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
+        ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
+         "leave it out for no clipping"),
+        ("seed", c.seed <= MAX_SEED, "an integer from 0 to 2**63 - 1"),
+        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper's normalised "
+         "update; the value of --local-steps: average the ranks' models)"),
+        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1) (0: the plain outer "
+         "rule; 0.9 with --outer-nesterov: DiLoCo's)"),
+    ]:  # fmt: skip
+        if not right:
+            raise ValueError(f"{name}={getattr(c, name)!r} is not allowed: use {allowed}.")
+    parse_bytes(c.memory_budget)  # refuses what is not a finite, positive size
+    if c.lr_scaling != "none" and c.reference_batch_size is None:
+        raise ValueError(f"lr_scaling={c.lr_scaling!r} needs reference_batch_size, the batch "
+                         "size lr was tuned for: e.g. --reference-batch-size 256.")  # fmt: skip
+    if c.outer_nesterov and c.outer_momentum == 0:
+        raise ValueError("outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 "
+                         "(DiLoCo's), or drop --outer-nesterov.")  # fmt: skip
+    defaults = {f.name: f.default for f in fields(c)}
+    outer = [f"{k}={getattr(c, k)!r}" for k in OUTER if getattr(c, k) != defaults[k]]
+    if c.local_steps == 1 and outer:
+        raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
+                         "data-parallel step (one all-reduce per step, no outer step): add "
+                         "--local-steps λ > 1 for local accumulation, or drop it.")  # fmt: skip
 
 
 def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
     """``(batch_size, micro_batch_size, gradient_accumulation_steps)`` (Note [batch arithmetic]).
 
-    ``gradient_accumulation_steps`` is ``None`` with ``micro_batch_size="auto"``.
+    ``gradient_accumulation_steps`` is ``None`` with ``micro_batch_size="auto"`` and with
+    ``micro_batch_tokens`` (then ``micro_batch_size`` caps the rows, or is ``None``).
 
     Raises:
         ValueError: the given values contradict each other.
@@ -323,38 +332,32 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
         >>> resolve_batch(TrainConfig(batch_size=10, micro_batch_size=4))
         (10, 4, 3)
     """
-    k = config.gradient_accumulation_steps
-    if config.micro_batch_tokens is not None:  # cut by tokens: micro_batch_size caps rows
-        if k is not None:
-            raise ValueError(
-                f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: the "
-                "tokens decide how many micro-batches a batch takes. Drop one of the two."
-            )
-        return (config.batch_size or DEFAULT_BATCH_SIZE), config.micro_batch_size, None  # type: ignore[return-value]
-    if config.micro_batch_size == "auto":
-        if k is not None:
-            raise ValueError(
-                f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
-                f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
-            )
-        return (config.batch_size or DEFAULT_BATCH_SIZE), "auto", None
-    given_m = config.micro_batch_size
+    k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
+    tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
+    if k is not None and tokens:
+        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with "
+                         "micro_batch_tokens: the tokens decide how many micro-batches a batch "
+                         "takes. Drop one of the two.")  # fmt: skip
+    if k is not None and given_m == "auto":
+        raise ValueError(f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
+                         f"gradient_accumulation_steps={k}, or give an integer "
+                         "micro_batch_size.")  # fmt: skip
+    if tokens or given_m == "auto":
+        return (config.batch_size or DEFAULT_BATCH_SIZE), given_m, None  # type: ignore[return-value]
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
-    if k is not None and math.ceil(b / m) != k:
-        if given_m is not None and config.batch_size is not None:
-            raise ValueError(
-                f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_steps={k} "
-                f"contradict each other: {b} samples at {m} per micro-batch take "
-                f"{math.ceil(b / m)} micro-batches. Give only two of the three."
-            )
-        raise ValueError(
-            f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-batches: "
-            f"at {m} samples per micro-batch it takes {math.ceil(b / m)} (only the last may be "
-            f"smaller). Use gradient_accumulation_steps={math.ceil(b / m)}, or give "
-            "micro_batch_size instead."
-        )
-    return b, m, math.ceil(b / m)
+    steps = math.ceil(b / m)
+    if k is not None and steps != k and given_m is not None and config.batch_size is not None:
+        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and "
+                         f"gradient_accumulation_steps={k} contradict each other: {b} samples at "
+                         f"{m} per micro-batch take {steps} micro-batches. Give only two of the "
+                         "three.")  # fmt: skip
+    if k is not None and steps != k:
+        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} "
+                         f"micro-batches: at {m} samples per micro-batch it takes {steps} (only "
+                         f"the last may be smaller). Use gradient_accumulation_steps={steps}, or "
+                         "give micro_batch_size instead.")  # fmt: skip
+    return b, m, steps
 
 
 def run_length(config: TrainConfig, dataset_size: int) -> tuple[int, int]:
@@ -364,8 +367,7 @@ def run_length(config: TrainConfig, dataset_size: int) -> tuple[int, int]:
         >>> run_length(TrainConfig(batch_size=10, epochs=2), 25)
         (3, 6)
     """
-    batch_size = resolve_batch(config)[0]
-    steps_per_epoch = math.ceil(dataset_size / batch_size)
+    steps_per_epoch = math.ceil(dataset_size / resolve_batch(config)[0])
     return steps_per_epoch, config.steps or (config.epochs or 1) * steps_per_epoch
 
 
@@ -376,10 +378,9 @@ def scaled_lr(config: TrainConfig, batch_size: int) -> float:
         >>> scaled_lr(TrainConfig(lr=0.1, lr_scaling="linear", reference_batch_size=256), 1024)
         0.4
     """
-    if config.lr_scaling == "none":
-        return float(config.lr)
     ratio = batch_size / int(config.reference_batch_size or batch_size)
-    return float(config.lr) * (ratio if config.lr_scaling == "linear" else math.sqrt(ratio))
+    scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
+    return float(config.lr) * scale
 
 
 def resumable_changes() -> frozenset[str]:
@@ -402,22 +403,14 @@ def make_config(
     names = [f.name for f in fields(TrainConfig)]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ValueError(
-            f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(names)}."
-            + "".join(f" {suggest(key)}" for key in unknown if suggest(key))
-        )
+        aliases = [(a, f.name) for f in fields(TrainConfig) for a in f.metadata["aliases"]]
+        spelled = {a[2:].split("=")[0].replace("-", "_"): n for a, n in aliases}
+        spelled.update({n: n for n in names})
+        close = [closest(key.lstrip("-").replace("-", "_"), spelled) for key in unknown]
+        hints = "".join(f" Did you mean {spelled[c]!r}?" for c in close if c)
+        raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: "
+                         f"{', '.join(names)}.{hints}")  # fmt: skip
     return TrainConfig(**given)
-
-
-def suggest(key: str) -> str:
-    """``"Did you mean 'lr'?"`` for a misspelt setting or another tool's name for it (or "")."""
-    spelled = {f.name: f.name for f in fields(TrainConfig)}
-    for f in fields(TrainConfig):
-        spelled.update(
-            {a[2:].split("=")[0].replace("-", "_"): f.name for a in f.metadata["aliases"]}
-        )
-    close = difflib.get_close_matches(key.lstrip("-").replace("-", "_"), spelled, n=1)
-    return f"Did you mean {spelled[close[0]]!r}?" if close else ""
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -450,35 +443,12 @@ def _hints() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 
 
-def _check_type(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    """Refuse a value whose type the annotation does not admit (a bool is not a number here)."""
-    given = type(value)
-    if given in allowed or (given is int and float in allowed):
-        return
-    wanted = " or ".join(_KINDS[k] for k in allowed if k in _KINDS)
-    article = "an" if given.__name__[:1] in "aeiou" else "a"
-    raise TypeError(
-        f"{name}={value!r} is {article} {given.__name__}: {name} takes {wanted}"
-        + (" (or is left out)." if type(None) in allowed else ".")
-    )
+def positive(value: float | None) -> bool:
+    """``None``, or a finite number above 0."""
+    return value is None or 0 < value < math.inf
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if not any(value == a and type(value) is type(a) for a in allowed):  # "1" is not 1, 1 not True
-        shown = ", ".join(repr(a) for a in allowed if a is not None)
-        raise ValueError(f"{name}={value!r} is not allowed: use one of {shown}.")
-
-
-def _check_int(f: dataclasses.Field, value: Any, optional: bool) -> None:
-    low, given = f.metadata["low"], words(f)
-    if (value is None and optional) or value in given:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        what = f.metadata["allowed"] or ("a positive integer" if low else "a non-negative integer")
-        what += "".join(f' or "{w}"' for w in given)
-        raise ValueError(f"{f.name}={value!r} is not allowed: use {what}.")
-
-
-def _check_positive(name: str, value: float, advice: str) -> None:
-    if not (0 < value < math.inf):
-        raise ValueError(f"{name}={value!r} is not allowed: use a positive number {advice}")
+def described(*kinds: type) -> str:
+    """``"an int or None"``: types as a sentence says them."""
+    names = [k.__name__.replace("NoneType", "None") for k in kinds]
+    return " or ".join(n if n == "None" else f"a{'n' * (n[0] in 'aeiou')} {n}" for n in names)

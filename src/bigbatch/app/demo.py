@@ -30,13 +30,14 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from bigbatch.app.console import print_table
+from bigbatch.app.report import save_png
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.peak import measure_peak, small_mmap_threshold
 
@@ -101,14 +102,20 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
         raise ImportError(
-            f"the demo's data come with scikit-learn ({exc}): run pip install scikit-learn "
-            '(or pip install -e ".[demo]" in a clone).'
+            f"the demo's data come with scikit-learn ({exc}): run pip install "
+            'scikit-learn (or pip install -e ".[demo]" in a clone).'
         ) from None
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
     y = torch.tensor(digits.target, dtype=torch.long)[order]
     return Digits(x[test_samples:], y[test_samples:], x[:test_samples], y[:test_samples])
+
+
+def make_model(hidden: int = 8192) -> torch.nn.Module:
+    """The demo's MLP, 64 -> ``hidden`` -> 10, in float64."""
+    layers = torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
+    return torch.nn.Sequential(*layers).double()
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -140,23 +147,29 @@ def run_demo(
         ImportError: scikit-learn is not installed.
     """
     data = load_digits()
-    _check_sizes(steps, batch_size, micro_batch_size, len(data.y_train))
+    n = len(data.y_train)
+    if steps < 2:
+        raise ValueError(f"steps={steps} is too few: use 2 or more (the first step is a warm-up).")
+    if not MIN_BATCH <= batch_size <= n:
+        raise ValueError(f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n} (the "
+                         "training images; below, half the full batch's peak leaves no room for "
+                         "the gradients and the optimizer step).")  # fmt: skip
+    if not 1 <= micro_batch_size <= batch_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch "
+                         f"size ({batch_size}).")  # fmt: skip
     gen = torch.Generator().manual_seed(0)  # each step: batch_size distinct samples, afresh
-    order = [torch.randperm(len(data.y_train), generator=gen)[:batch_size] for _ in range(steps)]
+    order = [torch.randperm(n, generator=gen)[:batch_size] for _ in range(steps)]
     torch.manual_seed(0)
-    init = torch.nn.Sequential(
-        torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)
-    ).double()
-    with small_mmap_threshold(), _progress() as bar:  # Note [honest CPU peaks] in memory.peak
-        _train("warm-up", init, data, order[:1], None, None, bar)  # one-time allocations
-        full = _train("full batch", init, data, order, None, None, bar)
+    init = make_model(hidden)
+    with small_mmap_threshold():  # Note [honest CPU peaks] in memory.peak
+        _train("warm-up", init, data, order[:1])  # one-time allocations
+        full = _train("full batch", init, data, order)
         budget = full.peak_bytes() // 2
-        accumulated = _train("accumulated", init, data, order, micro_batch_size, None, bar)
-        runs = [full, accumulated, _train("auto", init, data, order, "auto", budget, bar)]
+        accumulated = _train("accumulated", init, data, order, micro_batch_size)
+        runs = [full, accumulated, _train("auto", init, data, order, "auto", budget)]
     with torch.no_grad():
-        hits = [
-            float((r.model(data.x_test).argmax(1) == data.y_test).double().mean()) for r in runs
-        ]
+        predictions = [r.model(data.x_test).argmax(1) for r in runs]
+        hits = [float((p == data.y_test).double().mean()) for p in predictions]
         pairs = [zip(full.model.parameters(), r.model.parameters(), strict=True) for r in runs]
         differences = [max(float((p - q).norm() / p.norm()) for p, q in pair) for pair in pairs]
     result = DemoResult(runs, budget, hits, differences, plot_demo(runs, budget, out))
@@ -164,42 +177,23 @@ def run_demo(
     return result
 
 
-def _check_sizes(steps: int, batch_size: int, micro_batch_size: int, n_train: int) -> None:
-    if steps < 2:
-        raise ValueError(f"steps={steps} is too few: use 2 or more (the first step is a warm-up).")
-    if not MIN_BATCH <= batch_size <= n_train:
-        raise ValueError(
-            f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n_train} (the training "
-            "images; below, half the full batch's peak leaves no room for the gradients and the "
-            "optimizer step)."
-        )
-    if not 1 <= micro_batch_size <= batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch size "
-            f"({batch_size})."
-        )
-
-
 def _train(
     name: str,
     init: torch.nn.Module,
     data: Digits,
     order: list[torch.Tensor],
-    micro_batch_size: int | str | None,
-    budget: int | None,
-    bar: Any,
+    micro_batch_size: int | str | None = None,
+    budget: int | None = None,
 ) -> Run:
     """One run: a plain full-batch loop (``micro_batch_size=None``) or an ``Accumulator``."""
+    from rich.progress import track
+
     model = copy.deepcopy(init)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
-    acc = (
-        None
-        if micro_batch_size is None
-        else Accumulator(model, optimizer, micro_batch_size, memory_budget=budget)
-    )
+    plain = micro_batch_size is None
+    acc = None if plain else Accumulator(model, optimizer, micro_batch_size, memory_budget=budget)
     run, start = Run(name, model, len(order[0])), time.perf_counter()
-    tick: Callable[[], None] = _ticker(bar, name, len(order))
-    for idx in order:
+    for idx in order if name == "warm-up" else track(order, f"{name:>12}"):
         batch = (data.x_train[idx], data.y_train[idx])
         with measure_peak("cpu") as peak:
             if acc is None:  # the plain PyTorch step the others must reproduce
@@ -215,49 +209,30 @@ def _train(
         run.micro_batch_sizes.append(step[1])
         run.retries.append(step[2])
         run.step_peaks.append(peak.peak_bytes)
-        tick()
     run.time_s = time.perf_counter() - start
     return run
-
-
-def _progress() -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    columns = ("{task.description:>12}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns)
-
-
-def _ticker(bar: Any, name: str, total: int) -> Callable[[], None]:
-    task = bar.add_task(name, total=total, visible=name != "warm-up")
-    return lambda: bar.advance(task)
 
 
 def print_demo(result: DemoResult) -> None:
     """The comparison table and the verdict line."""
     from rich import box
-    from rich.console import Console
-    from rich.table import Table
 
-    full = result.runs[0]
-    table = Table(
-        title=f"digits MLP, batch {full.batch_size}, {len(full.losses)} AdamW steps, float64",
-        caption="peak: the most memory a step adds; auto's budget: half the full batch's peak",
-        box=box.SIMPLE_HEAD,
-        padding=0,  # the box's blank column separates the cells: fits 80 columns
-    )
-    headers = ["run", "micro-batch\nx steps", "peak\nmemory", "vs full\nbatch", "time", "samples/s"]
-    for name in headers + ["test\naccuracy", "weights:\nmax diff"]:
-        table.add_column(name, justify="left" if name in headers[:2] else "right")
+    full, rows = result.runs[0], []
     for run, acc, diff in zip(result.runs, result.accuracies, result.differences, strict=True):
         size, peak = run.micro_batch_sizes[-1], run.peak_bytes()
-        table.add_row(
+        rows.append((
             run.name, f"{size} x {-(-run.batch_size // size)}", _mib(peak),
             f"{peak / full.peak_bytes():.0%}", f"{run.time_s:.1f} s",
             f"{run.batch_size * len(run.losses) / run.time_s:,.0f}", f"{acc:.2%}",
             "—" if run is full else f"{diff:.0e}",
-        )  # fmt: skip
-    console = Console()
-    console.print(table)
+        ))  # fmt: skip
+    columns = ["run", "micro-batch\nx steps", "peak\nmemory", "vs full\nbatch", "time",
+               "samples/s", "test\naccuracy", "weights:\nmax diff"]  # fmt: skip
+    console = print_table(
+        f"digits MLP, batch {full.batch_size}, {len(full.losses)} AdamW steps, float64",
+        columns, rows, right=2, box=box.SIMPLE_HEAD, padding=0,  # the box's blank column
+        caption="peak: the most memory a step adds; auto's budget: half the full batch's peak",
+    )  # fmt: skip
     console.print(_verdict(result))
     console.print(f"plot: {result.plot_path}")
 
@@ -282,25 +257,20 @@ def _mib(n: int) -> str:
 
 def plot_demo(runs: list[Run], budget: int, path: str) -> str:
     """Draw the loss curves of the runs overlaid and their peak memory as bars; return ``path``."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4), layout="tight")
+    left, right = fig.subplots(1, 2)
     styles = [("-", 6, 0.35), ("--", 2.5, 1.0), (":", 2.5, 1.0)]
     for run, (style, width, alpha) in zip(runs, styles, strict=True):
         steps = range(1, len(run.losses) + 1)
         left.plot(steps, run.losses, style, lw=width, alpha=alpha, label=run.name)
     left.set(xlabel="optimizer step", ylabel="training loss", title="the same loss curve")
-    left.legend()
     names = [f"{r.name}\nmicro-batch {r.micro_batch_sizes[-1]}" for r in runs]
     right.bar(names, [r.peak_bytes() / 2**20 for r in runs], color=["C0", "C1", "C2"])
     right.axhline(budget / 2**20, color="C3", ls="--", label=f"auto's budget ({_mib(budget)})")
     right.set(ylabel="peak memory per step (MiB)", title="less memory")
+    left.legend()
     right.legend()
-    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)

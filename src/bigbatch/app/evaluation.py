@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from bigbatch.app.signals import StopSignals
@@ -28,9 +26,7 @@ def evaluate(
     if task.eval_data is None:
         return None, None
     device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(
-        task.eval_data, batch_size=batch_size, collate_fn=task.collate_fn
-    )
+    loader = torch.utils.data.DataLoader(task.eval_data, batch_size, collate_fn=task.collate_fn)
     totals = [0.0, 0.0, 0.0, 0.0]  # loss sum, loss count, metric sum, metric count
     was_training = model.training
     model.eval()
@@ -39,15 +35,13 @@ def evaluate(
             if stop is not None and stop.signum:
                 break
             batch = map_tensors(lambda t: t.to(device), batch)
-            _add(totals, 0, task.loss_fn(model, batch), batch)
+            outputs = [task.loss_fn(model, batch)]
             if task.metric is not None:
-                _add(totals, 2, task.metric(model, batch), batch)
+                outputs.append(task.metric(model, batch))
+            for at, output in enumerate(outputs):
+                value, count = as_sum_and_count(output, samples_in(batch))
+                totals[2 * at] += float(value)
+                totals[2 * at + 1] += float(count)
     model.train(was_training)
     metric = totals[2] / totals[3] if task.metric is not None and totals[3] else None
     return totals[0] / max(totals[1], 1e-30), metric
-
-
-def _add(totals: list[float], at: int, output: Any, batch: Any) -> None:
-    value, count = as_sum_and_count(output, samples_in(batch))
-    totals[at] += float(value)
-    totals[at + 1] += float(count)

@@ -4,7 +4,7 @@
 when it is installed (``DIR/tensorboard``) and shows the progress (Note [progress]). Under
 ``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own share, and
 ``round_loss`` / ``round_count`` / ``round_skipped`` (at a round's last step) the whole round's
-over every rank (Note [local rounds] in ``app.rounds``). Files are opened with ``open_new``
+over every rank (Note [local rounds] in ``app.rounds``). Files are opened with ``folder.no_follow``
 (Note [no links] in ``app.folder``).
 
 Note [progress]
@@ -19,13 +19,14 @@ Note [progress]
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
-from bigbatch.app.folder import no_follow
+from bigbatch.app.folder import no_follow, replace_file
 from bigbatch.core._units import format_bytes
 
 COLUMNS = [
@@ -37,7 +38,6 @@ COLUMNS = [
 TENSORBOARD = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric",
                "round_loss")  # fmt: skip
 METRICS_CSV = "metrics.csv"
-TRAIN_LOG = "train.log"
 LINES_PER_RUN = 20
 
 
@@ -55,22 +55,20 @@ class RunLog:
     def __init__(
         self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False, every: int = 0
     ) -> None:
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
         new = not os.path.exists(path)
-        self._file = open_new(path, "a")
+        self._file = open(path, "a", newline="", opener=no_follow)
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         if new:
             self._csv.writeheader()
-        self._text = open_new(os.path.join(out, TRAIN_LOG), "a")
+        self._text = open(os.path.join(out, "train.log"), "a", opener=no_follow)
         self._write(f"{'resumed after' if start_step else 'started at'} step {start_step}")
         self._tensorboard = _tensorboard_writer(out)
         self._total, self._every = total_steps, every or math.ceil(total_steps / LINES_PER_RUN)
-        self._start, self._first = time.monotonic(), start_step
-        self._bar = None if quiet or not _terminal() else _ProgressBar(total_steps, start_step)
+        self._start, self._first, self._line = time.monotonic(), start_step, ""
+        self._bar = None if quiet else _progress_bar(total_steps, start_step)
         self._echo = not quiet and self._bar is None
-        self._line = ""
 
     def step(self, row: dict[str, Any]) -> None:
         """Record one optimizer step (``row`` keys from ``COLUMNS``)."""
@@ -83,7 +81,8 @@ class RunLog:
         left = (time.monotonic() - self._start) / (step - self._first) * (self._total - step)
         self._line = progress_line(row, self._total, left)
         if self._bar is not None:
-            self._bar.update(step, self._line)
+            info = self._line.split(" | ", 1)[-1]
+            self._bar.update(self._bar.task_ids[0], completed=step, info=info)
         if step % self._every == 0 or step == self._total:
             self._write(self._line)
             if self._echo:
@@ -92,7 +91,7 @@ class RunLog:
     def close(self) -> None:
         """Flush and close everything; the bar gives way to the last line, whole."""
         if self._bar is not None:
-            self._bar.close()
+            self._bar.stop()
             if self._line:
                 print(self._line, file=sys.stderr, flush=True)
         if self._tensorboard is not None:
@@ -103,16 +102,6 @@ class RunLog:
     def _write(self, line: str) -> None:
         self._text.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
         self._text.flush()
-
-
-class NullLog:
-    """The log of ranks other than 0: records nothing (rank 0 alone writes the run folder)."""
-
-    def step(self, row: dict[str, Any]) -> None:
-        """Ignore one optimizer step's row."""
-
-    def close(self) -> None:
-        """Nothing to close."""
 
 
 def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
@@ -131,13 +120,6 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
     ])  # fmt: skip
 
 
-def open_new(path: str, mode: str = "w") -> IO[Any]:
-    """Open ``path`` to write (``"w"``, ``"wb"``) or append (``"a"``), never through a symlink
-    planted there: the open fails instead."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
-    return os.fdopen(no_follow(path, flags, 0o644), mode, newline=None if "b" in mode else "")
-
-
 def read_csv(path: str) -> list[dict[str, str]]:
     """The whole rows of a ``metrics.csv``, in order (empty when there is no file).
 
@@ -152,9 +134,8 @@ def read_csv(path: str) -> list[dict[str, str]]:
         return []
     with open(path, newline="") as file:
         reader = csv.DictReader(file)
-        missing = [
-            c for c in ("step", "loss", "samples", "count") if c not in (reader.fieldnames or [])
-        ]
+        fields = reader.fieldnames or []
+        missing = [c for c in ("step", "loss", "samples", "count") if c not in fields]
         if missing:
             raise ValueError(
                 f"{path} lacks the column(s) {', '.join(missing)}: it is not the metrics.csv of a "
@@ -164,14 +145,11 @@ def read_csv(path: str) -> list[dict[str, str]]:
 
 
 def _whole(row: dict[str, Any]) -> bool:
-    if None in row or any(v is None for v in row.values()):  # too many or too few fields
+    try:  # a row with too few fields holds None, one with too many a None key
+        int(row["step"]), float(row["loss"])
+    except (TypeError, ValueError):
         return False
-    try:
-        int(row["step"])
-        float(row["loss"])
-    except ValueError:
-        return False
-    return True
+    return None not in row and None not in row.values()
 
 
 def truncate_csv(path: str, last_step: int) -> None:
@@ -181,40 +159,26 @@ def truncate_csv(path: str, last_step: int) -> None:
         if os.path.lexists(path):
             os.remove(path)
         return
-    kept = [r for r in read_csv(path) if int(r["step"]) <= last_step]
-    temp = path + ".tmp"
-    if os.path.lexists(temp):
-        os.remove(temp)  # a kill's leftover, or a planted link: never written through
-    with open_new(temp) as file:
-        writer = csv.DictWriter(file, COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(kept)
-    os.replace(temp, path)  # a kill now leaves the old file or the new one
+    text = io.StringIO()
+    writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(r for r in read_csv(path) if int(r["step"]) <= last_step)
+    replace_file(path, text.getvalue().encode())  # a kill leaves the old file or the new one
 
 
-class _ProgressBar:
-    def __init__(self, total: int, done: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("{task.fields[info]}"), console=Console(stderr=True), transient=True,
-        )  # fmt: skip
-        self._task = self._progress.add_task("train", total=total, completed=done, info="")
-        self._progress.start()
-
-    def update(self, step: int, line: str) -> None:
-        self._progress.update(self._task, completed=step, info=line.split(" | ", 1)[-1])
-
-    def close(self) -> None:
-        self._progress.stop()
-
-
-def _terminal() -> bool:
+def _progress_bar(total: int, done: int) -> Any:
+    """A transient bar on stderr when it is a terminal (Note [progress]), else ``None``."""
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    return Console(stderr=True).is_terminal
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return None
+    bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                   TextColumn("{task.fields[info]}"), console=console, transient=True)  # fmt: skip
+    bar.add_task("train", total=total, completed=done, info="")
+    bar.start()
+    return bar
 
 
 def _tensorboard_writer(out: str) -> Any:

@@ -25,10 +25,12 @@ Note [non-finite runs]
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +39,8 @@ import torch
 from bigbatch.app import prepare, resume, rounds, stops
 from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_length
 from bigbatch.app.evaluation import evaluate
-from bigbatch.app.folder import RunFolder
-from bigbatch.app.log import METRICS_CSV, NullLog, RunLog
+from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
+from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
 from bigbatch.app.signals import Stopped, StopSignals
 from bigbatch.app.task import Task, check_task
@@ -128,15 +130,14 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     run = _prepare(task, config, ranks, folder, stop)  # in memory: refused before mkdir
     with folder, stop:
         progress = _start(run)
-        log = (
-            RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
-            if ranks.is_main
-            else NullLog()
-        )
+        log = None  # rank 0 alone writes the run folder
+        if ranks.is_main:
+            log = RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
         try:
             _train(run, progress, log)
         finally:
-            log.close()
+            if log is not None:
+                log.close()
         final = _finish(run, progress)
         with stop.writing():  # the ranks agreed in _finish: metrics.csv is whole for all
             summary = summarize(
@@ -148,7 +149,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     return summary
 
 
-def _train(run: _Run, progress: _Progress, log: RunLog | NullLog) -> None:
+def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
     """The steps from ``progress.step + 1`` to the last; a snapshot when one is due or asked."""
     batches = _batches(run, progress.step)
     for step in range(progress.step + 1, run.total_steps + 1):
@@ -158,7 +159,9 @@ def _train(run: _Run, progress: _Progress, log: RunLog | NullLog) -> None:
         if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
             signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
             row.update(rounds.columns(summed) if run.local else {})
-        log.step({**row, **_evaluate_every(run, step, ended)})
+        row.update(_evaluate_every(run, step, ended))
+        if log is not None:
+            log.step(row)
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
             continue
         if signum or _snapshot_due(run, step, ended):
@@ -177,7 +180,7 @@ def _finish(run: _Run, progress: _Progress) -> tuple[float | None, float | None]
         _check_finite(run, progress, "model.pt")
         with run.stop.writing():
             model = distributed.unwrap(run.acc.model).state_dict()
-            resume.atomic_save(model, run.folder.path("model.pt"), _MODEL_KEPT)
+            replace_file(run.folder.path("model.pt"), model, _MODEL_KEPT)
     return final
 
 
@@ -206,12 +209,8 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
             f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN / inf values "
             f"(skipped or applied); stopping. {_last_good(run, progress)}"
         )
-    epoch = (step - 1) // run.steps_per_epoch
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
-    row = _row(
-        step, epoch, result, run.acc.optimizer, seconds, probe.finish(record), samples, counted
-    )
-    return {**row, **round_row}
+    return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
 
 def _prepare(
@@ -224,10 +223,10 @@ def _prepare(
     model = prepare.prepare_model(task.model, config, ranks)
     lr = prepare.checked_lr(config, batch_size, model)
     optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
-    scheduler = (task.scheduler or prepare.default_schedule(config))(optimizer, total_steps)
+    schedule = task.scheduler or functools.partial(prepare.schedule, config)
     acc = Accumulator(
-        model, optimizer, resolve_batch(config)[1], scheduler, config.max_grad_norm,
-        config.precision, config.memory_budget, nonfinite=config.nonfinite,
+        model, optimizer, resolve_batch(config)[1], schedule(optimizer, total_steps),
+        config.max_grad_norm, config.precision, config.memory_budget, nonfinite=config.nonfinite,
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
@@ -239,39 +238,29 @@ def _prepare(
 
 def _start(run: _Run) -> _Progress:
     """Restore the newest snapshot when resuming; seed everything when starting."""
-    config, folder = run.config, run.folder
+    config, out = run.config, run.folder.out
     if run.ranks.is_main:
-        resume.clean_stale_temps(folder.out)  # the lock holder alone (Note [one writer])
-    path = resume.latest_path(folder.out)
+        clean_stale_temps(out)  # the lock holder alone (Note [one writer])
+    path = resume.latest_path(out)
     snapshot = None if path is None else resume.read_snapshot(path)
     if snapshot is not None and not config.resume:
         raise resume.RunMismatchError(
             f"run folder {config.out!r} already holds a run (step {snapshot.step} of "
             f"{snapshot.total_steps}): add --resume to continue it, or choose another --out."
         )
-    if path is None or snapshot is None:
-        _nothing_to_resume(config, folder)
+    if path is None or snapshot is None:  # a run killed before its first snapshot starts again
+        if config.resume is True and not os.path.exists(run.folder.path(METRICS_CSV)):
+            raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
+        if config.resume is True:
+            warnings.warn(f"--resume: the run in {config.out!r} was stopped before its first "
+                          "snapshot: it starts again from step 0.", BigBatchWarning,
+                          stacklevel=3)  # fmt: skip
         _rng.seed_all(config.seed)
         return _Progress()
     _restore(run, snapshot, path)
     if run.ranks.is_main:  # not the bar nor the table: said under --quiet too
         print(f"resuming from step {snapshot.step} of {run.total_steps} ({path})", flush=True)
     return _Progress(step=snapshot.step, elapsed_s=snapshot.elapsed_s, snapshot_step=snapshot.step)
-
-
-def _nothing_to_resume(config: TrainConfig, folder: RunFolder) -> None:
-    """``--resume`` and no snapshot: a run killed before its first snapshot starts again from
-    step 0 (said in a warning); a folder that never held a run is an error, unless ``auto``."""
-    if config.resume is not True:
-        return
-    if not os.path.exists(folder.path(METRICS_CSV)):
-        raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
-    warnings.warn(
-        f"--resume: the run in {config.out!r} was stopped before its first snapshot: it starts "
-        "again from step 0.",
-        BigBatchWarning,
-        stacklevel=4,
-    )
 
 
 def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
@@ -286,19 +275,16 @@ def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
         with resume.restoring(path, "local"):
             optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)  # each rank its own
             run.local.load_state_dict(snapshot.local["outer"])
-    with resume.restoring(path, "model"):
-        distributed.unwrap(acc.model).load_state_dict(snapshot.model)
-    with resume.restoring(path, "optimizer"):
-        acc.optimizer.load_state_dict(optimizer)
-    with resume.restoring(path, "scheduler"):
-        if (acc.scheduler is None) != (snapshot.scheduler is None):
-            raise ValueError(f"{snapshot.scheduler!r:.40} for the run's scheduler {acc.scheduler}")
-        if acc.scheduler is not None:
-            acc.scheduler.load_state_dict(snapshot.scheduler)
-    with resume.restoring(path, "engine"):
-        acc.load_state_dict(engine)
-    with resume.restoring(path, "rng"):
-        resume.restore_rng(snapshot.rng, run.ranks)
+    loads: list[tuple[str, Callable[[Any], Any], Any]] = [
+        ("model", distributed.unwrap(acc.model).load_state_dict, snapshot.model),
+        ("optimizer", acc.optimizer.load_state_dict, optimizer),
+        ("scheduler", functools.partial(_load_scheduler, acc.scheduler), snapshot.scheduler),
+        ("engine", acc.load_state_dict, engine),
+        ("rng", functools.partial(resume.restore_rng, ranks=run.ranks), snapshot.rng),
+    ]
+    for name, load, state in loads:
+        with resume.restoring(path, name):
+            load(state)
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
         warnings.warn(
@@ -307,6 +293,13 @@ def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
             BigBatchWarning,
             stacklevel=3,
         )
+
+
+def _load_scheduler(scheduler: Any, state: dict[str, Any] | None) -> None:
+    if (scheduler is None) != (state is None):
+        raise ValueError(f"{state!r:.40} for the run's scheduler {scheduler}")
+    if scheduler is not None:
+        scheduler.load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------- data, log, snapshot
@@ -330,27 +323,27 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
 
 
 def _row(
-    step: int, epoch: int, result: StepResult, optimizer: torch.optim.Optimizer, seconds: float,
-    peak: Any, samples: int, counted: int,
-) -> dict[str, Any]:  # fmt: skip
-    tokens = result.count != counted or result.tokens is not None  # tokens, not samples
+    run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int, counted: int
+) -> dict[str, Any]:
+    """The step's row of ``metrics.csv`` (``log.COLUMNS``); ``counted``: the samples ``r.count``
+    saw, which differ from it when the loss counts tokens."""
+    tokens = r.count != counted or r.tokens is not None
     # A step redone after running out of memory: the adopted attempt's peak, the retries' apart.
-    step_peak = (
-        result.peak_bytes
-        if result.oom_retries and result.peak_bytes is not None
-        else peak.peak_bytes
-    )
+    step_peak = r.peak_bytes if r.oom_retries and r.peak_bytes is not None else peak.peak_bytes
+    dynamo = sys.modules.get("torch._dynamo.utils")  # graphs torch.compile built: its recompiles
+    graphs = dynamo.counters["stats"]["unique_graphs"] if dynamo else 0  # type: ignore[attr-defined]
+    terms = " ".join(f"{k}={v:.4g}" for k, v in r.terms.items())  # "lm=2.31 aux=0.052"
     return {
-        "step": step, "epoch": epoch, "loss": result.loss, "lr": optimizer.param_groups[0]["lr"],
-        "grad_norm": result.grad_norm, "samples": samples, "count": result.count,
-        "micro_batch_size": result.micro_batch_size, "micro_batches": result.micro_batches,
-        "oom_retries": result.oom_retries, "skipped": int(result.skipped),
-        "nonfinite": int(result.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
-        "tokens_per_s": (result.tokens or result.count) / seconds if tokens else "",
-        "padding": 1 - (result.tokens or 0) / result.padded_tokens if result.padded_tokens else "",
-        "terms": _terms_text(result.terms), "graphs": _compiled_graphs(),
+        "step": step, "epoch": (step - 1) // run.steps_per_epoch, "loss": r.loss,
+        "lr": run.acc.optimizer.param_groups[0]["lr"], "grad_norm": r.grad_norm,
+        "samples": samples, "count": r.count, "micro_batch_size": r.micro_batch_size,
+        "micro_batches": r.micro_batches, "oom_retries": r.oom_retries, "skipped": int(r.skipped),
+        "nonfinite": int(r.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
+        "tokens_per_s": (r.tokens or r.count) / seconds if tokens else "",
+        "padding": 1 - (r.tokens or 0) / r.padded_tokens if r.padded_tokens else "",
+        "terms": terms if len(r.terms) > 1 else "", "graphs": graphs or "",
         "peak_bytes": peak.baseline_bytes + step_peak, "step_peak_bytes": step_peak,
-        "retry_peak_bytes": peak.peak_bytes if result.oom_retries else "",
+        "retry_peak_bytes": peak.peak_bytes if r.oom_retries else "",
     }  # fmt: skip
 
 
@@ -375,9 +368,8 @@ def _save(run: _Run, progress: _Progress) -> None:
         engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s, local=local,
     )  # fmt: skip
     with run.stop.writing():
-        resume.write_snapshot(
-            run.folder.out, snapshot, run.config.keep_snapshots, progress.snapshot_step
-        )
+        keep = run.config.keep_snapshots
+        resume.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
     progress.snapshot_step = progress.step
     if run.stop.again:  # a second signal came during the write (Note [clean stop])
         raise _stopped(run, progress, run.stop.signum)
@@ -416,19 +408,3 @@ def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""
     return run.acc.current_micro_batch_size or run.batch_size
-
-
-def _terms_text(terms: dict[str, float]) -> str:
-    """``"lm=2.31 aux=0.052"`` for a loss of several named terms; empty for one."""
-    return (
-        " ".join(f"{name}={value:.4g}" for name, value in terms.items()) if len(terms) > 1 else ""
-    )
-
-
-def _compiled_graphs() -> int | str:
-    """Graphs ``torch.compile`` has built in this process (its recompiles), or empty."""
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    graphs = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0  # type: ignore[attr-defined]
-    return graphs or ""

@@ -74,25 +74,20 @@ def prepare_model(
     return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
-def default_schedule(config: TrainConfig) -> Any:
+def schedule(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
+    warmup = config.warmup_steps
 
-    def make(
-        optimizer: torch.optim.Optimizer, total_steps: int
-    ) -> torch.optim.lr_scheduler.LambdaLR:
-        warmup = config.warmup_steps
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        cosine = config.lr_schedule == "cosine"
+        return 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else 1.0
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if config.lr_schedule == "constant":
-                return 1.0
-            progress = (step - warmup) / max(1, total_steps - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-    return make
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -100,12 +95,7 @@ def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) 
     the optimizer's class (its state only loads into the same kind)."""
     settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
     settings["task"] = canonical_path(config.task) if config.task else None
-    model = distributed.unwrap(task.model)
-    shapes = {name: list(p.shape) for name, p in model.state_dict().items()}
+    shapes = {k: list(p.shape) for k, p in distributed.unwrap(task.model).state_dict().items()}
     optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    return {
-        **settings,
-        "model": shapes,
-        "train_samples": len(task.train_data),
-        "optimizer": optimizer_class,
-    }
+    samples = len(task.train_data)
+    return {**settings, "model": shapes, "train_samples": samples, "optimizer": optimizer_class}

@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bigbatch.app.log import METRICS_CSV, open_new, read_csv
+from bigbatch.app.console import print_table
+from bigbatch.app.folder import lock_holder, replace_file
+from bigbatch.app.log import METRICS_CSV, read_csv
 from bigbatch.core._units import format_bytes
 
 SUMMARY_JSON = "summary.json"
@@ -113,9 +115,10 @@ def summarize(
         terms=(rows[-1].get("terms") or "") if rows else "",
         compiled_graphs=_whole(col("graphs")[-1:]),
     )  # fmt: skip
-    if write:
-        plain = {k: _json_number(v) for k, v in dataclasses.asdict(summary).items()}
-        _write(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
+    if write:  # NaN and inf as null: summary.json stays JSON
+        plain = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                 for k, v in dataclasses.asdict(summary).items()}  # fmt: skip
+        replace_file(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
     return summary
 
 
@@ -127,17 +130,15 @@ def load_summary(out: str) -> Summary:
         ValueError: the file is not a summary of this version of bigbatch (named).
     """
     path = os.path.join(out, SUMMARY_JSON)
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path} does not exist: give the --out folder of a finished `bigbatch train` run."
-        )
     try:
         with open(path) as file:
             return Summary(**json.load(file))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: give the --out folder of a finished "
+                                "`bigbatch train` run.") from None  # fmt: skip
     except (ValueError, TypeError) as exc:
-        raise ValueError(
-            f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` again to write it."
-        ) from None
+        raise ValueError(f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` again "
+                         "to write it.") from None  # fmt: skip
 
 
 def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
@@ -169,7 +170,7 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
 
 
 def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str | None]:
-    holder = _lock_holder(out)
+    holder = lock_holder(out)
     if holder is None and os.path.exists(os.path.join(out, SUMMARY_JSON)):
         summary = load_summary(out)
         if summary.steps == len(rows):
@@ -185,109 +186,66 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
     )
 
 
-def _lock_holder(out: str) -> str | None:
-    """The PID written in ``out/.lock`` while a run holds it (Note [one writer]), else None."""
-    import fcntl
-
-    try:
-        fd = os.open(os.path.join(out, ".lock"), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
-        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-    finally:
-        os.close(fd)  # closing releases the shared lock at once
-
-
-def summary_rows(summary: Summary) -> list[tuple[str, str]]:
-    """The summary as (name, value) lines, for a table."""
-    retried = summary.retry_peak_bytes
-    rows: list[tuple[str, Any]] = [
-        ("optimizer steps", f"{summary.steps:,}"),
-        ("effective batch", f"{summary.batch_size:,} (micro-batch {summary.micro_batch_size})"),
-        ("time", f"{summary.time_s:.1f} s"),
-        ("samples/s", f"{summary.samples_per_s:,.1f}"),
-        ("tokens/s", None if summary.tokens_per_s is None else f"{summary.tokens_per_s:,.0f}"),
-        ("padding computed", None if summary.padding is None else f"{summary.padding:.1%}"),
-        ("compiled graphs", summary.compiled_graphs and f"{summary.compiled_graphs}"),
-        ("peak memory", format_bytes(summary.peak_bytes)),
-        ("peak added by a step", format_bytes(summary.step_peak_bytes)),
-        ("... with redone attempts", retried and format_bytes(retried)),
-        ("skipped steps", summary.skipped_steps and f"{summary.skipped_steps:,}"),
-        ("final loss", "nan" if summary.final_loss is None else f"{summary.final_loss:.4f}"),
-        ("final terms", summary.terms),
-        ("eval loss", None if summary.eval_loss is None else f"{summary.eval_loss:.4f}"),
-        ("eval metric", None if summary.metric is None else f"{summary.metric:.4f}"),
-    ]  # fmt: skip
-    return [(name, value) for name, value in rows if value]
-
-
 def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
-    """Print the summary as a table (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{title}: {summary.out}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    for name, value in summary_rows(summary):
-        table.add_row(name, value)
-    Console().print(table)
+    """Print the summary as a table of (name, value) lines, those with a value."""
+    s, retried = summary, summary.retry_peak_bytes
+    rows: list[tuple[str, Any]] = [
+        ("optimizer steps", f"{s.steps:,}"),
+        ("effective batch", f"{s.batch_size:,} (micro-batch {s.micro_batch_size})"),
+        ("time", f"{s.time_s:.1f} s"),
+        ("samples/s", f"{s.samples_per_s:,.1f}"),
+        ("tokens/s", None if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"),
+        ("padding computed", None if s.padding is None else f"{s.padding:.1%}"),
+        ("compiled graphs", s.compiled_graphs and f"{s.compiled_graphs}"),
+        ("peak memory", format_bytes(s.peak_bytes)),
+        ("peak added by a step", format_bytes(s.step_peak_bytes)),
+        ("... with redone attempts", retried and format_bytes(retried)),
+        ("skipped steps", s.skipped_steps and f"{s.skipped_steps:,}"),
+        ("final loss", "nan" if s.final_loss is None else f"{s.final_loss:.4f}"),
+        ("final terms", s.terms),
+        ("eval loss", None if s.eval_loss is None else f"{s.eval_loss:.4f}"),
+        ("eval metric", None if s.metric is None else f"{s.metric:.4f}"),
+    ]  # fmt: skip
+    lines = [(f"[bold]{name}", value) for name, value in rows if value]
+    print_table(f"{title}: {s.out}", ["", ""], lines, show_header=False)
 
 
 def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | None = None) -> str:
     """Draw the loss and the peak memory over optimizer steps into ``path``; return it."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, constrained_layout=True)
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
     local = any(_number(r, "round_loss") is not None for r in rows)  # Note [local rounds]
-    curves = [
+    for axes, key, style, color, label in [
         (top, "loss", "-", "tab:blue", "train loss (rank 0's share)" if local else "train loss"),
         (top, "round_loss", "s-", "tab:green", "round loss (all ranks)"),
         (top, "eval_loss", "o-", "tab:orange", "eval loss"),
         (bottom, "peak_bytes", "-", "tab:red", "peak in use"),
         (bottom, "step_peak_bytes", "-", "tab:purple", "added by the step"),
-    ]
-    for axes, key, style, color, label in curves:
-        points = [(int(r["step"]), _number(r, key)) for r in rows if _number(r, key) is not None]
+    ]:
         scale = 2.0**20 if axes is bottom else 1.0
+        points = [(int(r["step"]), v / scale) for r in rows if (v := _number(r, key)) is not None]
         if points:
-            steps, values = zip(*points, strict=True)
-            axes.plot(steps, [v / scale for v in values], style, color=color, label=label)
-    name = os.path.basename(os.path.abspath(out))
-    state = " (partial: still running)" if partial and "running" in partial else (
-        " (partial: stopped before its end)" if partial else ""
+            axes.plot(*zip(*points, strict=True), style, color=color, label=label)
+    state = "" if not partial else " (partial: still running)" if "running" in partial else (
+        " (partial: stopped before its end)"
     )  # fmt: skip
+    name = os.path.basename(os.path.abspath(out))
     top.set(ylabel="loss", title=f"bigbatch run {name}{state}: loss per optimizer step")
     bottom.set(ylabel="memory (MiB)", xlabel="optimizer step", ylim=(0, None))
     for axes in (top, bottom):
         axes.grid(alpha=0.3)
         if axes.lines:
             axes.legend()
+    return save_png(fig, path)
+
+
+def save_png(fig: Any, path: str) -> str:
+    """Write a matplotlib ``Figure`` as a PNG that replaces ``path`` whole (Note [whole files])."""
     image = io.BytesIO()
     fig.savefig(image, dpi=110, format="png")
-    plt.close(fig)
-    _write(path, image.getvalue())
-    return path
-
-
-def _write(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` at once, never writing through a planted symlink."""
-    temp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    try:
-        if os.path.lexists(temp):
-            os.remove(temp)
-        with open_new(temp, "wb") as file:
-            file.write(data)
-        os.replace(temp, path)
-    except OSError as exc:  # named by the file the user asked for, not the temporary one
-        raise OSError(exc.errno, exc.strerror, path) from None
+    return replace_file(path, image.getvalue())
 
 
 def _number(row: dict[str, str], key: str) -> float | None:
@@ -305,7 +263,3 @@ def _column(rows: list[dict[str, str]]) -> Callable[[str], list[float]]:
 def _whole(values: list[float]) -> int | None:
     """The largest of ``values`` as an integer (``None`` when there is none)."""
     return int(max(values)) if values else None
-
-
-def _json_number(value: object) -> object:
-    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -41,6 +41,7 @@ Note [local rounds]
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,26 +65,17 @@ def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
         TypeError: the task's model is already wrapped in DDP or sharded with FSDP.
     """
     steps = config.local_steps
-    if steps == 1:
-        return
-    if ranks.world_size == 1:
-        raise ValueError(
-            f"--local-steps {steps} needs several ranks and this is one process: there is "
-            "nothing to average. Launch with `torchrun --nproc_per_node N -m bigbatch train "
-            "...`, or drop --local-steps."
-        )
-    kind = wrapper_kind(model)
+    if steps > 1 and ranks.world_size == 1:
+        raise ValueError(f"--local-steps {steps} needs several ranks and this is one process: "
+                         "there is nothing to average. Launch with `torchrun --nproc_per_node N "
+                         "-m bigbatch train ...`, or drop --local-steps.")  # fmt: skip
+    kind = wrapper_kind(model) if steps > 1 else "plain"
     if kind != "plain":
-        raise TypeError(
-            f"--local-steps {steps} steps a whole plain replica of the model on each rank, and "
-            f"the task's model is {_WRAPPED[kind]}: return the plain module from the task "
-            "(bigbatch keeps one replica per rank), or use --local-steps 1."
-            + (
-                " FSDP cannot take local steps: every forward all-gathers."
-                if kind == "fsdp"
-                else ""
-            )
-        )
+        fsdp = " FSDP cannot take local steps: every forward all-gathers." if kind == "fsdp" else ""
+        raise TypeError(f"--local-steps {steps} steps a whole plain replica of the model on each "
+                        f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
+                        "from the task (bigbatch keeps one replica per rank), or use --local-steps "
+                        f"1.{fsdp}")  # fmt: skip
 
 
 def make_local(acc: Accumulator, config: TrainConfig) -> LocalAccumulation | None:
@@ -91,14 +83,11 @@ def make_local(acc: Accumulator, config: TrainConfig) -> LocalAccumulation | Non
 
     A collective: every rank takes rank 0's parameters and buffers (one broadcast).
     """
+    outer = {"outer_lr": config.outer_lr, "outer_momentum": config.outer_momentum}
     if config.local_steps == 1:
         return None
     return LocalAccumulation.from_accumulator(
-        acc,
-        config.local_steps,
-        outer_lr=config.outer_lr,
-        outer_momentum=config.outer_momentum,
-        nesterov=config.outer_nesterov,
+        acc, config.local_steps, **outer, nesterov=config.outer_nesterov
     )
 
 
@@ -143,10 +132,7 @@ class Tally:
 def columns(summed: list[float]) -> dict[str, Any]:
     """``round_loss`` and ``round_skipped`` from the ``Tally`` sums summed over the ranks."""
     loss_sum, count, skipped = summed
-    return {
-        "round_loss": loss_sum / count if count else float("nan"),
-        "round_skipped": int(skipped),
-    }
+    return {"round_loss": loss_sum / count if count else math.nan, "round_skipped": int(skipped)}
 
 
 def round_end(step: int, local_steps: int, total_steps: int) -> int:
@@ -156,9 +142,8 @@ def round_end(step: int, local_steps: int, total_steps: int) -> int:
         >>> [round_end(s, 4, 10) for s in range(1, 11)]
         [0, 0, 0, 4, 0, 0, 0, 4, 0, 2]
     """
-    if step % local_steps == 0:
-        return local_steps
-    return step % local_steps if step == total_steps else 0
+    left = step % local_steps
+    return local_steps if left == 0 else left if step == total_steps else 0
 
 
 def crossed(step: int, steps: int, every: int) -> bool:
@@ -195,11 +180,10 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     Raises:
         RunMismatchError: the snapshot was written by another number of ranks.
     """
-    written = len(saved["optimizers"])
-    if written != ranks.world_size:
-        raise RunMismatchError(
-            f"the snapshot was written by {written} ranks under --local-steps, and each rank "
-            f"keeps its own optimizer state: resume on {written} ranks (torchrun "
-            f"--nproc_per_node {written}), not {ranks.world_size}."
-        )
+    n = len(saved["optimizers"])
+    if n != ranks.world_size:
+        raise RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, and "
+                               f"each rank keeps its own optimizer state: resume on {n} ranks "
+                               f"(torchrun --nproc_per_node {n}), not "
+                               f"{ranks.world_size}.")  # fmt: skip
     return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]

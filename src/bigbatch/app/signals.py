@@ -24,7 +24,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator, Sequence
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -52,9 +52,7 @@ class StopSignals:
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")  # where the ranks' agreement runs (NCCL: cuda)
-        self.signum = 0
-        self.again = False
-        self._writing = False
+        self.signum, self.again, self._writing = 0, False, False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -63,12 +61,7 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

@@ -77,40 +77,31 @@ def check_task(task: object) -> None:
             callable, training data that is not a non-empty map-style dataset.
     """
     if not isinstance(task, Task):
-        raise TaskError(
-            f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task function "
-            "with `return bigbatch.Task(model=..., train_data=..., loss_fn=...)`."
-        )
+        raise TaskError(f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task "
+                        "function with `return bigbatch.Task(model=..., train_data=..., "
+                        "loss_fn=...)`.")  # fmt: skip
     if not isinstance(task.model, torch.nn.Module):
-        raise TaskError(
-            f"Task.model is a {type(task.model).__name__}; it must be a torch.nn.Module."
-        )
+        kind = type(task.model).__name__
+        raise TaskError(f"Task.model is a {kind}; it must be a torch.nn.Module.")
     for name in ("loss_fn", "metric", "optimizer", "scheduler", "collate_fn", "count_fn"):
         value = getattr(task, name)
         if (value is not None or name == "loss_fn") and not callable(value):
-            raise TaskError(
-                f"Task.{name} is {value!r}; it must be a function"
-                + (
-                    " loss_fn(model, batch) returning a mean or (loss_sum, count)."
-                    if name == "loss_fn"
-                    else "."
-                )
-            )
-    if not hasattr(task.train_data, "__len__") or not hasattr(task.train_data, "__getitem__"):
-        raise TaskError(
-            f"Task.train_data is a {type(task.train_data).__name__}; the trainer needs a map-style "
-            "dataset (len() and [i]), e.g. torch.utils.data.TensorDataset(x, y) or a list."
-        )
-    if len(task.train_data) == 0:
+            what = " loss_fn(model, batch) returning a mean or (loss_sum, count)"
+            raise TaskError(f"Task.{name} is {value!r}; it must be a function"
+                            f"{what if name == 'loss_fn' else ''}.")  # fmt: skip
+    data = task.train_data
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        raise TaskError(f"Task.train_data is a {type(data).__name__}; the trainer needs a "
+                        "map-style dataset (len() and [i]), e.g. "
+                        "torch.utils.data.TensorDataset(x, y) or a list.")  # fmt: skip
+    if len(data) == 0:
         raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
 
 
 def canonical_path(path: str) -> str:
     """One spelling per task: ``./tasks.py:small`` and ``/abs/tasks.py:small`` are the same run."""
     module, sep, func = path.partition(":")
-    if sep and module.endswith(".py"):
-        return f"{os.path.realpath(module)}:{func}"
-    return path
+    return f"{os.path.realpath(module)}:{func}" if sep and module.endswith(".py") else path
 
 
 def load_task(path: str, **kwargs: Any) -> Task:
@@ -118,7 +109,7 @@ def load_task(path: str, **kwargs: Any) -> Task:
 
     Raises:
         TaskError: the path is malformed, the module or function is missing, or the function
-            returns something other than a ``Task``.
+            returns something other than a usable ``Task`` (the message starts with the path).
     """
     module_name, sep, func_name = path.partition(":")
     if not sep or not module_name or not func_name:
@@ -126,44 +117,37 @@ def load_task(path: str, **kwargs: Any) -> Task:
             f"task {path!r} is not of the form module:function (e.g. my_project.tasks:mnist)."
         )
     with _current_folder_importable():
-        module = _import(module_name, path)
-        func = getattr(module, func_name, None)
+        func = getattr(_import(module_name, path), func_name, None)
         if func is None or not callable(func):
             raise TaskError(f"task {path!r}: module {module_name!r} has no function {func_name!r}.")
         task = func(**kwargs)
-    if not isinstance(task, Task):
-        raise TaskError(
-            f"task {path!r} returned {type(task).__name__}, not a bigbatch.Task: end the function with "
-            "`return bigbatch.Task(model=..., train_data=..., loss_fn=...)`."
-        )
-    check_task(task)
+    try:
+        check_task(task)
+    except TaskError as exc:
+        raise TaskError(f"task {path!r}: {exc}") from None
     return task
 
 
 def _import(module_name: str, path: str) -> Any:
+    """The module, imported by name or run from its file; a syntax error in the user's words."""
+    file = module_name.endswith(".py")
+    if file and not os.path.exists(module_name):
+        raise TaskError(f"task {path!r}: file {module_name!r} does not exist.")
     try:
-        return _import_module(module_name, path)
-    except SyntaxError as exc:  # the user's file, line and caret; not importlib's frame
-        raise TaskError(f"task {path!r}: {_syntax_error(exc)}") from None
-
-
-def _import_module(module_name: str, path: str) -> Any:
-    if module_name.endswith(".py"):
-        if not os.path.exists(module_name):
-            raise TaskError(f"task {path!r}: file {module_name!r} does not exist.")
-        spec = importlib.util.spec_from_file_location(
-            os.path.basename(module_name)[:-3], module_name
-        )
+        if not file:
+            return importlib.import_module(module_name)
+        name = os.path.basename(module_name)[:-3]
+        spec = importlib.util.spec_from_file_location(name, module_name)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         return module
-    try:
-        return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise TaskError(
-            f"task {path!r}: cannot import {module_name!r} ({exc}); run from the folder that holds it "
-            "or install it."
-        ) from None
+        if file:  # the user's file imports something missing: the user's line says it
+            raise
+        raise TaskError(f"task {path!r}: cannot import {module_name!r} ({exc}); run from the "
+                        "folder that holds it or install it.") from None  # fmt: skip
+    except SyntaxError as exc:  # the user's file, line and caret; not importlib's frame
+        raise TaskError(f"task {path!r}: {_syntax_error(exc)}") from None
 
 
 def _syntax_error(exc: SyntaxError) -> str:
@@ -175,9 +159,8 @@ def _syntax_error(exc: SyntaxError) -> str:
     line = exc.text.rstrip("\n")
     code = line.lstrip()
     column = max(0, (exc.offset or 1) - 1 - (len(line) - len(code)))
-    width = 1
-    if exc.end_offset and exc.end_lineno == exc.lineno and exc.end_offset > (exc.offset or 0):
-        width = exc.end_offset - (exc.offset or 0)
+    same_line = exc.end_offset and exc.end_lineno == exc.lineno
+    width = max(1, exc.end_offset - (exc.offset or 0)) if same_line else 1  # type: ignore[operator]
     return f"{head}\n    {code.rstrip()}\n    {' ' * column}{'^' * width}"
 
 
@@ -209,7 +192,5 @@ def first_batch(task: Task, batch_size: int) -> Any:
             f"--batch-size {batch_size} is larger than the task's {samples} training samples: "
             f"the batch measured would hold only {samples}. Give --batch-size {samples} or less."
         )
-    loader = torch.utils.data.DataLoader(
-        task.train_data, batch_size=batch_size, shuffle=False, collate_fn=task.collate_fn
-    )
-    return next(iter(loader))
+    collate = task.collate_fn or torch.utils.data.default_collate
+    return collate([task.train_data[i] for i in range(batch_size)])
