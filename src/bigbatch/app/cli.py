@@ -35,8 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bigbatch.app import demo
-from bigbatch.app.config import canonical, closest, kinds, load_toml, make_config, settings, words
+from bigbatch.app import config, demo
 from bigbatch.app.signals import Stopped
 from bigbatch.core._warnings import BigBatchWarning
 
@@ -79,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _did_you_mean(given: str, known: Any) -> str:
-    close = closest(given.split("=")[0], known)
+    close = config.closest(given.split("=")[0], known)
     return f": did you mean {close}?" if close else ""
 
 
@@ -120,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         for names, settings_ in flags:
             command.add_argument(*names.split(), **settings_)
         if name == "train":
-            for f in settings():
+            for f in config.settings():
                 _add_setting(command, f)
         command.set_defaults(run=run)
     return parser
@@ -218,21 +217,21 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
     """The flags of one ``TrainConfig`` field; only the flags given override ``--config``."""
     flag, meta = "--" + f.name.replace("_", "-"), f.metadata
     names = [flag, *(a for a in meta["aliases"] if "=" not in a)]
-    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": meta["help"]}
+    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": config.helps()[f.name]}
     if f.name == "task":
         parser.add_argument("task", metavar="TASK", nargs="?", **common)
         return
     common["dest"] = f.name
-    if kinds(f) == (bool,):
+    if config.kinds(f) == (bool,):
         action = parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
-    elif bool in kinds(f):  # --resume, --resume auto, --no-resume
-        metavar = "|".join(words(f))
+    elif bool in config.kinds(f):  # --resume, --resume auto, --no-resume
+        metavar = "|".join(config.words(f))
         optional: dict[str, Any] = {"nargs": "?", "const": True, "metavar": metavar}
         action = parser.add_argument(*names, type=_reader(f), **optional, **common)
         no = f"not {flag} (overrides --config)"
         parser.add_argument(f"--no-{flag[2:]}", action="store_false", **{**common, "help": no})
     else:
-        shown = "{" + ",".join(words(f)) + "}" if meta["choices"] else None
+        shown = "{" + ",".join(config.words(f)) + "}" if meta["choices"] else None
         action = parser.add_argument(*names, type=_reader(f), metavar=shown, **common)
     action.shown = f.default  # type: ignore[attr-defined]  # for the help (default: SUPPRESS)
     for switch, value in (a.split("=") for a in meta["aliases"] if "=" in a):
@@ -242,15 +241,16 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
 
 def _reader(f: Any) -> Callable[[str], Any]:
     """Reads a flag's text as setting ``f``: its words in any case, else as its type says."""
-    types = [k for k in kinds(f) if k in (int, float, str)]
+    types = [k for k in config.kinds(f) if k in (int, float, str)]
 
     def read(text: str) -> Any:
-        if canonical(f, text) in words(f) or f.metadata["choices"]:
-            return canonical(f, text)  # a word, or a choice TrainConfig refuses naming the list
+        word = config.canonical(f, text)
+        if word in config.words(f) or f.metadata["choices"]:
+            return word  # a word, or a choice TrainConfig refuses naming the list
         for kind in types:
             with contextlib.suppress(ValueError):
                 return kind(text)
-        wanted = [{int: "an integer", float: "a number"}[k] for k in types] + words(f)
+        wanted = [{int: "an integer", float: "a number"}[k] for k in types] + config.words(f)
         raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(wanted)}")
 
     read.__name__ = f.name
@@ -291,14 +291,16 @@ def _run_train(args: argparse.Namespace) -> None:
     from bigbatch.app.task import load_task
     from bigbatch.core import _rng
 
-    names = {f.name for f in settings()}
-    file_settings = load_toml(args.config) if args.config else {}
-    config = make_config(file_settings, **{k: v for k, v in vars(args).items() if k in names})
-    if not config.task:
+    names = {f.name for f in config.settings()}
+    file_settings = config.load_toml(args.config) if args.config else {}
+    chosen = config.make_config(
+        file_settings, **{k: v for k, v in vars(args).items() if k in names}
+    )
+    if not chosen.task:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
                          "--config.")  # fmt: skip
-    _rng.seed_all(config.seed)  # the task function builds the model: same seed, same weights
-    fit(load_task(config.task), config)
+    _rng.seed_all(chosen.seed)  # the task function builds the model: same seed, same weights
+    fit(load_task(chosen.task), chosen)
 
 
 def _run_report(args: argparse.Namespace) -> None:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import math
+import re
 import sys
 import typing
 from collections.abc import Iterable
@@ -50,7 +52,6 @@ MAX_SEED = 2**63 - 1
 
 def setting(
     default: Any,
-    help: str,
     *,
     choices: tuple[Any, ...] | None = None,
     low: int | None = None,
@@ -58,11 +59,11 @@ def setting(
     aliases: tuple[str, ...] = (),
     resumable: bool = False,
 ) -> Any:
-    """A ``TrainConfig`` field with what the command line and the checks need to know about it.
+    """A ``TrainConfig`` field with what the command line and the checks need to know about it
+    (its help is its entry in ``TrainConfig``'s Attributes).
 
     Args:
         default: the default value.
-        help: one line for ``bigbatch train --help`` (the default is shown beside it).
         choices: the allowed values, when there is a list (matched without regard to case).
         low: for an integer, the least value allowed.
         allowed: what the error says is allowed, when "a positive integer" does not say it.
@@ -70,8 +71,8 @@ def setting(
             takes a value like ``--lr``; ``"--fp16=fp16"`` is a switch that sets the value.
         resumable: may differ between a run and its resume (it does not change the result).
     """
-    meta = {"help": help, "choices": choices, "low": low, "allowed": allowed,
-            "aliases": aliases, "resumable": resumable}  # fmt: skip
+    meta = {"choices": choices, "low": low, "allowed": allowed, "aliases": aliases,
+            "resumable": resumable}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -79,143 +80,109 @@ def setting(
 class TrainConfig:
     """Everything ``bigbatch train`` / ``bigbatch.fit`` can be told (see the module notes).
 
-    Each field's help is in its ``setting(...)`` below and in ``bigbatch train --help``.
+    Each attribute is a setting: its entry here is its line in ``bigbatch train --help`` and
+    docs/cli.md (``helps()``); its ``setting(...)`` says the rest (see the module docstring).
+
+    Attributes:
+        task: module:function (or file.py:function) returning a bigbatch.Task
+        batch_size: effective batch: samples per optimizer step, over all ranks (default 32)
+        micro_batch_size: samples per forward/backward on each rank, or auto: the largest
+            that fits
+        gradient_accumulation_steps: micro-batches per optimizer step
+        micro_batch_tokens: token windows: cut each batch by padded tokens per micro-batch,
+            sorted by length, each trimmed to its longest (a batch with attention_mask, or
+            the task's lengths); or auto; --micro-batch-size is then an optional row cap
+        pad_to_multiple_of: with --micro-batch-tokens: pad lengths to a multiple (one shape
+            per bucket)
+        compile: torch.compile the model (give --pad-to-multiple-of with tokens)
+        gradient_checkpointing: recompute the model's repeated blocks in backward (less
+            memory, ~1 more forward)
+        precision: autocast precision
+        batchnorm: BatchNorm under accumulation (a micro-batch's statistics are not the full
+            batch's): keep: leave the model, warn; micro: per-micro-batch statistics,
+            running stats moved once per step; freeze: use the running stats (exact, for
+            fine-tuning); groupnorm: swap in GroupNorm (exact)
+        max_grad_norm: clip the gradient's 2-norm (default: no clipping)
+        nonfinite: a step whose loss or gradient is NaN/inf: raise (stop, keeping the last
+            good snapshot), skip it, or apply it
+        lr: learning rate at --reference-batch-size, for the task's optimizer or AdamW
+        lr_scaling: scale --lr with batch/reference
+        reference_batch_size: the batch size --lr was tuned for
+        lr_schedule: after warm-up: constant or cosine to 0
+        warmup_steps: optimizer steps of linear warm-up
+        steps: optimizer steps to run (or give --epochs)
+        epochs: passes over the data (default 1 when --steps is not given)
+        memory_budget: cap on memory a step may use, e.g. 6GiB (with --micro-batch-size
+            auto)
+        seed: seeds the model, dropout and the data order
+        out: run folder
+        save_every: resume snapshot every N steps (0: each epoch's end and the run's)
+        keep_snapshots: snapshots kept in the run folder (the newest N; at least 1)
+        resume: continue the run in --out from its last snapshot; auto: resume if there is
+            one, else start
+        eval_every: evaluate every N steps (0: only at the end)
+        log_every: a progress line every N steps in DIR/train.log, and on stderr when it is
+            not a terminal (0: about 20 lines per run)
+        device: default: cuda when available
+        local_steps: under torchrun: optimizer steps (λ) each rank takes on its own share
+            between two exchanges. 1: the exact data-parallel step (DDP, one all-reduce per
+            step). λ > 1: local accumulation (Hermans et al. 2017), λ exact local steps per
+            rank, then ONE all-reduce of the ranks' updates normalised by λ: λ times fewer
+            bytes and messages, not the exact big-batch step; each rank keeps its own
+            optimizer state; the log's loss is rank 0's share, round_loss the round's over
+            all ranks; snapshots, evaluation and Ctrl-C wait for the round's end; not with
+            FSDP
+        outer_lr: with --local-steps λ > 1: the step taken along the ranks' averaged update,
+            normalised by λ: 1 is the paper's (one step's worth per round, about λ times
+            slower per sample), λ averages the ranks' models (local SGD, as PyTorch's
+            post-local SGD model averaging), 0.7·λ with --outer-momentum 0.9
+            --outer-nesterov is DiLoCo's
+        outer_momentum: with --local-steps λ > 1: momentum of the outer step, in [0, 1): 0
+            is the paper's plain rule and model averaging's, 0.9 DiLoCo's
+        outer_nesterov: with --local-steps λ > 1: Nesterov outer momentum (DiLoCo's; needs
+            --outer-momentum)
+        shuffle: reshuffle the training data every epoch
+        quiet: no progress bar and no end-of-run table
     """
 
-    task: str | None = setting(
-        None, "module:function (or file.py:function) returning a bigbatch.Task"
-    )
-    batch_size: int | None = setting(
-        None, "effective batch: samples per optimizer step, over all ranks (default 32)", low=1
-    )
+    task: str | None = setting(None)
+    batch_size: int | None = setting(None, low=1)
     micro_batch_size: int | Literal["auto"] | None = setting(
-        None,
-        "samples per forward/backward on each rank, or auto: the largest that fits",
-        low=1,
-        aliases=("--per-device-train-batch-size",),
+        None, low=1, aliases=("--per-device-train-batch-size",)
     )
-    gradient_accumulation_steps: int | None = setting(
-        None, "micro-batches per optimizer step", low=1
-    )
-    micro_batch_tokens: int | Literal["auto"] | None = setting(
-        None,
-        "token windows: cut each batch by padded tokens per micro-batch, sorted by length, each "
-        "trimmed to its longest (a batch with attention_mask, or the task's lengths); or auto; "
-        "--micro-batch-size is then an optional row cap",
-        low=1,
-    )
-    pad_to_multiple_of: int | None = setting(
-        None, "with --micro-batch-tokens: pad lengths to a multiple (one shape per bucket)", low=1
-    )
-    compile: bool = setting(
-        False, "torch.compile the model (give --pad-to-multiple-of with tokens)"
-    )
-    gradient_checkpointing: bool = setting(
-        False, "recompute the model's repeated blocks in backward (less memory, ~1 more forward)"
-    )
-    precision: str = setting(
-        "fp32", "autocast precision", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16")
-    )
-    batchnorm: str | None = setting(
-        "keep",
-        "BatchNorm under accumulation (a micro-batch's statistics are not the full batch's): "
-        "keep: leave the model, warn; micro: per-micro-batch statistics, running stats moved "
-        "once per step; freeze: use the running stats (exact, for fine-tuning); groupnorm: "
-        "swap in GroupNorm (exact)",
-        choices=BATCHNORMS,
-    )
-    max_grad_norm: float | None = setting(None, "clip the gradient's 2-norm (default: no clipping)")
-    nonfinite: str = setting(
-        "raise",
-        "a step whose loss or gradient is NaN/inf: raise (stop, keeping the last good "
-        "snapshot), skip it, or apply it",
-        choices=NONFINITE,
-    )
-    lr: float = setting(
-        1e-3,
-        "learning rate at --reference-batch-size, for the task's optimizer or AdamW",
-        aliases=("--learning-rate",),
-    )
-    lr_scaling: str = setting(
-        "none", "scale --lr with batch/reference", choices=("none", "linear", "sqrt")
-    )
-    reference_batch_size: int | None = setting(None, "the batch size --lr was tuned for", low=1)
-    lr_schedule: str = setting(
-        "constant", "after warm-up: constant or cosine to 0", choices=("constant", "cosine")
-    )
-    warmup_steps: int = setting(0, "optimizer steps of linear warm-up", low=0)
-    steps: int | None = setting(
-        None, "optimizer steps to run (or give --epochs)", low=1, aliases=("--max-steps",)
-    )
-    epochs: int | None = setting(
-        None,
-        "passes over the data (default 1 when --steps is not given)",
-        low=1,
-        aliases=("--num-train-epochs",),
-    )
-    memory_budget: str | int | None = setting(
-        None, "cap on memory a step may use, e.g. 6GiB (with --micro-batch-size auto)"
-    )
-    seed: int = setting(0, "seeds the model, dropout and the data order", low=0)
-    out: str = setting("runs/bigbatch", "run folder", resumable=True)
-    save_every: int = setting(
-        0,
-        "resume snapshot every N steps (0: each epoch's end and the run's)",
-        low=0,
-        resumable=True,
-    )
-    keep_snapshots: int = setting(
-        2, "snapshots kept in the run folder (the newest N; at least 1)", low=1, resumable=True
-    )
-    resume: bool | str = setting(
-        False,
-        "continue the run in --out from its last snapshot; auto: resume if there is one, "
-        "else start",
-        choices=(False, True, "auto"),
-        resumable=True,
-    )
-    eval_every: int = setting(
-        0, "evaluate every N steps (0: only at the end)", low=0, resumable=True
-    )
-    log_every: int = setting(
-        0,
-        "a progress line every N steps in DIR/train.log, and on stderr when it is not a "
-        "terminal (0: about 20 lines per run)",
-        low=0,
-        resumable=True,
-    )
-    device: str | None = setting(None, "default: cuda when available", choices=(None, *DEVICES))
-    local_steps: int = setting(
-        1,
-        "under torchrun: optimizer steps (λ) each rank takes on its own share between two "
-        "exchanges. 1: the exact data-parallel step (DDP, one all-reduce per step). λ > 1: "
-        "local accumulation (Hermans et al. 2017), λ exact local steps per rank, then ONE "
-        "all-reduce of the ranks' updates normalised by λ: λ times fewer bytes and messages, "
-        "not the exact big-batch step; each rank keeps its own optimizer state; the log's "
-        "loss is rank 0's share, round_loss the round's over all ranks; snapshots, "
-        "evaluation and Ctrl-C wait for the round's end; not with FSDP",
-        low=1,
-        allowed="a whole number >= 1, the optimizer steps each rank takes between two "
-        "exchanges (1, the default: the exact data-parallel step)",
-    )
-    outer_lr: float = setting(
-        1.0,
-        "with --local-steps λ > 1: the step taken along the ranks' averaged update, normalised "
-        "by λ: 1 is the paper's (one step's worth per round, about λ times slower per sample), "
-        "λ averages the ranks' models (local SGD, as PyTorch's post-local SGD model "
-        "averaging), 0.7·λ with --outer-momentum 0.9 --outer-nesterov is DiLoCo's",
-    )
-    outer_momentum: float = setting(
-        0.0,
-        "with --local-steps λ > 1: momentum of the outer step, in [0, 1): 0 is the paper's plain "
-        "rule and model averaging's, 0.9 DiLoCo's",
-    )
-    outer_nesterov: bool = setting(
-        False,
-        "with --local-steps λ > 1: Nesterov outer momentum (DiLoCo's; needs --outer-momentum)",
-    )
-    shuffle: bool = setting(True, "reshuffle the training data every epoch")
-    quiet: bool = setting(False, "no progress bar and no end-of-run table", resumable=True)
+    gradient_accumulation_steps: int | None = setting(None, low=1)
+    micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
+    pad_to_multiple_of: int | None = setting(None, low=1)
+    compile: bool = setting(False)
+    gradient_checkpointing: bool = setting(False)
+    precision: str = setting("fp32", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16"))
+    batchnorm: str | None = setting("keep", choices=BATCHNORMS)
+    max_grad_norm: float | None = setting(None)
+    nonfinite: str = setting("raise", choices=NONFINITE)
+    lr: float = setting(1e-3, aliases=("--learning-rate",))
+    lr_scaling: str = setting("none", choices=("none", "linear", "sqrt"))
+    reference_batch_size: int | None = setting(None, low=1)
+    lr_schedule: str = setting("constant", choices=("constant", "cosine"))
+    warmup_steps: int = setting(0, low=0)
+    steps: int | None = setting(None, low=1, aliases=("--max-steps",))
+    epochs: int | None = setting(None, low=1, aliases=("--num-train-epochs",))
+    memory_budget: str | int | None = setting(None)
+    seed: int = setting(0, low=0)
+    out: str = setting("runs/bigbatch", resumable=True)
+    save_every: int = setting(0, low=0, resumable=True)
+    keep_snapshots: int = setting(2, low=1, resumable=True)
+    resume: bool | str = setting(False, choices=(False, True, "auto"), resumable=True)
+    eval_every: int = setting(0, low=0, resumable=True)
+    log_every: int = setting(0, low=0, resumable=True)
+    device: str | None = setting(None, choices=(None, *DEVICES))
+    local_steps: int = setting(1, low=1, allowed="a whole number >= 1, the optimizer steps each "
+                               "rank takes between two exchanges (1, the default: the exact "
+                               "data-parallel step)")  # fmt: skip
+    outer_lr: float = setting(1.0)
+    outer_momentum: float = setting(0.0)
+    outer_nesterov: bool = setting(False)
+    shuffle: bool = setting(True)
+    quiet: bool = setting(False, resumable=True)
 
     def __post_init__(self) -> None:
         if self.batchnorm is None:  # the same run as "keep" (the resume identity compares these)
@@ -233,8 +200,16 @@ class TrainConfig:
 
 
 def settings() -> list[dataclasses.Field]:
-    """The settings with their metadata (help, choices, low, aliases, resumable), in order."""
+    """The settings with their metadata (choices, low, aliases, resumable), in order."""
     return list(fields(TrainConfig))
+
+
+@functools.cache
+def helps() -> dict[str, str]:
+    """Each setting's help: its entry in ``TrainConfig``'s Attributes, on one line."""
+    text = inspect.cleandoc(TrainConfig.__doc__ or "").partition("Attributes:\n")[2]
+    entries = re.findall(r"^ {4}(\w+): (.*(?:\n {8}.*)*)", text, re.MULTILINE)  # and indented lines
+    return {name: " ".join(body.split()) for name, body in entries}
 
 
 def kinds(f: dataclasses.Field) -> tuple[Any, ...]:
