@@ -56,6 +56,7 @@ import inspect
 from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -235,29 +236,18 @@ class _PieceLoss:
         _rng.restore(self.states[j], device)  # the dropout masks of pass 1
         reps = self.encode_fn(model, piece)
         _rng.restore(self.end_state, device)
-        rows, per_batch = _split_leaves(reps, n, f"micro-batch {j}", self.paths)
-        terms = []
-        for (path, r), g in zip(rows, self.grads, strict=True):
-            if not r.requires_grad:
-                raise ValueError(_NO_GRAD.format(path=path, shape=tuple(r.shape)))
-            if g is not None:
-                terms.append(_dot(r, g[start : start + n]))
+        needs = attrgetter("requires_grad")
+        rows, per_batch = _split_leaves(reps, n, f"micro-batch {j}", self.paths, needs)
+        mine = zip([r for _, r in rows], self.grads, strict=True)
+        terms = [_dot(r, g[start : start + n]) for r, g in mine if g is not None]
         if j == len(self.pieces) - 1:  # the piece DDP syncs: the whole-batch terms join it
-            pairs = [*zip([t for _, t in per_batch], self.per_batch, strict=True), *self.params]
+            whole = [*zip([t for _, t in per_batch], self.per_batch, strict=True), *self.params]
             terms += [
-                _dot(t, g) * self.weight for t, g in pairs if g is not None and t.requires_grad
+                _dot(t, g) * self.weight for t, g in whole if g is not None and t.requires_grad
             ]
         # No term: the loss ignores this micro-batch; a zero keeps the graph.
         surrogate = sum(terms[1:], terms[0]) if terms else rows[0][1].sum() * 0
         return surrogate - surrogate.detach() + self.loss * self.counts[j], self.counts[j]
-
-
-_NO_GRAD = (
-    "encode_fn's {path} (shape {shape}) does not require grad, so no gradient reaches the model "
-    "through it: every per-sample representation must be computed from trainable parameters "
-    "with gradients on (not under torch.no_grad(), not .detach()ed, not an input passed "
-    "through). Take per-sample inputs such as labels from batch_loss_fn's batch argument."
-)
 
 
 def _encode(
@@ -271,49 +261,48 @@ def _encode(
     def encode(piece: Batch) -> None:
         paths = [p for p, _ in parts[0][1] + parts[0][2]] if parts else None
         reps, where = encode_fn(model, piece), f"micro-batch {len(parts)}"
-        parts.append((reps, *_split_leaves(reps, batch_size(piece), where, paths)))
+        floats = torch.is_floating_point  # a graph in pass 2 needs them
+        parts.append((reps, *_split_leaves(reps, batch_size(piece), where, paths, floats)))
 
     _, states = prepass(model, pieces, encode, device)
     template, first, per_batch = parts[0]
-    for path, t in first:
-        if not t.is_floating_point():
-            raise ValueError(_NO_GRAD.format(path=path, shape=tuple(t.shape)))
     rows = [(path, torch.cat([p[1][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
     return template, rows, per_batch, states
 
 
 def _split_leaves(
-    reps: Any, n: int, where: str, paths: list[str] | None = None
-) -> tuple[Leaves, Leaves]:
-    """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each, and the
-    ``paths`` of micro-batch 0."""
-    column = _column_in(reps, n)
-    if column is not None:
-        raise TypeError(
-            f"encode_fn returned per-sample values that are not tensors ({column}) for {where}: "
-            "the batch loss would see one micro-batch's only. Return tensors from encode_fn and "
-            "take ids or strings from batch_loss_fn's batch argument (it sees the whole batch)."
-        )
+    reps: Any, n: int, where: str, paths: list[str] | None = None,
+    needs: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[Leaves, Leaves]:  # fmt: skip
+    """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each, the
+    ``paths`` of micro-batch 0, and what the pass ``needs`` of each per-sample tensor."""
     leaves = [("reps" + path[len("batch") :], t) for path, t in tensor_leaves(reps)]
     rows, per_batch = [x for x in leaves if x[1].dim()], [x for x in leaves if not x[1].dim()]
-    if not rows:
-        raise TypeError(
-            f"encode_fn returned {type(reps).__name__} with no per-sample tensor for {where}: return "
-            "a tensor, or a tuple / dict of tensors whose first dimension is the sample dimension."
-        )
-    if any(t.shape[0] != n for _, t in rows):
-        listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
-        raise ValueError(
-            f"encode_fn's outputs disagree on the sample dimension for {where} of {n} samples "
-            f"({listing}): every representation needs one row per sample. Return one value for "
-            "the whole batch (e.g. a temperature) as a 0-dim tensor."
-        )
-    names = [p for p, _ in rows + per_batch]
-    if paths is not None and names != paths:
-        raise ValueError(
-            f"encode_fn returned {names} for {where} but {paths} for micro-batch 0: return the "
-            "same structure for every micro-batch."
-        )
+    names, column = [p for p, _ in rows + per_batch], _column_in(reps, n)
+    listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
+    bad = next(((p, tuple(t.shape)) for p, t in rows if needs and not needs(t)), None)
+    for wrong, error, message in (
+        (column is not None, TypeError, f"encode_fn returned per-sample values that are not "
+         f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
+         "tensors from encode_fn and take ids or strings from batch_loss_fn's batch argument (it "
+         "sees the whole batch)."),
+        (not rows, TypeError, f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
+         f"for {where}: return a tensor, or a tuple / dict of tensors whose first dimension is the "
+         "sample dimension."),
+        (any(t.shape[0] != n for _, t in rows), ValueError, "encode_fn's outputs disagree on the "
+         f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
+         "one row per sample. Return one value for the whole batch (e.g. a temperature) as a "
+         "0-dim tensor."),
+        (paths is not None and names != paths, ValueError, f"encode_fn returned {names} for "
+         f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch."),
+        (bad is not None, ValueError, "encode_fn's {} (shape {}) does not require grad, so no "
+         "gradient reaches the model through it: every per-sample representation must be computed "
+         "from trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, "
+         "not an input passed through). Take per-sample inputs such as labels from batch_loss_fn's "
+         "batch argument.".format(*(bad or ("", ())))),
+    ):  # fmt: skip
+        if wrong:
+            raise error(message)
     return rows, per_batch
 
 
