@@ -267,11 +267,8 @@ def check_batch_sizes(dataset_size: int, batch_size: int, world_size: int) -> No
     """
     last = dataset_size % batch_size
     if 0 < last < world_size:
-        works = next(
-            b
-            for b in range(batch_size, 0, -1)
-            if b >= world_size and (dataset_size % b == 0 or dataset_size % b >= world_size)
-        )
+        sizes = range(batch_size, world_size - 1, -1)  # at least one sample per rank
+        works = next(b for b in sizes if not 0 < dataset_size % b < world_size)
         raise ValueError(
             f"the last batch of each epoch holds {last} sample(s) ({dataset_size} samples at "
             f"batch_size={batch_size}), fewer than the {world_size} ranks: every rank needs at "

@@ -176,28 +176,24 @@ class LocalAccumulation:
         return local
 
     def _setup(
-        self, accumulator: Accumulator, local_steps: int, outer_lr: float, outer_momentum: float,
-        nesterov: bool, group: Any,
+        self, acc: Accumulator, local_steps: int, lr: float, momentum: float, nesterov: bool,
+        group: Any,
     ) -> None:  # fmt: skip
-        _check_local_steps(local_steps)
-        self.world_size = _check(
-            accumulator, local_steps, outer_lr, outer_momentum, nesterov, group
-        )
-        self.accumulator, self.local_steps, self.group = accumulator, local_steps, group
-        params = {n: p for n, p in accumulator.model.named_parameters() if p.requires_grad}
+        self.world_size = _check(acc, local_steps, lr, momentum, nesterov, group)
+        self.accumulator, self.local_steps, self.group = acc, local_steps, group
+        params = {n: p for n, p in acc.model.named_parameters() if p.requires_grad}
         self._names, self._params = list(params), list(params.values())
-        self._buffers = list(accumulator.model.buffers())
+        self._buffers = list(acc.model.buffers())
         floats = [t.dtype for t in self._params + self._buffers if t.is_floating_point()]
         self._dtype = functools.reduce(torch.promote_types, floats, torch.float32)  # counts exact
         self._device = next((p.device for p in self._params), torch.device("cpu"))
         bucket, views = self._pack()  # the ranks start from rank 0's parameters and buffers
-        dist.broadcast(
-            bucket, src=0 if group is None else dist.get_global_rank(group, 0), group=group
-        )
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(bucket, src=src, group=group)
         self._unpack(views)
         self._start = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(
-            self._start, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+            self._start, lr=lr, momentum=momentum, nesterov=nesterov
         )
         self.outer_steps, self._round = 0, _Round()
 
@@ -263,21 +259,19 @@ class LocalAccumulation:
             )
         bucket, views = self._pack(self._round.count, self._round.loss_sum)
         dist.all_reduce(bucket, group=self.group)  # the one collective of the round
-        count, loss_sum = bucket[-2:].tolist()
-        update = bucket[: sum(p.numel() for p in self._params)].mul_(-1.0 / (count * k))  # −Δ
+        c, loss_sum = bucket[-2:].tolist()  # summed over the ranks
+        update = bucket[: sum(p.numel() for p in self._params)].mul_(-1.0 / (c * k))  # −Δ
         update_norm = float(torch.linalg.vector_norm(update))
         for s, g in zip(self._start, views, strict=False):
             s.grad = g.view_as(s).to(s.dtype)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         buffers = zip(self._buffers, views[len(self._params) : -1], strict=True)
-        means = [
-            v / count if b.is_floating_point() else (v / self.world_size).round()
-            for b, v in buffers
-        ]
-        self._unpack([*self._start, *means])  # Note [buffers at the outer step]
+        W = self.world_size  # Note [buffers at the outer step]: count-weighted means
+        means = [v / c if b.is_floating_point() else (v / W).round() for b, v in buffers]
+        self._unpack([*self._start, *means])
         self.outer_steps, self._round = self.outer_steps + 1, _Round()
-        return OuterStepResult(loss_sum / count, count, k, update_norm)
+        return OuterStepResult(loss_sum / c, c, k, update_norm)
 
     @torch.no_grad()
     def _pack(
@@ -368,8 +362,7 @@ def _check_local_steps(local_steps: object) -> None:
     if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(
             f"local_steps={local_steps!r} is not allowed: use a whole number >= 1, the inner "
-            "optimizer steps per all-reduce (1 = one exchange per step, the exact "
-            "data-parallel step with SGD)."
+            "optimizer steps per all-reduce (1: the exact data-parallel step with SGD)."
         )
 
 
@@ -379,6 +372,7 @@ def _check(
 ) -> int:  # fmt: skip
     """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
     refused and why: docs/local_accumulation.md); returns the number of ranks."""
+    _check_local_steps(local_steps)
     for name, value, use in (("outer_lr", outer_lr, "a number"),
                              ("outer_momentum", outer_momentum, "a number"),
                              ("nesterov", nesterov, "True or False")):  # fmt: skip
