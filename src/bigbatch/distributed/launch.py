@@ -92,13 +92,12 @@ def setup(device: str | None = None) -> Ranks:
     if on_cuda:
         torch.cuda.set_device(target)
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if on_cuda else "gloo"
         try:
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            dist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world_size)
         except (RuntimeError, ValueError) as exc:  # torch's rendezvous: said in one line
-            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
             raise RuntimeError(
-                f"rank {rank} of {world_size} could not join the process group at {where} "
+                f"rank {rank} of {world_size} could not join the process group at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
                 f"({' '.join(str(exc).split())[:200]}): launch with `torchrun --nproc_per_node "
                 "N ...`, which sets the environment, or unset WORLD_SIZE for one process."
             ) from None
@@ -268,11 +267,8 @@ def check_batch_sizes(dataset_size: int, batch_size: int, world_size: int) -> No
     """
     last = dataset_size % batch_size
     if 0 < last < world_size:
-        works = next(
-            b
-            for b in range(batch_size, 0, -1)
-            if b >= world_size and (dataset_size % b == 0 or dataset_size % b >= world_size)
-        )
+        sizes = range(batch_size, world_size - 1, -1)  # at least one sample per rank
+        works = next(b for b in sizes if not 0 < dataset_size % b < world_size)
         raise ValueError(
             f"the last batch of each epoch holds {last} sample(s) ({dataset_size} samples at "
             f"batch_size={batch_size}), fewer than the {world_size} ranks: every rank needs at "
@@ -281,25 +277,14 @@ def check_batch_sizes(dataset_size: int, batch_size: int, world_size: int) -> No
 
 
 def make_sampler(
-    dataset: Dataset,
-    ranks: Ranks,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = False,
+    dataset: Dataset, ranks: Ranks, shuffle: bool = True, seed: int = 0, drop_last: bool = False
 ) -> DistributedSampler:
     """The sampler that deals the dataset out to the ranks (Note [global batch]).
 
     Call ``sampler.set_epoch(epoch)`` at the start of each epoch, as with any
     ``DistributedSampler``.
     """
-    return DistributedSampler(
-        dataset,
-        num_replicas=ranks.world_size,
-        rank=ranks.rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
+    return DistributedSampler(dataset, ranks.world_size, ranks.rank, shuffle, seed, drop_last)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -308,6 +293,5 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(
-            f"environment variable {name}={value!r} is not an integer: launch with "
-            "`torchrun --nproc_per_node N ...`, which sets it, or unset it."
+            f"environment variable {name}={value!r} is not an integer: {_LAUNCH}"
         ) from None

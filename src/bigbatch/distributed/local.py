@@ -53,6 +53,7 @@ Note [buffers at the outer step]
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -149,32 +150,19 @@ class LocalAccumulation:
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        local_steps: int,
-        *,
-        micro_batch_size: int | str = 32,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        nesterov: bool = False,
-        group: Any = None,
-    ) -> None:
-        check_local_steps(local_steps)
+        self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, local_steps: int, *,
+        micro_batch_size: int | str = 32, outer_lr: float = 1.0, outer_momentum: float = 0.0,
+        nesterov: bool = False, group: Any = None,
+    ) -> None:  # fmt: skip
+        _check_local_steps(local_steps)  # before building anything
         accumulator = Accumulator(model, inner_optimizer, micro_batch_size=micro_batch_size)
         self._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
 
     @classmethod
     def from_accumulator(
-        cls,
-        accumulator: Accumulator,
-        local_steps: int,
-        *,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        nesterov: bool = False,
-        group: Any = None,
-    ) -> LocalAccumulation:
+        cls, accumulator: Accumulator, local_steps: int, *, outer_lr: float = 1.0,
+        outer_momentum: float = 0.0, nesterov: bool = False, group: Any = None,
+    ) -> LocalAccumulation:  # fmt: skip
         """Wrap an ``Accumulator`` you built (scheduler, clipping, precision, memory budget).
 
         Its model must be the plain module; the scheduler steps once per INNER step.
@@ -183,38 +171,31 @@ class LocalAccumulation:
             >>> acc = Accumulator(model, opt, micro_batch_size=8, max_grad_norm=1.0)  # doctest: +SKIP
             >>> local = LocalAccumulation.from_accumulator(acc, local_steps=4)  # doctest: +SKIP
         """
-        check_local_steps(local_steps)
         local = cls.__new__(cls)
         local._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
         return local
 
     def _setup(
-        self,
-        accumulator: Accumulator,
-        local_steps: int,
-        outer_lr: float,
-        outer_momentum: float,
-        nesterov: bool,
+        self, acc: Accumulator, local_steps: int, lr: float, momentum: float, nesterov: bool,
         group: Any,
-    ) -> None:
-        _check_outer(outer_lr, outer_momentum, nesterov)
-        _check_plain(accumulator)
-        _check_owned(accumulator.model, accumulator.optimizer)
-        self.world_size = _world_size(group, local_steps)
-        self.accumulator = accumulator
-        self.local_steps = local_steps
-        self.group = group
-        model = accumulator.model
-        self._names, self._params = _trainable(model)
-        self._buffers = [b for _, b in model.named_buffers()]
-        self._dtype = _bucket_dtype(self._params + self._buffers)
-        self._broadcast_from_rank0()
+    ) -> None:  # fmt: skip
+        self.world_size = _check(acc, local_steps, lr, momentum, nesterov, group)
+        self.accumulator, self.local_steps, self.group = acc, local_steps, group
+        params = {n: p for n, p in acc.model.named_parameters() if p.requires_grad}
+        self._names, self._params = list(params), list(params.values())
+        self._buffers = list(acc.model.buffers())
+        floats = [t.dtype for t in self._params + self._buffers if t.is_floating_point()]
+        self._dtype = functools.reduce(torch.promote_types, floats, torch.float32)  # counts exact
+        self._device = next((p.device for p in self._params), torch.device("cpu"))
+        bucket, views = self._pack()  # the ranks start from rank 0's parameters and buffers
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(bucket, src=src, group=group)
+        self._unpack(views)
         self._start = [p.detach().clone() for p in self._params]
         self.outer_optimizer = torch.optim.SGD(
-            self._start, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+            self._start, lr=lr, momentum=momentum, nesterov=nesterov
         )
-        self.outer_steps = 0
-        self._round = _Round()
+        self.outer_steps, self._round = 0, _Round()
 
     # ------------------------------------------------------------------ training
     @property
@@ -257,8 +238,7 @@ class LocalAccumulation:
         r.steps += 1
         r.count += result.count
         r.loss_sum += result.loss * result.count
-        outer = self.outer_step() if r.steps == self.local_steps else None
-        return LocalStepResult(result, outer)
+        return LocalStepResult(result, self.outer_step() if r.steps == self.local_steps else None)
 
     @torch.no_grad()
     def outer_step(self) -> OuterStepResult:
@@ -277,58 +257,47 @@ class LocalAccumulation:
                 "outer_step() called at the start of a round: take at least one inner step "
                 "(train_step or step) first; the ranks already hold the same model."
             )
-        bucket = self._pack()
+        bucket, views = self._pack(self._round.count, self._round.loss_sum)
         dist.all_reduce(bucket, group=self.group)  # the one collective of the round
-        count, loss_sum = bucket[-2:].tolist()
-        n = sum(p.numel() for p in self._params)
-        update = bucket[:n].mul_(-1.0 / (count * k))  # the pseudo-gradient −Δ
+        c, loss_sum = bucket[-2:].tolist()  # summed over the ranks
+        update = bucket[: sum(p.numel() for p in self._params)].mul_(-1.0 / (c * k))  # −Δ
         update_norm = float(torch.linalg.vector_norm(update))
-        self._apply(update, bucket[n:-2], count)
-        self.outer_steps += 1
-        self._round = _Round()
-        return OuterStepResult(loss_sum / count, count, k, update_norm)
-
-    def _pack(self) -> torch.Tensor:
-        """[c·(θ − θ_start) | c·float buffers | integer buffers | c, loss_sum], one flat tensor."""
-        c = self._round.count
-        sizes = [t.numel() for t in self._params + self._buffers]
-        bucket = torch.empty(sum(sizes) + 2, dtype=self._dtype, device=self._device())
-        views = bucket[:-2].split(sizes)
-        for view, p, s in zip(views[: len(self._params)], self._params, self._start, strict=True):
-            view.copy_(p.reshape(-1)).sub_(s.reshape(-1)).mul_(c)
-        for view, b in zip(views[len(self._params) :], self._buffers, strict=True):
-            view.copy_(b.reshape(-1))
-            if b.is_floating_point():
-                view.mul_(c)
-        bucket[-2:] = torch.tensor([c, self._round.loss_sum], dtype=self._dtype)
-        return bucket
-
-    def _apply(self, update: torch.Tensor, buffers: torch.Tensor, count: float) -> None:
-        sizes = [p.numel() for p in self._params]
-        for s, g in zip(self._start, update.split(sizes), strict=True):
+        for s, g in zip(self._start, views, strict=False):
             s.grad = g.view_as(s).to(s.dtype)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        for p, s in zip(self._params, self._start, strict=True):
-            p.copy_(s)
-        sizes = [b.numel() for b in self._buffers]
-        for b, v in zip(self._buffers, buffers.split(sizes), strict=True):
-            mean = v / count if b.is_floating_point() else (v / self.world_size).round()
-            b.copy_(mean.view_as(b))
+        buffers = zip(self._buffers, views[len(self._params) : -1], strict=True)
+        W = self.world_size  # Note [buffers at the outer step]: count-weighted means
+        means = [v / c if b.is_floating_point() else (v / W).round() for b, v in buffers]
+        self._unpack([*self._start, *means])
+        self.outer_steps, self._round = self.outer_steps + 1, _Round()
+        return OuterStepResult(loss_sum / c, c, k, update_norm)
 
-    def _broadcast_from_rank0(self) -> None:
+    @torch.no_grad()
+    def _pack(
+        self, count: float | None = None, loss_sum: float = 0.0
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One flat tensor and its views: [θ | buffers], or for a round's end (``count`` c given)
+        [c·(θ − θ_start) | c·floating buffers | integer buffers | c, loss_sum]."""
         tensors = self._params + self._buffers
-        if not tensors:
-            return
-        flat = torch.cat([t.detach().reshape(-1).to(self._dtype) for t in tensors])
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast(flat, src=src, group=self.group)
-        with torch.no_grad():
-            for t, v in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-                t.copy_(v.view_as(t))
+        sizes = [t.numel() for t in tensors] + [0 if count is None else 2]
+        bucket = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
+        views = list(bucket.split(sizes))
+        for j, (view, t) in enumerate(zip(views, tensors, strict=False)):
+            view.copy_(t.reshape(-1))
+            if count is not None and j < len(self._start):
+                view.sub_(self._start[j].reshape(-1))
+            if count is not None and t.is_floating_point():
+                view.mul_(count)
+        if count is not None:
+            views[-1].copy_(torch.tensor([count, loss_sum], dtype=self._dtype))
+        return bucket, views
 
-    def _device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
+    @torch.no_grad()
+    def _unpack(self, values: list[torch.Tensor]) -> None:
+        """Copy ``values`` into the parameters, then the buffers."""
+        for t, v in zip(self._params + self._buffers, values, strict=False):
+            t.copy_(v.view_as(t))
 
     # ------------------------------------------------------------------ snapshots
     def state_dict(self) -> dict[str, Any]:
@@ -364,124 +333,77 @@ class LocalAccumulation:
         Raises:
             ValueError: the snapshot is of another format, another ``local_steps`` or model.
         """
-        _check_snapshot(state, self.local_steps, self._names, self._start)
-        for name, p, s in zip(self._names, self._params, self._start, strict=True):
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"not a LocalAccumulation state of format {STATE_FORMAT}: pass what "
+                "LocalAccumulation.state_dict() returned."
+            )
+        saved = {n: tuple(t.shape) for n, t in state["start"].items()}
+        mine = {n: tuple(s.shape) for n, s in zip(self._names, self._start, strict=True)}
+        for wrong, message in (
+            (state["local_steps"] != self.local_steps, f"the snapshot was taken with local_steps="
+             f"{state['local_steps']} and this LocalAccumulation has local_steps="
+             f"{self.local_steps}: resume with the same value."),
+            (saved != mine, "the snapshot's parameters do not match this model's (e.g. "
+             f"{sorted(set(saved.items()) ^ set(mine.items()))[:3]}): resume with the model the "
+             "snapshot was taken from."),
+        ):  # fmt: skip
+            if wrong:
+                raise ValueError(message)
+        for name, s in zip(self._names, self._start, strict=True):
             s.copy_(state["start"][name])
-            p.copy_(s)
+        self._unpack(self._start)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.outer_steps = int(state["outer_steps"])
-        self._round = _Round()
+        self.outer_steps, self._round = int(state["outer_steps"]), _Round()
 
 
-# ---------------------------------------------------------------------- checks and helpers
-def check_local_steps(local_steps: object) -> None:
-    """Refuse a ``local_steps`` that is not a whole number >= 1.
-
-    Raises:
-        ValueError: with the value and what is allowed.
-
-    Example:
-        >>> check_local_steps(4)
-    """
+# ---------------------------------------------------------------------- checks
+def _check_local_steps(local_steps: object) -> None:
     if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(
             f"local_steps={local_steps!r} is not allowed: use a whole number >= 1, the inner "
-            "optimizer steps per all-reduce (1 = one exchange per step, the exact "
-            "data-parallel step with SGD)."
+            "optimizer steps per all-reduce (1: the exact data-parallel step with SGD)."
         )
 
 
-def _check_outer(outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
-    for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}={value!r} is not allowed: use a number.")
-    if not 0 < outer_lr < math.inf:
-        raise ValueError(
-            f"outer_lr={outer_lr!r} is not allowed: use a positive finite number (1.0: Δ as is)."
-        )
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov={nesterov!r} is not allowed: use True or False.")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(
-            f"outer_momentum={outer_momentum!r} is not allowed: use a number in [0, 1) "
-            "(0: the paper's plain outer rule; 0.9 with nesterov=True: DiLoCo's)."
-        )
-    if nesterov and outer_momentum == 0:
-        raise ValueError(
-            "nesterov=True needs momentum: pass outer_momentum > 0 (e.g. 0.9), or nesterov=False."
-        )
-
-
-def _check_plain(accumulator: Accumulator) -> None:
-    if wrapper_kind(accumulator.model) == "ddp":
-        raise TypeError(
-            "LocalAccumulation needs the plain module, not a DistributedDataParallel: DDP "
-            "all-reduces the gradients in every backward, so the inner steps would not be local "
-            "(and the ranks' parameters would never differ). Pass ddp.module; LocalAccumulation "
-            "averages the updates itself, once per local_steps optimizer steps."
-        )
-    if wrapper_kind(accumulator.model) == "fsdp":
-        raise TypeError(
-            "LocalAccumulation does not support FSDP: a sharded model all-gathers its parameters "
-            "in every forward, so its inner steps would talk to the other ranks, and a rank must "
-            "hold a whole replica to step on its own. Pass the plain module if it fits on one "
-            "device; otherwise use Accumulator on the FSDP model (one reduce-scatter per step)."
-        )
-
-
-def _check_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    owned = {id(p) for p in model.parameters()}
-    foreign = sum(id(p) not in owned for g in optimizer.param_groups for p in g["params"])
-    if foreign:
-        raise ValueError(
-            f"the inner optimizer holds {foreign} tensor(s) that are not parameters of the model: "
-            "build it over model.parameters() (the plain module, not a copy of it)."
-        )
-
-
-def _world_size(group: Any, local_steps: int) -> int:
+def _check(
+    accumulator: Accumulator, local_steps: int, outer_lr: Any, outer_momentum: Any, nesterov: Any,
+    group: Any,
+) -> int:  # fmt: skip
+    """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
+    refused and why: docs/local_accumulation.md); returns the number of ranks."""
+    _check_local_steps(local_steps)
+    for name, value, use in (("outer_lr", outer_lr, "a number"),
+                             ("outer_momentum", outer_momentum, "a number"),
+                             ("nesterov", nesterov, "True or False")):  # fmt: skip
+        if isinstance(value, bool) != (name == "nesterov") or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}={value!r} is not allowed: use {use}.")
+    kind = wrapper_kind(accumulator.model)
+    held = {id(p) for g in accumulator.optimizer.param_groups for p in g["params"]}
+    foreign = len(held - {id(p) for p in accumulator.model.parameters()})
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if world == 1:
-        raise RuntimeError(
-            f"LocalAccumulation(local_steps={local_steps}) needs several ranks and this is one "
-            "process, so there is nothing to average and local_steps has no meaning: use "
-            "bigbatch.Accumulator, or launch with `torchrun --nproc_per_node N`."
-        )
+    for wrong, error, message in (
+        (not 0 < outer_lr < math.inf, ValueError, f"outer_lr={outer_lr!r} is not allowed: use a "
+         "positive finite number (1.0: Δ as is)."),
+        (not 0 <= outer_momentum < 1, ValueError, f"outer_momentum={outer_momentum!r} is not "
+         "allowed: use a number in [0, 1) (0: the plain rule; 0.9, nesterov=True: DiLoCo's)."),
+        (nesterov and outer_momentum == 0, ValueError, "nesterov=True needs momentum: pass "
+         "outer_momentum > 0 (e.g. 0.9), or nesterov=False."),
+        (kind == "ddp", TypeError, "LocalAccumulation needs the plain module, not a "
+         "DistributedDataParallel: DDP all-reduces the gradients in every backward, so the inner "
+         "steps would not be local (the ranks' parameters would never differ). Pass ddp.module; "
+         "LocalAccumulation averages the updates itself, once per local_steps steps."),
+        (kind == "fsdp", TypeError, "LocalAccumulation does not support FSDP: a sharded model "
+         "all-gathers its parameters in every forward (the inner steps would talk to the other "
+         "ranks) and a rank must hold a whole replica to step alone. Pass the plain module if it "
+         "fits on one device, else use Accumulator on the FSDP model (one reduce-scatter a step)."),
+        (foreign > 0, ValueError, f"the inner optimizer holds {foreign} tensor(s) that are not "
+         "parameters of the model: build it over model.parameters() (the plain module, not a "
+         "copy of it)."),
+        (world == 1, RuntimeError, f"LocalAccumulation(local_steps={local_steps}) needs several "
+         "ranks and this is one process, so there is nothing to average and local_steps has no "
+         "meaning: use bigbatch.Accumulator, or launch with `torchrun --nproc_per_node N`."),
+    ):  # fmt: skip
+        if wrong:
+            raise error(message)
     return world
-
-
-def _trainable(model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [n for n, _ in named], [p for _, p in named]
-
-
-def _bucket_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    """The widest floating dtype among ``tensors``, at least float32 (counts must stay exact)."""
-    dtype = torch.float32
-    for t in tensors:
-        if t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def _check_snapshot(
-    state: dict[str, Any], local_steps: int, names: list[str], start: list[torch.Tensor]
-) -> None:
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise ValueError(
-            f"not a LocalAccumulation state of format {STATE_FORMAT}: pass what "
-            "LocalAccumulation.state_dict() returned."
-        )
-    if state["local_steps"] != local_steps:
-        raise ValueError(
-            f"the snapshot was taken with local_steps={state['local_steps']} and this "
-            f"LocalAccumulation has local_steps={local_steps}: resume with the same value."
-        )
-    saved = {n: tuple(t.shape) for n, t in state["start"].items()}
-    mine = {n: tuple(s.shape) for n, s in zip(names, start, strict=True)}
-    if saved != mine:
-        differ = sorted(set(saved.items()) ^ set(mine.items()))[:3]
-        raise ValueError(
-            f"the snapshot's parameters do not match this model's (e.g. {differ}): resume with "
-            "the model the snapshot was taken from."
-        )

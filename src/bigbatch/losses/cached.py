@@ -53,8 +53,10 @@ Note [across ranks]
 from __future__ import annotations
 
 import inspect
+from collections import namedtuple
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -64,24 +66,19 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
-from bigbatch.core.loss import (
-    LossFn,
-    LossOutput,
-    Term,
-    as_terms,
-    check_count,
-    check_scalar_loss,
-    mean_of,
-)
+from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss, mean_of
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
 """``encode_fn(model, micro_batch) -> reps``: a tensor or a tuple / list / dict of tensors."""
 
-BatchLossFn = Callable[..., LossOutput]
-"""``batch_loss_fn(reps, batch)`` (or ``batch_loss_fn(reps)``) -> a mean or ``(loss_sum, count)``."""
+BatchLossFn = Callable[..., Any]
+"""``batch_loss_fn(reps, batch)`` (or ``batch_loss_fn(reps)``) -> a mean, ``(loss_sum, count)``
+or named terms (a ``LossOutput``)."""
 
 Leaves = list[tuple[str, torch.Tensor]]
+Grads = list[torch.Tensor | None]
+_Ranks = namedtuple("_Ranks", "group size rank")  # who computes the loss together; size 1: alone
 
 
 def cached_loss(encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool = True) -> CachedLoss:
@@ -147,25 +144,19 @@ class CachedLoss:
     """
 
     def __init__(self, encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool) -> None:
-        self.encode_fn = encode_fn
-        self.batch_loss_fn = batch_loss_fn
-        self.gather = gather
+        self.encode_fn, self.batch_loss_fn, self.gather = encode_fn, batch_loss_fn, gather
         self.takes_batch = _takes_batch(batch_loss_fn)
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | float]:
         """The plain loss over ``batch`` in one piece (no gathering), as ``(loss_sum, count)``."""
-        n = batch_size(batch)
-        reps = self.encode_fn(model, batch)
+        n, reps = batch_size(batch), self.encode_fn(model, batch)
         _split_leaves(reps, n, "the batch")
         return self._loss(reps, batch, n)
 
     def prepare(
-        self,
-        model: nn.Module,
-        batch: Batch,
-        pieces: list[Batch],
+        self, model: nn.Module, batch: Batch, pieces: list[Batch],
         rows: list[torch.Tensor] | None = None,
-    ) -> LossFn:
+    ) -> LossFn:  # fmt: skip
         """Pass 1 and the batch loss for one window; returns the ``loss_fn`` of its pieces.
 
         Args:
@@ -182,43 +173,35 @@ class CachedLoss:
             ValueError, TypeError: bad representations or batch loss (the messages say which).
         """
         ranks = _ranks(model, self.gather)
-        if len(pieces) == 1 and ranks is None:
+        if len(pieces) == 1 and ranks.size == 1:
             return self  # one piece is the whole batch: the plain loss is exact, one forward
-        device = _device_of(model)
-        encoded, failure = None, None
+        device, failure = _device_of(model), None
         try:
-            encoded = _encode_pieces(self.encode_fn, model, pieces, device)
+            template, encoded, per_batch, states = _encode(self.encode_fn, model, pieces, device)
         except Exception as exc:  # the other ranks must not wait in the gather for us
             failure = exc
-        if ranks is not None:
-            agree(failure, ranks.group, ranks.size, device)  # Note [passes before the window]
-        elif failure is not None:
-            raise failure
-        assert encoded is not None
+        agree(failure, ranks.group, ranks.size, device)  # Note [passes before the window]
         order = None if rows is None else torch.cat([torch.as_tensor(r) for r in rows])
         if order is not None:  # the batch loss sees the batch's order (token windows sort it)
-            encoded.rows = [t[torch.argsort(order)] for t in encoded.rows]
-        rows, whole, offset = encoded.rows, batch, 0
-        if ranks is not None:
-            rows, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
-        reps = [t.detach().requires_grad_() for t in rows]
-        scalars = [t.detach().requires_grad_(t.is_floating_point()) for t in encoded.per_batch]
-        n_total = len(reps[0])
+            encoded = [(path, t[torch.argsort(order)]) for path, t in encoded]
+        everyone, whole, offset = [t for _, t in encoded], batch, 0
+        if ranks.size > 1:
+            everyone, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
+        reps = [t.detach().requires_grad_() for t in everyone]
+        scalars = [t.detach().requires_grad_(t.is_floating_point()) for _, t in per_batch]
         with torch.enable_grad():
-            reps_tree = _rebuild(encoded.template, reps, scalars)
-            loss_sum, count = self._loss(reps_tree, whole, n_total)
-        window = _Window(
-            states=encoded.states,
-            end_state=_rng.capture(device),  # after pass 1 and the batch loss
-            paths=encoded.paths,
-            starts=[sum(encoded.sizes[:j]) for j in range(len(pieces))],
-            sizes=encoded.sizes,
-            grads=_gradients(loss_sum, reps, scalars, offset, sum(encoded.sizes), order),
-            loss=loss_sum.detach() / count,
-            counts=[count * (n / n_total) for n in encoded.sizes],
-            weight=1.0 / ranks.size if ranks is not None else 1.0,
-        )
-        return _PieceLoss(self.encode_fn, pieces, window)
+            row_it, scalar_it = iter(reps), iter(scalars)
+            tree = map_tensors(
+                lambda t: next(scalar_it) if t.dim() == 0 else next(row_it), template
+            )
+            loss_sum, count = self._loss(tree, whole, len(reps[0]))
+        sizes = [batch_size(p) for p in pieces]
+        end_state = _rng.capture(device)  # after pass 1 and the batch loss
+        grads = _gradients(loss_sum, reps, scalars, offset, sum(sizes), order)
+        counts = [count * (n / len(reps[0])) for n in sizes]
+        paths = [path for path, _ in encoded + per_batch]
+        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, end_state, *grads,
+                          loss_sum.detach() / count, counts, 1.0 / ranks.size)  # fmt: skip
 
     def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
         out = self.batch_loss_fn(reps, batch) if self.takes_batch else self.batch_loss_fn(reps)
@@ -226,165 +209,111 @@ class CachedLoss:
 
 
 @dataclass
-class _Encoded:
-    """Pass 1 of a window: the representations without a graph, and how to replay them."""
+class _PieceLoss:
+    """Pass 2: the ``loss_fn`` of one window's micro-batches (Note [surrogate loss])."""
 
-    template: Any  # the first micro-batch's reps: the structure to rebuild
-    paths: list[str]  # of the per-sample tensors, then the 0-dim ones
-    rows: list[torch.Tensor]  # per-sample tensors, the micro-batches concatenated
-    per_batch: list[torch.Tensor]  # 0-dim outputs (one value for the whole batch)
-    sizes: list[int]  # samples per micro-batch
-    states: list[Any]  # the random state before each micro-batch's encode
-
-
-@dataclass
-class _Gradients:
-    rows: list[torch.Tensor | None]  # ∂S/∂r of this rank's samples; None: the loss ignores r
-    per_batch: list[torch.Tensor | None]  # ∂S/∂(0-dim output)
-    params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
-
-
-@dataclass
-class _Window:
-    """What pass 2 needs of one window (Note [surrogate loss])."""
-
-    states: list[Any]  # random state before each micro-batch's encode
-    end_state: Any  # random state to leave behind
+    encode_fn: EncodeFn
+    pieces: list[Batch]
     paths: list[str]  # the representations, as pass 1 saw them
-    starts: list[int]  # first row of each micro-batch in this rank's batch
     sizes: list[int]  # samples per micro-batch
-    grads: _Gradients
+    states: list[_rng.RngState]  # random state before each micro-batch's encode
+    end_state: _rng.RngState  # random state to leave behind
+    grads: Grads  # ∂S/∂r of this rank's samples; None: the loss ignores r
+    per_batch: Grads  # ∂S/∂(0-dim output)
+    params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
     loss: torch.Tensor  # L = S / C
     counts: list[Any]  # C · n_j / N per micro-batch
     weight: float  # of the whole-batch terms: 1 / ranks computing the same loss
 
-
-class _PieceLoss:
-    """Pass 2: the ``loss_fn`` of one window's micro-batches (Note [surrogate loss])."""
-
-    def __init__(self, encode_fn: EncodeFn, pieces: list[Batch], window: _Window) -> None:
-        self.encode_fn, self.pieces, self.window = encode_fn, pieces, window
-
     def __call__(self, model: nn.Module, piece: Batch) -> tuple[torch.Tensor, Any]:
-        w, j = self.window, self._index(piece)
-        device = _device_of(model)
-        _rng.restore(w.states[j], device)  # the dropout masks of pass 1
+        j = next((j for j, p in enumerate(self.pieces) if p is piece), None)
+        if j is None:
+            raise ValueError(
+                "this loss_fn belongs to the micro-batches given to CachedLoss.prepare: call it "
+                "with those, or call the cached_loss itself for the plain loss of a batch."
+            )
+        device, start, n = _device_of(model), sum(self.sizes[:j]), self.sizes[j]
+        _rng.restore(self.states[j], device)  # the dropout masks of pass 1
         reps = self.encode_fn(model, piece)
-        _rng.restore(w.end_state, device)
-        rows, per_batch = _split_leaves(reps, w.sizes[j], f"micro-batch {j}", w.paths)
-        terms = []
-        for (path, r), g in zip(rows, w.grads.rows, strict=True):
-            if not r.requires_grad:
-                raise ValueError(_NO_GRAD.format(path=path, shape=tuple(r.shape)))
-            if g is not None:
-                terms.append(_dot(r, g[w.starts[j] : w.starts[j] + w.sizes[j]]))
+        _rng.restore(self.end_state, device)
+        needs = attrgetter("requires_grad")
+        rows, per_batch = _split_leaves(reps, n, f"micro-batch {j}", self.paths, needs)
+        mine = zip([r for _, r in rows], self.grads, strict=True)
+        terms = [_dot(r, g[start : start + n]) for r, g in mine if g is not None]
         if j == len(self.pieces) - 1:  # the piece DDP syncs: the whole-batch terms join it
-            outputs = [(t, g) for (_, t), g in zip(per_batch, w.grads.per_batch, strict=True)]
-            for t, g in [*outputs, *w.grads.params]:
-                if g is not None and t.requires_grad:
-                    terms.append(_dot(t, g) * w.weight)
-        if not terms:  # the loss ignores this micro-batch: a zero that keeps the graph
-            terms.append(rows[0][1].sum() * 0)
-        surrogate = sum(terms[1:], terms[0])
-        return surrogate - surrogate.detach() + w.loss * w.counts[j], w.counts[j]
-
-    def _index(self, piece: Batch) -> int:
-        for j, p in enumerate(self.pieces):
-            if p is piece:
-                return j
-        raise ValueError(
-            "this loss_fn belongs to the micro-batches given to CachedLoss.prepare: call it with "
-            "those, or call the cached_loss itself for the plain loss of a batch."
-        )
+            whole = [*zip([t for _, t in per_batch], self.per_batch, strict=True), *self.params]
+            terms += [
+                _dot(t, g) * self.weight for t, g in whole if g is not None and t.requires_grad
+            ]
+        # No term: the loss ignores this micro-batch; a zero keeps the graph.
+        surrogate = sum(terms[1:], terms[0]) if terms else rows[0][1].sum() * 0
+        return surrogate - surrogate.detach() + self.loss * self.counts[j], self.counts[j]
 
 
-_NO_GRAD = (
-    "encode_fn's {path} (shape {shape}) does not require grad, so no gradient reaches the model "
-    "through it: every per-sample representation must be computed from trainable parameters "
-    "with gradients on (not under torch.no_grad(), not .detach()ed, not an input passed "
-    "through). Take per-sample inputs such as labels from batch_loss_fn's batch argument."
-)
-
-
-def _encode_pieces(
+def _encode(
     encode_fn: EncodeFn, model: nn.Module, pieces: list[Batch], device: torch.device
-) -> _Encoded:
-    """Pass 1: encode each micro-batch without a graph, recording the random state before it
-    (the runner's ``prepass``: the buffers are put back afterwards)."""
-    parts: list[tuple[Leaves, Leaves]] = []
-    template: list[Any] = []
+) -> tuple[Any, Leaves, Leaves, list[_rng.RngState]]:
+    """Pass 1 on the runner's ``prepass`` (no graph; the random state before each micro-batch
+    recorded; the buffers put back): the first micro-batch's reps (the structure), the
+    per-sample tensors of every micro-batch concatenated, the 0-dim ones, the random states."""
+    parts: list[tuple[Any, Leaves, Leaves]] = []
 
-    def encode(piece: Batch) -> int:
-        reps = encode_fn(model, piece)
-        paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
-        parts.append(_split_leaves(reps, batch_size(piece), f"micro-batch {len(parts)}", paths))
-        template.append(reps) if not template else None
-        return batch_size(piece)
+    def encode(piece: Batch) -> None:
+        paths = [p for p, _ in parts[0][1] + parts[0][2]] if parts else None
+        reps, where = encode_fn(model, piece), f"micro-batch {len(parts)}"
+        floats = torch.is_floating_point  # a graph in pass 2 needs them
+        parts.append((reps, *_split_leaves(reps, batch_size(piece), where, paths, floats)))
 
-    sizes, states = prepass(model, pieces, encode, device)
-    first_rows, first_batch = parts[0]
-    for path, t in first_rows:
-        if not t.is_floating_point():
-            raise ValueError(_NO_GRAD.format(path=path, shape=tuple(t.shape)))
-    rows = [torch.cat([p[0][k][1] for p in parts]) for k in range(len(first_rows))]
-    paths = [p for p, _ in first_rows + first_batch]
-    return _Encoded(template[0], paths, rows, [t for _, t in first_batch], sizes, states)
+    _, states = prepass(model, pieces, encode, device)
+    template, first, per_batch = parts[0]
+    rows = [(path, torch.cat([p[1][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
+    return template, rows, per_batch, states
 
 
 def _split_leaves(
-    reps: Any, n: int, where: str, paths: list[str] | None = None
-) -> tuple[Leaves, Leaves]:
-    """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each."""
-    rows: Leaves = []
-    per_batch: Leaves = []
-    column = _column_in(reps, n)
-    if column is not None:
-        raise TypeError(
-            f"encode_fn returned per-sample values that are not tensors ({column}) for {where}: "
-            "the batch loss would see one micro-batch's only. Return tensors from encode_fn and "
-            "take ids or strings from batch_loss_fn's batch argument (it sees the whole batch)."
-        )
-    for path, t in tensor_leaves(reps):
-        named = "reps" + path[len("batch") :]
-        (per_batch if t.dim() == 0 else rows).append((named, t))
-    if not rows:
-        raise TypeError(
-            f"encode_fn returned {type(reps).__name__} with no per-sample tensor for {where}: return "
-            "a tensor, or a tuple / dict of tensors whose first dimension is the sample dimension."
-        )
-    if any(t.shape[0] != n for _, t in rows):
-        listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
-        raise ValueError(
-            f"encode_fn's outputs disagree on the sample dimension for {where} of {n} samples "
-            f"({listing}): every representation needs one row per sample. Return one value for "
-            "the whole batch (e.g. a temperature) as a 0-dim tensor."
-        )
-    names = [p for p, _ in rows + per_batch]
-    if paths is not None and names != paths:
-        raise ValueError(
-            f"encode_fn returned {names} for {where} but {paths} for micro-batch 0: return the "
-            "same structure for every micro-batch."
-        )
+    reps: Any, n: int, where: str, paths: list[str] | None = None,
+    needs: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[Leaves, Leaves]:  # fmt: skip
+    """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each, the
+    ``paths`` of micro-batch 0, and what the pass ``needs`` of each per-sample tensor."""
+    leaves = [("reps" + path[len("batch") :], t) for path, t in tensor_leaves(reps)]
+    rows, per_batch = [x for x in leaves if x[1].dim()], [x for x in leaves if not x[1].dim()]
+    names, column = [p for p, _ in rows + per_batch], _column_in(reps, n)
+    listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
+    bad = next(((p, tuple(t.shape)) for p, t in rows if needs and not needs(t)), None)
+    for wrong, error, message in (
+        (column is not None, TypeError, f"encode_fn returned per-sample values that are not "
+         f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
+         "tensors from encode_fn and take ids or strings from batch_loss_fn's batch argument (it "
+         "sees the whole batch)."),
+        (not rows, TypeError, f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
+         f"for {where}: return a tensor, or a tuple / dict of tensors whose first dimension is the "
+         "sample dimension."),
+        (any(t.shape[0] != n for _, t in rows), ValueError, "encode_fn's outputs disagree on the "
+         f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
+         "one row per sample. Return one value for the whole batch (e.g. a temperature) as a "
+         "0-dim tensor."),
+        (paths is not None and names != paths, ValueError, f"encode_fn returned {names} for "
+         f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch."),
+        (bad is not None, ValueError, "encode_fn's {} (shape {}) does not require grad, so no "
+         "gradient reaches the model through it: every per-sample representation must be computed "
+         "from trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, "
+         "not an input passed through). Take per-sample inputs such as labels from batch_loss_fn's "
+         "batch argument.".format(*(bad or ("", ())))),
+    ):  # fmt: skip
+        if wrong:
+            raise error(message)
     return rows, per_batch
 
 
 def _column_in(tree: Any, n: int, path: str = "reps") -> str | None:
     """The path of a per-sample column of non-tensors in ``tree`` (``None``: there is none)."""
-    if isinstance(tree, Mapping):
-        found = (_column_in(v, n, f"{path}[{k!r}]") for k, v in tree.items())
-    elif isinstance(tree, (tuple, list)):
-        if is_column(tree, n):
-            return path
-        found = (_column_in(v, n, f"{path}[{i}]") for i, v in enumerate(tree))
-    else:
-        return None
+    listed = isinstance(tree, (tuple, list))
+    if listed and is_column(tree, n):
+        return path
+    items = enumerate(tree) if listed else tree.items() if isinstance(tree, Mapping) else ()
+    found = (_column_in(v, n, f"{path}[{k!r}]") for k, v in items)
     return next((f for f in found if f is not None), None)
-
-
-def _rebuild(template: Any, rows: list[torch.Tensor], per_batch: list[torch.Tensor]) -> Any:
-    """The representations in ``template``'s structure, from ``rows`` and ``per_batch`` tensors."""
-    rows_it, batch_it = iter(rows), iter(per_batch)
-    return map_tensors(lambda t: next(batch_it) if t.dim() == 0 else next(rows_it), template)
 
 
 def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -393,7 +322,7 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
     Named terms are all computed over the whole batch here, so their value ``Σ w_k S_k / C_k``
     is already the window's (Note [named terms]): it is carried as a mean over the samples."""
     if isinstance(out, (Mapping, Term)):
-        return mean_of(as_terms(out, n)).reshape(()) * n, float(n)
+        out = mean_of(as_terms(out, n))
     if isinstance(out, torch.Tensor):
         check_scalar_loss(out, "batch_loss_fn's return value")
         return out.reshape(()) * n, float(n)
@@ -408,8 +337,8 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
 
 def _gradients(
     loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor], offset: int,
-    rows: int, order: torch.Tensor | None = None,
-) -> _Gradients:  # fmt: skip
+    rows: int, order: torch.Tensor | None,
+) -> tuple[Grads, Grads, list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
     """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's; in the pieces' ``order``
     when the cut reordered them), ``∂S/∂(0-dim outputs)`` and ``∂S/∂p`` for parameters the loss
     uses directly."""
@@ -422,34 +351,28 @@ def _gradients(
     params = _direct_params(loss_sum, leaves)
     grads = torch.autograd.grad(loss_sum, [*leaves, *params], allow_unused=True)
     by_leaf = {id(t): g for t, g in zip(leaves, grads, strict=False)}
-    mine = [
-        g if g is None or len(g) == rows else g[offset : offset + rows] for g in grads[: len(reps)]
-    ]
-    return _Gradients(
-        rows=[g if g is None else (g if order is None else g[order]).clone() for g in mine],
-        per_batch=[by_leaf.get(id(t)) for t in scalars],
-        params=[(p, g) for p, g in zip(params, grads[len(leaves) :], strict=True) if g is not None],
+    mine = [None if g is None else g[offset : offset + rows] for g in grads[: len(reps)]]
+    return (
+        [g if g is None else (g if order is None else g[order]).clone() for g in mine],
+        [by_leaf.get(id(t)) for t in scalars],
+        [(p, g) for p, g in zip(params, grads[len(leaves) :], strict=True) if g is not None],
     )
 
 
 def _direct_params(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors requiring grad that ``loss`` uses directly, other than ``leaves`` (its graph's
     ``AccumulateGrad`` nodes), in a fixed order: e.g. a learnable temperature."""
-    known = {id(t) for t in leaves}
-    found: list[torch.Tensor] = []
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
+    known, found, seen, stack = {id(t) for t in leaves}, [], set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
-        if variable is not None:
-            if id(variable) not in known:
-                found.append(variable)
-            continue
-        stack.extend(fn for fn, _ in node.next_functions)
+        if variable is None:
+            stack.extend(fn for fn, _ in node.next_functions)
+        elif id(variable) not in known:
+            found.append(variable)
     return found
 
 
@@ -460,58 +383,40 @@ def _dot(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- across ranks
-@dataclass(frozen=True)
-class _Ranks:
-    group: Any  # None: the default group
-    size: int
-    rank: int
-
-
-def _ranks(model: nn.Module, gather: bool) -> _Ranks | None:
-    """The ranks to gather over (the DDP model's group, else the default one); None: no gather."""
+def _ranks(model: nn.Module, gather: bool) -> _Ranks:
+    """The ranks to gather over: the DDP model's group, else the default one; size 1: none."""
     if not gather or not dist.is_available() or not dist.is_initialized():
-        return None
+        return _Ranks(None, 1, 0)
     group = getattr(model, "process_group", None)
-    size = dist.get_world_size(group)
-    return _Ranks(group, size, dist.get_rank(group)) if size > 1 else None
-
-
-def _share(ranks: _Ranks, mine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``mine`` (the shapes before the gather)."""
-    everyone: list[Any] = [None] * ranks.size
-    dist.all_gather_object(everyone, mine, group=ranks.group)
-    return everyone
+    return _Ranks(group, dist.get_world_size(group), dist.get_rank(group))
 
 
 def _gather(
-    ranks: _Ranks, encoded: _Encoded, batch: Batch | None
+    ranks: _Ranks, rows: Leaves, batch: Batch | None
 ) -> tuple[list[torch.Tensor], Batch, int]:
     """Every rank's representations (and batch), concatenated in rank order, and our offset."""
-    leaves = [*zip(encoded.paths, encoded.rows, strict=False)]  # the per-sample ones
-    leaves += list(tensor_leaves(batch)) if batch is not None else []
+    leaves = rows + list(tensor_leaves(batch))  # the batch's tensors too, when gathered
     shapes = [(path, str(t.dtype), list(t.shape[1:])) for path, t in leaves]
-    everyone = _share(ranks, {"rows": len(encoded.rows[0]), "shapes": shapes})
-    for r, other in enumerate(everyone):
-        if other["shapes"] != shapes:
+    everyone: list[Any] = [None] * ranks.size  # every rank's rows and shapes, before the gather
+    dist.all_gather_object(everyone, (len(rows[0][1]), shapes), group=ranks.group)
+    for r, (_, theirs) in enumerate(everyone):
+        if theirs != shapes:
             path, dtype, shape = next(
-                (a for a, b in zip(shapes, other["shapes"], strict=False) if a != b), shapes[-1]
+                (a for a, b in zip(shapes, theirs, strict=False) if a != b), shapes[-1]
             )
             raise ValueError(
                 f"gather=True: {path} is {dtype} of shape [n, {str(shape)[1:-1]}] on rank "
                 f"{ranks.rank}, not on rank {r}: every rank's tensors must agree past the sample "
                 "dimension (pad to one length), or write batch_loss_fn(reps) to not gather the batch."
             )
-    sizes = [other["rows"] for other in everyone]
-    rows = [_gather_rows(t, sizes, ranks) for t in encoded.rows]
-    if batch is not None:
-        batch = map_tensors(lambda t: _gather_rows(t, sizes, ranks), batch)
-    return rows, batch, sum(sizes[: ranks.rank])
+    sizes = [n for n, _ in everyone]
+    batch = map_tensors(lambda t: _gather_rows(t, sizes, ranks), batch)
+    return [_gather_rows(t, sizes, ranks) for _, t in rows], batch, sum(sizes[: ranks.rank])
 
 
 def _gather_rows(t: torch.Tensor, sizes: list[int], ranks: _Ranks) -> torch.Tensor:
     """All-gather ``t`` along dim 0 when ranks hold different numbers of rows (padded, trimmed)."""
-    most = max(sizes)
-    padded = t.new_zeros((most, *t.shape[1:]))
+    padded = t.new_zeros((max(sizes), *t.shape[1:]))
     padded[: len(t)] = t
     out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded, group=ranks.group)
@@ -522,13 +427,12 @@ def _gather_rows(t: torch.Tensor, sizes: list[int], ranks: _Ranks) -> torch.Tens
 def _takes_batch(fn: Callable[..., Any]) -> bool:
     """Does ``fn`` take a second positional argument (the batch)?"""
     try:
-        params = inspect.signature(fn).parameters.values()
+        kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
     except (TypeError, ValueError):  # a builtin without a signature: pass the batch
         return True
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
-        return True
-    return sum(p.kind in positional for p in params) >= 2
+    P = inspect.Parameter
+    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return P.VAR_POSITIONAL in kinds or positional >= 2
 
 
 def _device_of(model: nn.Module) -> torch.device:

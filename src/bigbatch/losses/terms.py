@@ -49,9 +49,8 @@ def _shifted(
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     flat = logits.reshape(-1, logits.shape[-1])
-    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat, labels.reshape(
-        -1
-    )
+    flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+    return flat, labels.reshape(-1)
 
 
 def token_nll(
@@ -122,12 +121,11 @@ def policy_gradient(
     a = advantages if advantages.dim() == logps.dim() else advantages[:, None]
     ratio = (logps - old_logps).exp()
     per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a) * mask
-    if unit == "token":
-        return {name: Term(per_token.sum(), mask.sum(), weight)}
     if unit == "sequence":
         per_sequence = per_token.sum(-1) / mask.sum(-1).clamp_min(1)
         return {name: Term(per_sequence.sum(), float(len(mask)), weight)}
-    return {name: Term(per_token.sum(), float(len(mask) * max_len), weight)}  # type: ignore[operator]
+    count = mask.sum() if unit == "token" else float(len(mask) * max_len)  # type: ignore[operator]
+    return {name: Term(per_token.sum(), count, weight)}
 
 
 def load_balance_stats(router_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
@@ -144,10 +142,9 @@ def load_balance(
     """The global-batch balance ``E Σ_e f_e P_e``: ``f`` (held constant) from the window's totals
     of ``load_balance_stats``, ``P`` the mean router probability, differentiated."""
     kept = mask[..., None].to(router_probs.dtype)
-    experts = router_probs.shape[-1]
     f = stats["routed"] / stats["tokens"]
     p_sum = (router_probs * kept).flatten(0, -2).sum(0)
-    return {name: Term(experts * (f * p_sum).sum(), kept.sum(), weight)}
+    return {name: Term(router_probs.shape[-1] * (f * p_sum).sum(), kept.sum(), weight)}
 
 
 def kto_stats(logratios: torch.Tensor) -> dict[str, Any]:
