@@ -419,26 +419,21 @@ def _check_steps_and_margin(steps: int, margin: float) -> None:
 def _check_options(
     spec: Sequence[float | str] | None, model: torch.nn.Module, device: torch.device
 ) -> tuple[list[Option], list[str]]:
-    """The checkpointing options to measure, and the default policies left out (with why)."""
-    if spec is None:
-        return _default_options(model, device)
-    options = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
-    valid = [o for o in options if o is not None]
-    if not valid or len(valid) < len(options):
-        raise ValueError(
-            f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: use "
-            "fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
-            "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), e.g. "
-            "checkpointing=(0, 'selective', 0.5, 1)."
-        )
-    return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
-
-
-def _default_options(
-    model: torch.nn.Module, device: torch.device
-) -> tuple[list[Option], list[str]]:
-    """None, selective, half and all the blocks (and offload on CUDA), less what this machine
-    and torch refuse (``enable_checkpointing`` says why); only none without repeated blocks."""
+    """The checkpointing options to measure, and the default policies left out (with why). By
+    default none, selective, half and all the blocks (and offload on CUDA), less what this
+    machine and torch refuse (``enable_checkpointing`` says why); only none without repeated
+    blocks."""
+    if spec is not None:
+        parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
+        valid = [o for o in parsed if o is not None]
+        if not valid or len(valid) < len(parsed):
+            raise ValueError(
+                f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: "
+                "use fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
+                "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), "
+                "e.g. checkpointing=(0, 'selective', 0.5, 1)."
+            )
+        return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
     try:
         find_blocks(model)
     except ValueError:
