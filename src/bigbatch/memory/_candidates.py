@@ -37,6 +37,12 @@ POLICIES = ("none", "selective", "full", "offload")
 TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for headroom
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
 Option = tuple[str, float]  # (policy, fraction of the blocks)
+_HOW = {  # how ``describe`` says a policy; {} is the blocks
+    "none": "without checkpointing",
+    "selective": "with selective checkpointing of {}",
+    "full": "with {} checkpointed",
+    "offload": "with {} offloaded to host memory",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,15 +105,8 @@ class Candidate:
     def describe(self) -> str:
         """``"micro-batch 16 x 4 steps with 50% of the blocks checkpointed"``, or ``"... with
         selective checkpointing of every block"``, ``"... offloaded to host memory"``."""
-        blocks = (
-            "every block" if self.checkpointing == 1 else f"{self.checkpointing:.0%} of the blocks"
-        )
-        how = {
-            "none": "without checkpointing",
-            "full": f"with {blocks} checkpointed",
-            "selective": f"with selective checkpointing of {blocks}",
-            "offload": f"with {blocks} offloaded to host memory",
-        }[self.policy]
+        f = self.checkpointing
+        how = _HOW[self.policy].format("every block" if f == 1 else f"{f:.0%} of the blocks")
         return (
             f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps {how}"
         )
@@ -184,8 +183,7 @@ def predicted(
 
 def option_label(option: Option) -> str:
     """Short name of a checkpointing option for tables: ``"full 50%"``."""
-    policy, fraction = option
-    return policy if fraction in (0, 1) else f"{policy} {fraction:.0%}"
+    return option[0] if option[1] in (0, 1) else f"{option[0]} {option[1]:.0%}"
 
 
 def parse_option(option: object) -> Option | None:

@@ -128,6 +128,7 @@ class _Setup:
     model: torch.nn.Module
     optimizer: OptimizerArg
     batch: Batch
+    n: int  # samples in ``batch``
     loss_fn: LossFn
     steps: int
     budget: int
@@ -217,13 +218,13 @@ def plan(
         >>> p.choice.micro_batch_size in (4, 8)
         True
     """
-    full = _full_batch(batch, batch_size)
-    sizes = _check_sizes(micro_batch_sizes, count_samples(full))
+    full, n = _full_batch(batch, batch_size)
+    sizes = _check_sizes(micro_batch_sizes, n)
     device = _device_of(model)
     options, skipped = _check_options(checkpointing, model, device)
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
-    setup = _Setup(model, optimizer, full, loss_fn, steps, budget, margin, device)
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device)
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
@@ -249,7 +250,7 @@ def _choose(
     )
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
-        memory_budget=setup.budget, batch_size=count_samples(setup.batch), device=str(setup.device),
+        memory_budget=setup.budget, batch_size=setup.n, device=str(setup.device),
         reason=rules.explain(candidates, naive, setup.budget, setup.margin), margin=setup.margin,
         runner_up=runner_up, skipped=skipped,
     )  # fmt: skip
@@ -269,22 +270,18 @@ def _measure_peaks(
             measured.append(_peak(setup, m, option))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        rest = sizes[len(measured) :]
-        candidates += measured + rules.predicted(
-            rest, count_samples(setup.batch), fit, measured[-1]
-        )
+        candidates += measured + rules.predicted(sizes[len(measured) :], setup.n, fit, measured[-1])
     return rules.with_savings(candidates), fits
 
 
-def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
+def _peak(setup: _Setup, m: int, option: Option) -> Candidate:
     """Peak memory of a copy, its optimizer and two steps (Note [what the planner measures])."""
-    k = math.ceil(count_samples(setup.batch) / micro_batch_size)
-    out = Candidate(micro_batch_size=micro_batch_size, gradient_accumulation_steps=k,
-                    checkpointing=option[1], policy=option[0],
-                    peak_bytes=rules.usable(setup.budget, setup.margin) + 1)  # fmt: skip
+    usable = rules.usable(setup.budget, setup.margin)
+    out = Candidate(micro_batch_size=m, gradient_accumulation_steps=math.ceil(setup.n / m),
+                    checkpointing=option[1], policy=option[0], peak_bytes=usable + 1)  # fmt: skip
     try:
         with measure_peak(setup.device) as peak:
-            acc = Accumulator(*setup.copy(option), micro_batch_size=micro_batch_size)
+            acc = Accumulator(*setup.copy(option), micro_batch_size=m)
             for _ in range(2):  # the second with the optimizer's state in memory
                 setup.step(acc)
             del acc
@@ -294,8 +291,7 @@ def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
         del exc
         release_memory(setup.device)
         return dataclasses.replace(out, out_of_memory=True)
-    fits = peak.peak_bytes <= rules.usable(setup.budget, setup.margin)
-    return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=fits)
+    return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=peak.peak_bytes <= usable)
 
 
 def _on_own_thread(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
@@ -329,7 +325,7 @@ def _time(
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
             disable_checkpointing(net)
-    done = iter(rules.timed(fitting, seconds, count_samples(setup.batch)))
+    done = iter(rules.timed(fitting, seconds, setup.n))
     return [next(done) if c.fits else c for c in candidates]
 
 
@@ -352,9 +348,7 @@ def default_budget(device: torch.device) -> int:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise ValueError(
-        'cannot read MemAvailable from /proc/meminfo: pass memory_budget, e.g. "6GiB".'
-    )
+    raise ValueError('no MemAvailable in /proc/meminfo: pass memory_budget, e.g. "6GiB".')
 
 
 def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) -> None:
@@ -368,7 +362,7 @@ def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) ->
 
 
 # ---------------------------------------------------------------------------- arguments
-def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -> Batch:
+def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -> tuple[Batch, int]:
     if callable(batch) and batch_size is None:
         raise ValueError("batch is a function: pass batch_size, e.g. plan(..., batch_size=64).")
     full = batch(batch_size) if callable(batch) and batch_size is not None else batch
@@ -380,7 +374,7 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
             f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one effective batch of "
             "batch_size samples, or a function batch_fn(n) that returns n samples."
         )
-    return full
+    return full, n
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
