@@ -256,7 +256,9 @@ def test_raise_on_failure_and_small_batch(gen):
     with pytest.raises(ValueError, match="at least 2 samples"):
         check(mlp(), classification_batch(1, torch.float64, gen), mean_ce)
     with pytest.raises(
-        ValueError, match="micro_batch_size=10 covers the whole batch of 10 samples"
+        ValueError,
+        match=r"micro_batch_size=10 is not allowed: use a positive integer smaller than the batch "
+        r"\(10 samples: one micro-batch of all of it leaves nothing to compare\)",
     ):
         check(mlp(), classification_batch(10, torch.float64, gen), mean_ce, micro_batch_size=10)
 

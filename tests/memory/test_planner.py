@@ -278,11 +278,14 @@ def test_nothing_fits_names_the_budget_the_margin_and_the_smallest_peak():
 
 
 def test_default_options_on_the_cpu_leave_out_offload():
-    assert planner._default_options(make_model(), torch.device("cpu")) == (
+    assert planner._check_options(None, make_model(), torch.device("cpu")) == (
         [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0)],
         [],
     )
-    assert planner._default_options(nn.Linear(2, 2), torch.device("cpu")) == ([("none", 0.0)], [])
+    assert planner._check_options(None, nn.Linear(2, 2), torch.device("cpu")) == (
+        [("none", 0.0)],
+        [],
+    )
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,12 @@ POLICIES = ("none", "selective", "full", "offload")
 TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for headroom
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
 Option = tuple[str, float]  # (policy, fraction of the blocks)
+_HOW = {  # how ``describe`` says a policy; {} is the blocks
+    "none": "without checkpointing",
+    "selective": "with selective checkpointing of {}",
+    "full": "with {} checkpointed",
+    "offload": "with {} offloaded to host memory",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,17 +86,16 @@ class Candidate:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
             raise ValueError(
-                f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: use "
-                "policy='none' with checkpointing=0, else one of 'selective', 'full', 'offload' "
-                "with a fraction in (0, 1]."
+                f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: use policy="
+                "'none' with checkpointing=0, else 'selective', 'full' or 'offload' with a "
+                "fraction in (0, 1]."
             )
 
     @property
     def saves_nothing(self) -> bool:
         """Checkpointed, yet its peak is within 2% of the same micro-batch without it."""
-        if self.saved_bytes is None:
-            return False
-        return self.saved_bytes <= SAME_PEAK * (self.peak_bytes + self.saved_bytes)
+        saved = self.saved_bytes
+        return saved is not None and saved <= SAME_PEAK * (self.peak_bytes + saved)
 
     @property
     def label(self) -> str:
@@ -98,10 +103,12 @@ class Candidate:
         return option_label((self.policy, self.checkpointing))
 
     def describe(self) -> str:
-        """``"micro-batch 16 x 4 steps with 50% of the blocks checkpointed"``."""
+        """``"micro-batch 16 x 4 steps with 50% of the blocks checkpointed"``, or ``"... with
+        selective checkpointing of every block"``, ``"... offloaded to host memory"``."""
+        f = self.checkpointing
+        how = _HOW[self.policy].format("every block" if f == 1 else f"{f:.0%} of the blocks")
         return (
-            f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps "
-            + describe_option((self.policy, self.checkpointing))
+            f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps {how}"
         )
 
 
@@ -176,20 +183,22 @@ def predicted(
 
 def option_label(option: Option) -> str:
     """Short name of a checkpointing option for tables: ``"full 50%"``."""
-    policy, fraction = option
-    return policy if fraction in (0, 1) else f"{policy} {fraction:.0%}"
+    return option[0] if option[1] in (0, 1) else f"{option[0]} {option[1]:.0%}"
 
 
-def describe_option(option: Option) -> str:
-    """``"with every block checkpointed"``, ``"with selective checkpointing of 50% of the blocks"``."""
-    policy, fraction = option
-    blocks = "every block" if fraction == 1 else f"{fraction:.0%} of the blocks"
-    return {
-        "none": "without checkpointing",
-        "full": f"with {blocks} checkpointed",
-        "selective": f"with selective checkpointing of {blocks}",
-        "offload": f"with {blocks} offloaded to host memory",
-    }[policy]
+def parse_option(option: object) -> Option | None:
+    """``0.5`` -> ``("full", 0.5)``, ``"selective"`` -> ``("selective", 1.0)``; ``None`` if invalid."""
+    if isinstance(option, (int, float)) and not isinstance(option, bool):
+        option = "none" if option == 0 else f"full:{option}"
+    if not isinstance(option, str):
+        return None
+    name, _, text = option.partition(":")
+    try:
+        fraction = float(text or name != "none")
+    except ValueError:
+        return None
+    valid = (name == "none" and not text) or (name in POLICIES[1:] and 0 < fraction <= 1)
+    return (name, fraction) if valid else None
 
 
 def usable(memory_budget: int, margin: float) -> int:
@@ -197,19 +206,20 @@ def usable(memory_budget: int, margin: float) -> int:
     return int(memory_budget * (1 - margin))
 
 
+def ran(c: Candidate) -> bool:
+    """Measured, without running out of memory."""
+    return c.measured and not c.out_of_memory
+
+
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
-    plain = {c.micro_batch_size: c.peak_bytes for c in candidates if c.policy == "none" and _ran(c)}
+    plain = {c.micro_batch_size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
     return [
         dataclasses.replace(c, saved_bytes=plain[c.micro_batch_size] - c.peak_bytes)
-        if c.policy != "none" and _ran(c) and c.micro_batch_size in plain
+        if c.policy != "none" and ran(c) and c.micro_batch_size in plain
         else c
         for c in candidates
     ]
-
-
-def _ran(c: Candidate) -> bool:
-    return c.measured and not c.out_of_memory
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -256,14 +266,14 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     budget less the margin, the runner-up and why it lost, a faster configuration memory ruled
     out, checkpointing that saves nothing, and the speed-up over ``naive``."""
     choice, runner_up, tied = decide(candidates)
-    room = (
-        f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} usable "
-        f"({format_bytes(budget)} less the {margin:.0%} safety margin)"
-    )
     verdict = "is the fastest that fits" if choice is tied[0] else (
         "ties with the fastest that fits and has the most headroom"
     )  # fmt: skip
-    parts = [f"M{choice.describe()[1:]} {verdict}: {room}."]
+    parts = [
+        f"M{choice.describe()[1:]} {verdict}: {format_bytes(choice.peak_bytes)} of the "
+        f"{format_bytes(usable(budget, margin))} usable ({format_bytes(budget)} less the "
+        f"{margin:.0%} safety margin)."
+    ]
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
     parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
@@ -295,8 +305,7 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
     """The next larger size of the chosen option, when memory ruled it out."""
-    option = (choice.policy, choice.checkpointing)
-    b = next((c for c in candidates if (c.policy, c.checkpointing) == option
+    b = next((c for c in candidates if c.label == choice.label
               and c.micro_batch_size > choice.micro_batch_size), None)  # fmt: skip
     if b is None or b.fits:
         return []
@@ -310,21 +319,16 @@ def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
     plain = {c.micro_batch_size: c for c in candidates if c.policy == "none" and c.measured}
-    by_option: dict[Option, list[Candidate]] = {}
-    for c in (c for c in candidates if c.saved_bytes is not None):
-        by_option.setdefault((c.policy, c.checkpointing), []).append(c)
+    by_option: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        if c.saved_bytes is not None:
+            by_option.setdefault(c.label, []).append(c)
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
-    shown = "; ".join(
-        f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
-        f"{format_bytes(plain[c.micro_batch_size].peak_bytes)} without"
-        + (f", for {ratio:.2f}x the time" if math.isfinite(ratio) else "")
-        for c in useless
-        for ratio in [
-            (c.seconds_per_step or nan) / (plain[c.micro_batch_size].seconds_per_step or nan)
-        ]
-    )
-    if not useless or len(useless) < len(by_option):
-        return [f"Some checkpointing saves nothing measurable here ({shown})."] * bool(useless)
+    if not useless:
+        return []
+    shown = "; ".join(_against(c, plain[c.micro_batch_size]) for c in useless)
+    if len(useless) < len(by_option):
+        return [f"Some checkpointing saves nothing measurable here ({shown})."]
     return [
         f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
         "blocks' activations but the parameters, gradients and optimizer state (or activations "
@@ -332,14 +336,22 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     ]
 
 
-def nothing_fits(measured: Sequence[Candidate], budget: int, margin: float) -> str:
-    """The message of the planner's ``MemoryBudgetExceeded`` when no configuration fits."""
-    smallest = min(measured, key=lambda c: c.peak_bytes, default=None)
-    lowest = (
-        f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})"
-        if smallest
-        else "none (all ran out of memory)"
+def _against(c: Candidate, plain: Candidate) -> str:
+    """``"full at micro-batch 8: 47.90 MiB against 48.00 MiB without, for 1.37x the time"``."""
+    ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
+    time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
+    return (
+        f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
+        f"{format_bytes(plain.peak_bytes)} without{time}"
     )
+
+
+def nothing_fits(candidates: Sequence[Candidate], budget: int, margin: float) -> str:
+    """The message of the planner's ``MemoryBudgetExceeded`` when no configuration fits."""
+    smallest = min(filter(ran, candidates), key=lambda c: c.peak_bytes, default=None)
+    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest else (
+        "none (all ran out of memory)"
+    )  # fmt: skip
     return (
         f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
         f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured was "
@@ -347,21 +359,3 @@ def nothing_fits(measured: Sequence[Candidate], budget: int, margin: float) -> s
         "(down to 1), checkpointing=('full',), a lower precision, or a smaller model or "
         "sequence length."
     )
-
-
-def parse_option(option: object) -> Option | None:
-    """``0.5`` -> ``("full", 0.5)``, ``"selective"`` -> ``("selective", 1.0)``; ``None`` if invalid."""
-    if isinstance(option, (int, float)) and not isinstance(option, bool):
-        if not 0 <= option <= 1:
-            return None
-        return ("none", 0.0) if option == 0 else ("full", float(option))
-    if not isinstance(option, str):
-        return None
-    name, _, text = option.partition(":")
-    if name == "none":
-        return None if text else ("none", 0.0)
-    try:
-        fraction = float(text) if text else 1.0
-    except ValueError:
-        return None
-    return (name, fraction) if name in POLICIES and 0 < fraction <= 1 else None

@@ -80,6 +80,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from bigbatch.core._tree import tensor_leaves
+
 POLICIES = ("full", "selective", "offload")
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 # Ops whose outputs the selective policy saves (Note [selective checkpointing]): matrix
@@ -88,20 +90,14 @@ _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 _EXPENSIVE = frozenset(
     getattr(torch.ops.aten, name).default
     for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "convolution",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-    )
+        "mm addmm bmm baddbmm convolution _scaled_dot_product_flash_attention "
+        "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_efficient_attention "
+        "_scaled_dot_product_cudnn_attention _scaled_dot_product_fused_attention_overrideable"
+    ).split()
     if hasattr(torch.ops.aten, name)
 )
 _Saved = list[tuple[Any, torch.Tensor, int]]  # (op, output, its version when saved)
+_Stats = list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]  # (module, name, buffer, spare)
 
 
 class _CheckpointedForward:
@@ -110,25 +106,22 @@ class _CheckpointedForward:
     def __init__(self, module: nn.Module, policy: str) -> None:
         # The forward that was set on the instance before us (another wrapper's), if any.
         self.previous = module.__dict__.get("forward")
-        self.module = module
-        self.policy = policy
+        self.module, self.policy = module, policy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = (
-            self.previous
-            if self.previous is not None
-            else type(self.module).forward.__get__(self.module)
-        )
+        forward = self.previous or type(self.module).forward.__get__(self.module)
         if self.policy == "offload":
             return _offloaded(self.module, forward, args, kwargs)
         if not torch.is_grad_enabled():  # nothing is recorded, so nothing will be recomputed
             return forward(*args, **kwargs)
-        args, kwargs = _without_kv_cache(self.module, args, kwargs)
-        return self._recomputed(forward, args, kwargs)
-
-    def _recomputed(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        stats = _running_stats(self.module)
-        spares = [buffer.clone() for _, _, buffer in stats]
+        args = tuple(_without_cache(self.module, a) for a in args)
+        kwargs = {k: _without_cache(self.module, v) for k, v in kwargs.items()}
+        stats: _Stats = [
+            (sub, name, buffer, buffer.clone())
+            for sub in self.module.modules()
+            for name, buffer in sub.named_buffers(recurse=False)
+            if name in _RUNNING_STATS
+        ]
         saved: _Saved = []
         calls = 0
 
@@ -136,49 +129,37 @@ class _CheckpointedForward:
             nonlocal calls
             calls += 1
             if calls > 1:
-                with _buffers_swapped(stats, spares):  # Note [running statistics under recompute]
+                with _swapped(stats):  # Note [running statistics under recompute]
                     return forward(*inputs, **kwargs)
             try:
                 output = forward(*inputs, **kwargs)
                 _refuse_changed(self.module, saved)
+                return output
             finally:
                 saved.clear()  # it holds outputs, and so the graph that holds ``run``: no cycle
-            return output
 
-        context_fn = (
-            functools.partial(_selective_contexts, saved)
-            if self.policy == "selective"
-            else torch_checkpoint.noop_context_fn
-        )
+        context_fn = _context_fn(self.policy, saved)
         return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=context_fn)
 
 
-def _running_stats(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    return [
-        (sub, name, buffer)
-        for sub in module.modules()
-        for name, buffer in sub.named_buffers(recurse=False)
-        if name in _RUNNING_STATS and buffer is not None
-    ]
-
-
 @contextlib.contextmanager
-def _buffers_swapped(
-    stats: list[tuple[nn.Module, str, torch.Tensor]], spares: list[torch.Tensor]
-) -> Iterator[None]:
-    for (sub, name, _), spare in zip(stats, spares, strict=True):
+def _swapped(stats: _Stats) -> Iterator[None]:
+    for sub, name, _, spare in stats:
         setattr(sub, name, spare)
     try:
         yield
     finally:  # also when checkpoint stops the recompute early
-        for sub, name, buffer in stats:
+        for sub, name, buffer, _ in stats:
             setattr(sub, name, buffer)
 
 
-def _selective_contexts(saved: _Saved | None) -> tuple[Any, Any]:
-    """torch's selective contexts for ``selective_policy``; ``saved`` collects saved outputs."""
-    return torch_checkpoint.create_selective_checkpoint_contexts(
-        functools.partial(_recorded, saved)
+def _context_fn(policy: str, saved: _Saved | None) -> Any:
+    """``checkpoint``'s ``context_fn`` for ``policy``: torch's selective contexts for
+    ``selective_policy`` (``saved`` collects the saved outputs), else no-op contexts."""
+    if policy != "selective":
+        return torch_checkpoint.noop_context_fn
+    return functools.partial(
+        torch_checkpoint.create_selective_checkpoint_contexts, functools.partial(_recorded, saved)
     )
 
 
@@ -214,10 +195,9 @@ def _recorded(
     saved: _Saved | None, ctx: Any, func: Any, *args: Any, **kwargs: Any
 ) -> torch_checkpoint.CheckpointPolicy:
     decision = selective_policy(ctx, func, *args, **kwargs)
-    output = getattr(ctx, "op_output", None)  # torch >= 2.6 passes it; older: no check
     if decision.name == "MUST_SAVE" and saved is not None and not ctx.is_recompute:
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        saved += [(func, t, t._version) for t in outputs if isinstance(t, torch.Tensor)]
+        output = getattr(ctx, "op_output", None)  # torch >= 2.6 passes it; older: no check
+        saved += [(func, t, t._version) for _, t in tensor_leaves(output)]
     return decision
 
 
@@ -234,57 +214,48 @@ def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 
 def _refuse_changed(module: nn.Module, saved: _Saved) -> None:
     changed = next((func for func, t, version in saved if t._version != version), None)
-    if changed is None:
-        return
-    raise ValueError(
-        f"policy='selective': the output of {changed} in a checkpointed "
-        f"{type(module).__name__} is changed in place after it ran (e.g. nn.ReLU(inplace=True) "
-        "or `h += x` right after a Linear or Conv), so it cannot be saved for the recompute. "
-        "Make that operation out of place (inplace=False, h = h + x) or use policy='full'."
-    )
-
-
-def _without_kv_cache(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Leave transformers caches out of a recomputed block (Note [key/value caches under recompute])."""
-    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-    if cache_type is None or getattr(module, "_can_checkpoint_with_cache", False):
-        return args, kwargs
-
-    def left_out(value: Any) -> Any:
-        if not isinstance(value, cache_type):
-            return value
-        layer = next(
-            (
-                m.layer_idx
-                for m in module.modules()
-                if isinstance(getattr(m, "layer_idx", None), int)
-            ),
-            0,
+    if changed is not None:
+        raise ValueError(
+            f"policy='selective': the output of {changed} in a checkpointed "
+            f"{type(module).__name__} is changed in place after it ran (e.g. nn.ReLU(inplace=True) "
+            "or `h += x` right after a Linear or Conv), so it cannot be saved for the recompute: "
+            "make that operation out of place (inplace=False, h = h + x) or use policy='full'."
         )
-        held = value.get_seq_length(layer)
-        if held:
-            raise ValueError(
-                f"a checkpointed {type(module).__name__} got a key/value cache that already holds "
-                f"{held} positions: its recompute in backward would add this forward's keys and "
-                "values a second time. While training, call the model with use_cache=False and "
-                "no past_key_values, or disable_checkpointing(model) for this call."
-            )
-        return None
 
-    return tuple(map(left_out, args)), {k: left_out(v) for k, v in kwargs.items()}
+
+def is_kv_cache(value: Any) -> bool:
+    """Is ``value`` a transformers key/value ``Cache``? Read from ``sys.modules``: a model that
+    holds one has imported transformers, and ``import bigbatch`` must not import it."""
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    return isinstance(cache_type, type) and isinstance(value, cache_type)
+
+
+def _without_cache(module: nn.Module, value: Any) -> Any:
+    """``None`` for a transformers cache handed to a recomputed block (Note [key/value caches
+    under recompute]); any other argument as it is."""
+    if not is_kv_cache(value) or getattr(module, "_can_checkpoint_with_cache", False):
+        return value
+    layers = (getattr(m, "layer_idx", None) for m in module.modules())
+    held = value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0))
+    if held:
+        raise ValueError(
+            f"a checkpointed {type(module).__name__} got a key/value cache that already holds "
+            f"{held} positions: its recompute in backward would add this forward's keys and "
+            "values a second time. While training, call the model with use_cache=False and "
+            "no past_key_values, or disable_checkpointing(model) for this call."
+        )
+    return None
 
 
 def _offloaded(
     module: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Run the block once, its saved tensors kept in pinned host memory (Note [offloading])."""
-    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    first = next((t for _, t in tensor_leaves((args, kwargs))), None)
     if first is not None and first.device.type != "cuda":
         raise ValueError(
             f"policy='offload': the input of {type(module).__name__} is on {first.device}, and "
-            "offloading frees GPU memory only. Move the model and the batch to CUDA, or use "
+            "offloading frees GPU memory only: move the model and the batch to CUDA, or use "
             "policy='selective' or policy='full'."
         )
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -342,17 +313,17 @@ def enable_checkpointing(
         2
     """
     _check_arguments(fraction, policy)
-    if blocks is None and fraction == 1 and policy != "offload" and _hf_switch(model, "enable"):
+    switch = _hf_switch(model, "enable") if (blocks, fraction) == (None, 1) else None
+    if switch is not None and policy != "offload":
         disable_checkpointing(model)
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if policy == "selective":
-            kwargs["context_fn"] = functools.partial(_selective_contexts, None)
-        _hf_switch(model, "enable")(**{_hf_kwargs_name(model): kwargs})
+            kwargs["context_fn"] = _context_fn(policy, None)
+        switch(**{switch.__name__.replace("enable", "kwargs"): kwargs})
         return model
     chosen = find_blocks(model, blocks)  # before changing anything: a bad call changes nothing
     disable_checkpointing(model)
-    count = max(1, math.floor(fraction * len(chosen) + 0.5))
-    for _, module in chosen[:count]:
+    for _, module in chosen[: max(1, math.floor(fraction * len(chosen) + 0.5))]:
         module.forward = _CheckpointedForward(module, policy)  # type: ignore[method-assign]
     return model
 
@@ -361,7 +332,7 @@ def _check_arguments(fraction: float, policy: str) -> None:
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(
             f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. fraction=0.5 "
-            "to checkpoint the first half of the blocks, or fraction=1 for all of them."
+            "for the first half of the blocks, fraction=1 for all."
         )
     if policy not in POLICIES:
         raise ValueError(
@@ -369,9 +340,8 @@ def _check_arguments(fraction: float, policy: str) -> None:
             "(save matmul/attention/convolution outputs, recompute the rest) or 'offload' "
             "(keep activations in host memory, CUDA only)."
         )
-    if policy == "selective" and not hasattr(
-        torch_checkpoint, "create_selective_checkpoint_contexts"
-    ):
+    selective = hasattr(torch_checkpoint, "create_selective_checkpoint_contexts")
+    if policy == "selective" and not selective:
         raise ValueError(
             f"policy='selective' needs torch >= 2.4 (selective activation checkpointing); this is "
             f"torch {torch.__version__}: pip install 'torch>=2.4', or use policy='full'."
@@ -395,8 +365,9 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
             del module.forward
             if wrapper.previous is not None:
                 module.forward = wrapper.previous  # type: ignore[method-assign]
-    if _hf_switch(model, "disable") is not None and _hf_enabled(model):
-        _hf_switch(model, "disable")()
+    switch = _hf_switch(model, "disable")
+    if switch and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        switch()
     return model
 
 
@@ -436,29 +407,21 @@ def find_blocks(
     missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]
     if missing:
         raise ValueError(f"blocks={list(blocks)!r}: no module of class {missing[0]} in the model.")
-    wanted = [
-        (name, m)
-        for name, m in names.items()
-        if name in blocks or (classes and isinstance(m, classes))
-    ]
+    wanted = [n for n, m in names.items() if n in blocks or (classes and isinstance(m, classes))]
     # A block inside another chosen block is already recomputed with it.
     return [
-        (n, m)
-        for n, m in wanted
-        if not any(n.startswith(o + ".") for o, _ in wanted if o and o != n)
+        (n, names[n]) for n in wanted if not any(n.startswith(o + ".") for o in wanted if o != n)
     ]
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     best: list[tuple[str, nn.Module]] = []
     for name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
         children = list(container.named_children())
-        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
-            continue
-        if len(children) > len(best):
-            best = [(f"{name}.{n}" if name else n, c) for n, c in children]
+        repeated = len(children) >= 2 and len({type(c) for _, c in children}) == 1
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and repeated:
+            if len(children) > len(best):
+                best = [(f"{name}.{n}" if name else n, c) for n, c in children]
     if not best:
         raise ValueError(
             f"blocks=None: found no repeated blocks in {type(model).__name__} (no ModuleList or "
@@ -469,24 +432,14 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _hf_switch(model: nn.Module, what: str) -> Any:
-    """transformers' own switch (``activation_...`` since v5, ``gradient_...`` before)."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        return None
+    """transformers' own switch (``activation_...`` since v5, ``gradient_...`` before); ``None``
+    without one, or in the format before transformers 4.35, which ignores checkpoint arguments."""
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if setter is not None and "value" in inspect.signature(setter).parameters:
-        return None  # the format before transformers 4.35 ignores checkpoint arguments
-    for prefix in ("activation", "gradient"):
-        method = getattr(model, f"{prefix}_checkpointing_{what}", None)
-        if method is not None:
-            return method
-    return None
-
-
-def _hf_kwargs_name(model: nn.Module) -> str:
-    if hasattr(model, "activation_checkpointing_enable"):
-        return "activation_checkpointing_kwargs"
-    return "gradient_checkpointing_kwargs"
-
-
-def _hf_enabled(model: nn.Module) -> bool:
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    if not getattr(model, "supports_gradient_checkpointing", False) or (
+        setter is not None and "value" in inspect.signature(setter).parameters
+    ):
+        return None
+    prefixes = ("activation", "gradient")
+    return next(
+        filter(None, (getattr(model, f"{p}_checkpointing_{what}", None) for p in prefixes)), None
+    )

@@ -59,6 +59,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,16 +128,12 @@ class _Setup:
     model: torch.nn.Module
     optimizer: OptimizerArg
     batch: Batch
+    n: int  # samples in ``batch``
     loss_fn: LossFn
     steps: int
     budget: int
     margin: float
     device: torch.device
-
-    @property
-    def usable(self) -> int:
-        """The budget less the margin (Note [safety margin])."""
-        return rules.usable(self.budget, self.margin)
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -221,29 +218,48 @@ def plan(
         >>> p.choice.micro_batch_size in (4, 8)
         True
     """
-    full = _full_batch(batch, batch_size)
-    sizes = _check_sizes(micro_batch_sizes, count_samples(full))
+    full, n = _full_batch(batch, batch_size)
+    sizes = _check_sizes(micro_batch_sizes, n)
     device = _device_of(model)
     options, skipped = _check_options(checkpointing, model, device)
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
-    setup = _Setup(model, optimizer, full, loss_fn, steps, budget, margin, device)
-    with small_mmap_threshold() if device.type == "cpu" else contextlib.nullcontext():
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device)
+    cpu = device.type == "cpu"
+    with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
         candidates, fits = _measure_peaks(setup, options, sizes)
-    if device.type == "cpu":  # Note [timing under load]: training's thresholds, own arena
+    if not any(c.fits for c in candidates):
+        raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
+    if cpu:  # Note [timing under load]: training's thresholds, own arena
         settle_malloc()
-        candidates = _on_own_thread(setup, candidates)
-    else:
-        candidates = _time(setup, candidates, threading.Event())
+    candidates = (_on_own_thread if cpu else _time)(setup, candidates)
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
+
+
+def _choose(
+    setup: _Setup,
+    candidates: list[Candidate],
+    fits: tuple[MemoryFit, ...],
+    skipped: tuple[str, ...],
+) -> Plan:
+    choice, runner_up, _ = rules.decide(candidates)
+    naive = min(
+        (c for c in candidates if c.measured and not c.out_of_memory),
+        key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"),
+    )
+    return Plan(
+        choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
+        memory_budget=setup.budget, batch_size=setup.n, device=str(setup.device),
+        reason=rules.explain(candidates, naive, setup.budget, setup.margin), margin=setup.margin,
+        runner_up=runner_up, skipped=skipped,
+    )  # fmt: skip
 
 
 def _measure_peaks(
     setup: _Setup, options: Sequence[Option], sizes: Sequence[int]
 ) -> tuple[list[Candidate], list[MemoryFit]]:
     """Every option at every size, smallest first, until a size does not fit; then the fits."""
-    n = count_samples(setup.batch)
     candidates: list[Candidate] = []
     fits: list[MemoryFit] = []
     for option in options:
@@ -254,18 +270,18 @@ def _measure_peaks(
             measured.append(_peak(setup, m, option))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        candidates += measured + rules.predicted(sizes[len(measured) :], n, fit, measured[-1])
+        candidates += measured + rules.predicted(sizes[len(measured) :], setup.n, fit, measured[-1])
     return rules.with_savings(candidates), fits
 
 
-def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
+def _peak(setup: _Setup, m: int, option: Option) -> Candidate:
     """Peak memory of a copy, its optimizer and two steps (Note [what the planner measures])."""
-    k = math.ceil(count_samples(setup.batch) / micro_batch_size)
-    out = Candidate(micro_batch_size=micro_batch_size, gradient_accumulation_steps=k,
-                    checkpointing=option[1], policy=option[0], peak_bytes=setup.usable + 1)  # fmt: skip
+    usable = rules.usable(setup.budget, setup.margin)
+    out = Candidate(micro_batch_size=m, gradient_accumulation_steps=math.ceil(setup.n / m),
+                    checkpointing=option[1], policy=option[0], peak_bytes=usable + 1)  # fmt: skip
     try:
         with measure_peak(setup.device) as peak:
-            acc = Accumulator(*setup.copy(option), micro_batch_size=micro_batch_size)
+            acc = Accumulator(*setup.copy(option), micro_batch_size=m)
             for _ in range(2):  # the second with the optimizer's state in memory
                 setup.step(acc)
             del acc
@@ -275,55 +291,41 @@ def _peak(setup: _Setup, micro_batch_size: int, option: Option) -> Candidate:
         del exc
         release_memory(setup.device)
         return dataclasses.replace(out, out_of_memory=True)
-    fits = peak.peak_bytes <= setup.usable
-    return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=fits)
+    return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=peak.peak_bytes <= usable)
 
 
 def _on_own_thread(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
     """``_time`` on a thread of its own (Note [timing under load]). A Ctrl-C stops the timing
-    after the step in flight, which ends before ``plan`` raises: torch must not be running on
-    another thread when the interpreter exits (it aborts the process)."""
-    result: list[Any] = []
-    stop, done = threading.Event(), threading.Event()
-
-    def run() -> None:
+    after the step in flight, which ends before ``plan`` raises (leaving the pool joins the
+    thread): torch must not be running on another thread when the interpreter exits (it aborts
+    the process)."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="bigbatch-plan-timing") as pool:
         try:
-            result.append(_time(setup, candidates, stop))
-        except BaseException as exc:  # handed to the caller's thread
-            result.append(exc)
+            return pool.submit(_time, setup, candidates, stop).result()
         finally:
-            done.set()
-
-    threading.Thread(target=run, name="bigbatch-plan-timing").start()
-    try:
-        done.wait()
-    finally:
-        stop.set()
-        done.wait()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
+            stop.set()
 
 
-def _time(setup: _Setup, candidates: list[Candidate], stop: threading.Event) -> list[Candidate]:
+def _time(
+    setup: _Setup, candidates: list[Candidate], stop: threading.Event | None = None
+) -> list[Candidate]:
     """The fitting configurations timed in alternating rounds (Note [timing under load]), until
     ``stop`` is set."""
     fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        return candidates
     net, opt = setup.copy()
     seconds: list[list[float]] = [[] for _ in fitting]
     visits = list(enumerate(fitting))
     for r in range(setup.steps):
         for i, c in visits if r % 2 == 0 else visits[::-1]:
-            if stop.is_set():
+            if stop is not None and stop.is_set():
                 return candidates
             checkpoint(net, (c.policy, c.checkpointing))
             acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
             disable_checkpointing(net)
-    done = iter(rules.timed(fitting, seconds, count_samples(setup.batch)))
+    done = iter(rules.timed(fitting, seconds, setup.n))
     return [next(done) if c.fits else c for c in candidates]
 
 
@@ -346,9 +348,7 @@ def default_budget(device: torch.device) -> int:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise ValueError(
-        'cannot read MemAvailable from /proc/meminfo: pass memory_budget, e.g. "6GiB".'
-    )
+    raise ValueError('no MemAvailable in /proc/meminfo: pass memory_budget, e.g. "6GiB".')
 
 
 def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) -> None:
@@ -361,27 +361,8 @@ def _warm_up(setup: _Setup, micro_batch_size: int, options: Sequence[Option]) ->
         Accumulator(net, opt, micro_batch_size=micro_batch_size).train_step(first, setup.loss_fn)
 
 
-def _choose(
-    setup: _Setup,
-    candidates: list[Candidate],
-    fits: tuple[MemoryFit, ...],
-    skipped: tuple[str, ...],
-) -> Plan:
-    measured = [c for c in candidates if c.measured and not c.out_of_memory]
-    if not any(c.fits for c in candidates):
-        raise MemoryBudgetExceeded(rules.nothing_fits(measured, setup.budget, setup.margin))
-    choice, runner_up, _ = rules.decide(candidates)
-    naive = min(measured, key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"))
-    reason = rules.explain(candidates, naive, setup.budget, setup.margin)
-    return Plan(
-        choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
-        memory_budget=setup.budget, batch_size=count_samples(setup.batch), device=str(setup.device),
-        reason=reason, margin=setup.margin, runner_up=runner_up, skipped=skipped,
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------------------- arguments
-def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -> Batch:
+def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -> tuple[Batch, int]:
     if callable(batch) and batch_size is None:
         raise ValueError("batch is a function: pass batch_size, e.g. plan(..., batch_size=64).")
     full = batch(batch_size) if callable(batch) and batch_size is not None else batch
@@ -393,7 +374,7 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
             f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one effective batch of "
             "batch_size samples, or a function batch_fn(n) that returns n samples."
         )
-    return full
+    return full, n
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -401,16 +382,15 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     if not trained:
         raise ValueError(
             f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
-            "pass the module that holds the weights you train (a model without parameters uses "
-            "no memory for gradients or optimizer state, and any micro-batch will do)."
+            "pass the module that holds the weights you train (without them, there are no "
+            "gradients or optimizer state to fit in memory and any micro-batch will do)."
         )
     return resolve_device(trained[0].device)
 
 
 def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
     if sizes is None:
-        powers = [2**i for i in range(n.bit_length()) if n / 32 <= 2**i < n]
-        return powers + [n]
+        return [2**i for i in range(n.bit_length()) if n / 32 <= 2**i < n] + [n]
     bad = [s for s in sizes if isinstance(s, bool) or not (isinstance(s, int) and 1 <= s <= n)]
     if not sizes or bad:
         raise ValueError(
@@ -433,27 +413,21 @@ def _check_steps_and_margin(steps: int, margin: float) -> None:
 def _check_options(
     spec: Sequence[float | str] | None, model: torch.nn.Module, device: torch.device
 ) -> tuple[list[Option], list[str]]:
-    """The checkpointing options to measure, and the default policies left out (with why)."""
-    if spec is None:
-        return _default_options(model, device)
-    options = [] if isinstance(spec, str) else [rules.parse_option(o) for o in spec]
-    valid = [o for o in options if o is not None]
-    if not valid or len(valid) < len(options):
-        shown = spec if isinstance(spec, str) else list(spec)
-        raise ValueError(
-            f"checkpointing={shown!r} is not allowed: use fractions of the blocks in [0, 1] "
-            "(recomputed whole) or policy names 'none', 'selective', 'full', 'offload', "
-            "optionally with a fraction ('selective:0.5'), e.g. checkpointing=(0, 'selective', "
-            "0.5, 1)."
-        )
-    return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
-
-
-def _default_options(
-    model: torch.nn.Module, device: torch.device
-) -> tuple[list[Option], list[str]]:
-    """None, selective, half and all the blocks (and offload on CUDA), less what this machine
-    and torch refuse (``enable_checkpointing`` says why); only none without repeated blocks."""
+    """The checkpointing options to measure, and the default policies left out (with why). By
+    default none, selective, half and all the blocks (and offload on CUDA), less what this
+    machine and torch refuse (``enable_checkpointing`` says why); only none without repeated
+    blocks."""
+    if spec is not None:
+        parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
+        valid = [o for o in parsed if o is not None]
+        if not valid or len(valid) < len(parsed):
+            raise ValueError(
+                f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: "
+                "use fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
+                "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), "
+                "e.g. checkpointing=(0, 'selective', 0.5, 1)."
+            )
+        return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
     try:
         find_blocks(model)
     except ValueError:

@@ -27,7 +27,7 @@ from bigbatch.core._tree import map_tensors
 from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
-from bigbatch.verifier._diagnoses import Diagnosis, diagnose, nonfinite
+from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
 from bigbatch.verifier._runs import Case, accumulated_grads, differences, full_run
 
@@ -168,23 +168,16 @@ def check(
     tolerance = max(tolerance, ROUNDING.get(observed.dtype, 0.0))
     acc, acc_loss = accumulated_grads(case) if full.finite else ({}, math.nan)
     diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
-    report = CheckReport(
-        exact=all(d <= tolerance for d in diffs.values()),
-        differences=diffs,
-        batch_size=n,
-        micro_batch_size=size,
-        tolerance=tolerance,
-        compute_dtype=observed.dtype,
-        low_precision_in=_labels(model, observed.where),
-        dropout_off=_labels(model, observed.dropout),
-    )
     found = nonfinite(case, full, acc, acc_loss)
-    if found is not None:
-        report.exact, report.diagnoses = False, [found]
-    elif not report.exact:
-        report.diagnoses = diagnose(case, tolerance, full.grads)
+    within = all(d <= tolerance for d in diffs.values())
+    diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads)
     if checkpointed_blocks(model) and found is None:
-        _check_checkpointing(case, full.grads, report)
+        diagnoses += checkpointing(case, full.grads, tolerance)
+    report = CheckReport(
+        exact=within and not diagnoses, differences=diffs, batch_size=n, micro_batch_size=size,
+        tolerance=tolerance, diagnoses=diagnoses, compute_dtype=observed.dtype,
+        low_precision_in=_labels(model, observed.where), dropout_off=_labels(model, observed.dropout),
+    )  # fmt: skip
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
     return report
@@ -197,17 +190,12 @@ def _check_arguments(
     n = batch_size(batch)
     if n < 2:
         raise ValueError(f"check needs a batch of at least 2 samples to cut; got {n}.")
-    m = micro_batch_size
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+    m = max(1, (n + 2) // 3) if micro_batch_size is None else micro_batch_size
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 < m < n:
         raise ValueError(
-            f"micro_batch_size={m!r} is not allowed: use a positive integer smaller than the "
-            "batch, or None for about a third of it."
-        )
-    size = m or max(1, (n + 2) // 3)
-    if size >= n:
-        raise ValueError(
-            f"micro_batch_size={size} covers the whole batch of {n} samples, so there is nothing "
-            "to compare: use a smaller micro_batch_size or a larger batch."
+            f"micro_batch_size={m!r} is not allowed: use a positive integer smaller than the batch "
+            f"({n} samples: one micro-batch of all of it leaves nothing to compare), or None for "
+            "about a third of it."
         )
     allowed = "use a relative difference >= 0, e.g. tolerance=1e-10 (float64 rounding)."
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
@@ -224,23 +212,8 @@ def _check_arguments(
             f"({held}): pass the module that holds the weights you train, or call "
             "requires_grad_(True) on the ones to train."
         )
-    return n, size
+    return n, m
 
 
 def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:
     return tuple(n if n == LOSS_FN else label(n, model.get_submodule(n)) for n in names)
-
-
-def _check_checkpointing(case: Case, full: dict[str, torch.Tensor], report: CheckReport) -> None:
-    worst = max(differences(full, full_run(case, checkpointing=False).grads).values(), default=0.0)
-    if worst > report.tolerance:
-        report.exact = False
-        report.diagnoses.append(
-            Diagnosis(
-                "checkpointing",
-                tuple(checkpointed_blocks(case.model)),
-                f"gradients with and without checkpointing differ (relative {worst:.1e}): the "
-                "recomputed forward of these blocks is not the first one (state changed by the "
-                "forward, or randomness outside torch's RNG).",
-            )
-        )

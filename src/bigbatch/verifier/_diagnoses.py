@@ -13,6 +13,7 @@ from bigbatch.core._batchnorm import label
 from bigbatch.core._tree import tensor_leaves
 from bigbatch.core.loss import WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
+from bigbatch.memory.checkpointing import checkpointed_blocks
 from bigbatch.verifier._probes import finite, probe_coupling
 from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, full_run, seeded
 
@@ -24,7 +25,7 @@ class Diagnosis:
     Attributes:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
             ``"batch-coupled-loss"``, ``"non-deterministic"``, ``"unprobed"`` (no cause found,
-            and these modules could not be replayed) or ``"checkpointing"``.
+            and these modules could not be probed) or ``"checkpointing"``.
         modules: the modules (names in the model) or parameters responsible, if any.
         message: what happens and what to do.
     """
@@ -34,52 +35,72 @@ class Diagnosis:
     message: str
 
 
+MESSAGES = {  # what happens and what to do, by kind; {} is where the modules are named
+    "non-deterministic": "two full-batch runs from the same seed give different gradients: the "
+    "model or loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
+    "batch-statistics": "{} change one sample's output when other samples change (batch "
+    "statistics in training mode): each micro-batch sees its own statistics. Use "
+    'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
+    "unprobed": "no cause found, and {} could not be probed for batch statistics: called again on "
+    "their recorded inputs they raised or gave another result (state that each call changes). "
+    "Look for such state in them.",
+    "checkpointing": "gradients with and without checkpointing differ (relative {}): the "
+    "recomputed forward of these blocks is not the first one (state changed by the forward, or "
+    "randomness outside torch's RNG).",
+    "mean-as-sum": "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
+    "micro-batch means are added up: return the sum over the items it counts, (losses.sum(), "
+    "count) (for tokens: bigbatch.token_cross_entropy(logits, labels), or a transformers "
+    "model's out.loss * count), or a mean over samples alone.",
+    "token-mean": "loss_fn returns a mean over tokens (the labelled positions of the labels), "
+    "and a scalar is read as a mean over samples, so a micro-batch of short sequences weighs as "
+    "much as one of long ones: return (loss_sum, token_count), e.g. "
+    "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
+    "transformers model's labels= loss.",
+    "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
+    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. If it depends "
+    "on them only through per-sample representations (embeddings), write it as "
+    "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
+    "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
+    "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
+}
+
+
 def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> list[Diagnosis]:
     """Why the accumulated gradient differs from ``full``: every cause found, most specific
     first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
     ``tolerance`` is the relative difference counted as rounding (Note [float32 islands])."""
     found = []
-    if max(differences(full_run(case).grads, full).values(), default=0.0) > tolerance:
-        found.append(
-            Diagnosis(
-                "non-deterministic",
-                (),
-                "two full-batch runs from the same seed give different gradients: the model or "
-                "loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
-            )
-        )
+    if _rerun(case, full) > tolerance:
+        found.append(Diagnosis("non-deterministic", (), MESSAGES["non-deterministic"]))
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
-    n = batch_size(case.batch)
     coupled, unprobed = probe_coupling(
-        work, lambda: case.loss_fn(work, case.batch), n, lambda: seeded(case.seed), rtol
-    )
+        work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
+        lambda: seeded(case.seed), rtol,
+    )  # fmt: skip
     if coupled:
-        found.append(
-            Diagnosis(
-                "batch-statistics",
-                tuple(coupled),
-                f"{_labels(case.model, coupled)} change one sample's output when other "
-                "samples change (batch statistics in training mode): each micro-batch sees its "
-                'own statistics. Use bigbatch.batchnorm(model, policy="groupnorm") or "freeze", '
-                "or accept ghost-batch semantics.",
-            )
-        )
+        found.append(_naming("batch-statistics", case.model, coupled))
     found += _loss_diagnoses(case, rtol, suspect=bool(coupled or unprobed))
     if not found and unprobed:
-        found.append(
-            Diagnosis(
-                "unprobed",
-                tuple(unprobed),
-                f"no cause found, and {_labels(case.model, unprobed)} could not be probed "
-                "for batch statistics: called again on their recorded inputs they raised or gave "
-                "another result (state that each call changes). Look for such state in them.",
-            )
-        )
+        found.append(_naming("unprobed", case.model, unprobed))
     return found
 
 
-def _labels(model: nn.Module, names: list[str]) -> str:
-    return ", ".join(label(name, model.get_submodule(name)) for name in names)
+def checkpointing(case: Case, full: dict[str, torch.Tensor], tolerance: float) -> list[Diagnosis]:
+    """Does the gradient change when the model's checkpointed blocks are not checkpointed?"""
+    worst = _rerun(case, full, checkpointing=False)
+    blocks = tuple(checkpointed_blocks(case.model))
+    message = MESSAGES["checkpointing"].format(f"{worst:.1e}")
+    return [Diagnosis("checkpointing", blocks, message)] if worst > tolerance else []
+
+
+def _rerun(case: Case, full: dict[str, torch.Tensor], checkpointing: bool = True) -> float:
+    """The largest difference between ``full`` and the gradient of another full-batch run."""
+    return max(differences(full_run(case, checkpointing).grads, full).values(), default=0.0)
+
+
+def _naming(kind: str, model: nn.Module, names: list[str]) -> Diagnosis:
+    labels = ", ".join(label(name, model.get_submodule(name)) for name in names)
+    return Diagnosis(kind, tuple(names), MESSAGES[kind].format(labels))
 
 
 def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
@@ -92,17 +113,14 @@ def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
     """
     if isinstance(case.loss_fn, WindowLoss):
         return []
-    work = copy_float64(case.model).eval()  # probes the loss alone: running statistics
-    half = (batch_size(case.batch) + 1) // 2
-    with torch.no_grad():
-        whole = case.sum_and_count(work, case.batch)
-        parts = [case.sum_and_count(work, part) for part in split(case.batch, half)]
-    per_sample = [torch.ones(batch_size(case.batch)), *labelled_tokens(case.batch)]
+    work, n = copy_float64(case.model).eval(), batch_size(case.batch)  # the loss alone
+    half = (n + 1) // 2
+    per_sample = [torch.ones(n), *labelled_tokens(case.batch)]
     weights = [[float(k.sum()) for k in split(items, half)] for items in per_sample]
-    kind = loss_kind(whole, parts, weights, rtol)
+    kind = loss_kind(case.sums(work, n)[0], case.sums(work, half), weights, rtol)
     if kind is None or (suspect and kind == "batch-coupled-loss"):
         return []
-    return [Diagnosis(kind, (), LOSS_MESSAGES[kind])]
+    return [Diagnosis(kind, (), MESSAGES[kind])]
 
 
 def loss_kind(
@@ -164,25 +182,6 @@ def labelled_tokens(batch: Batch, ignore_index: int = -100) -> list[torch.Tensor
     return found
 
 
-LOSS_MESSAGES = {
-    "mean-as-sum": "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
-    "micro-batch means are added up: return the sum over the items it counts, (losses.sum(), "
-    "count) (for tokens: bigbatch.token_cross_entropy(logits, labels), or a transformers "
-    "model's out.loss * count), or a mean over samples alone.",
-    "token-mean": "loss_fn returns a mean over tokens (the labelled positions of the labels), "
-    "and a scalar is read as a mean over samples, so a micro-batch of short sequences weighs as "
-    "much as one of long ones: return (loss_sum, token_count), e.g. "
-    "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
-    "transformers model's labels= loss.",
-    "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
-    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. If it depends "
-    "on them only through per-sample representations (embeddings), write it as "
-    "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
-    "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
-    "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
-}
-
-
 def nonfinite(
     case: Case, full: FullRun, acc: dict[str, torch.Tensor], acc_loss: float
 ) -> Diagnosis | None:
@@ -197,53 +196,50 @@ def nonfinite(
         return found or _nonfinite_micro_batch(case)
     first = full.observed.nonfinite
     if first is not None:
-        return Diagnosis(
-            "non-finite",
-            (first,),
-            f"non-finite outputs: {_labels(case.model, [first])} is the first module whose "
-            "output holds NaN or inf, from finite inputs and weights (an overflow, a log or "
-            "division by zero, ...): fix that computation.",
+        return _nonfinite(
+            f"non-finite outputs: {label(first, case.model.get_submodule(first))} is the first "
+            "module whose output holds NaN or inf, from finite inputs and weights (an overflow, "
+            "a log or division by zero, ...): fix that computation.",
+            first,
         )
     if not math.isfinite(full.loss):
-        return Diagnosis(
-            "non-finite",
-            (),
+        return _nonfinite(
             f"non-finite loss: loss_fn returns a loss of {full.loss} from finite model outputs "
-            "(a log of 0, a division by a zero count, ...): fix loss_fn.",
+            "(a log of 0, a division by a zero count, ...): fix loss_fn."
         )
     return _nonfinite_backward([name for name, g in full.grads.items() if not finite(g)])
+
+
+def _nonfinite(message: str, *modules: str) -> Diagnosis:
+    return Diagnosis("non-finite", modules, message)
 
 
 def _nonfinite_backward(bad: list[str]) -> Diagnosis:
     shown = f" ({', '.join(bad[:5])})" if bad else ""
     where = "a finite loss" if bad else "finite losses on every micro-batch"
-    return Diagnosis(
-        "non-finite",
-        tuple(bad),
+    return _nonfinite(
         f"non-finite gradients{shown} from {where}: a backward that divides by zero (the square "
         "root or norm of 0, ...): add an epsilon there.",
+        *bad,
     )
 
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
     """Non-finite values in the batch's floating tensors, or in the model's weights."""
     inputs = [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]
+    if inputs:
+        return _nonfinite(
+            f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
+            "clean the data (drop those samples, or torch.nan_to_num) before training."
+        )
     state = chain(model.named_parameters(), model.named_buffers())
     weights = [name for name, t in state if not finite(t)]
-    if inputs:
-        return Diagnosis(
-            "non-finite",
-            (),
-            f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
-            "clean the data (drop those samples, or torch.nan_to_num) before training.",
-        )
     if not weights:
         return None
-    return Diagnosis(
-        "non-finite",
-        tuple(weights),
+    return _nonfinite(
         f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights "
         "or initialise them again.",
+        *weights,
     )
 
 
@@ -260,19 +256,13 @@ def _count_nonfinite(path: str, t: torch.Tensor) -> str:
 
 def _nonfinite_micro_batch(case: Case) -> Diagnosis:
     """The first micro-batch whose loss is not finite when the full batch's is."""
-    work, start = copy_float64(case.model), 0
-    for i, micro in enumerate(split(case.batch, case.size)):
-        with torch.no_grad():
-            loss_sum, count = case.sum_and_count(work, micro)
-        end = start + batch_size(micro)
+    for i, (loss_sum, count) in enumerate(case.sums(copy_float64(case.model), case.size)):
         if not (math.isfinite(loss_sum) and math.isfinite(count)):
-            return Diagnosis(
-                "non-finite",
-                (),
+            start, end = i * case.size, min((i + 1) * case.size, batch_size(case.batch))
+            return _nonfinite(
                 f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: loss_sum "
                 f"{loss_sum}, count {count}) although the whole batch's is finite: a mean over "
                 "zero items (all padding?) is NaN. Return (loss_sum, count) with a sum, which is "
-                "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels).",
+                "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels)."
             )
-        start = end
     return _nonfinite_backward([])

@@ -34,7 +34,7 @@ Note [replay without caches]
     recorded arguments. Arguments that are state mutated by the call must not be reused:
     transformers' key/value ``Cache`` objects grow on every call, so a replayed attention layer
     saw twice the sequence length and failed. A replay therefore
-    (1) passes ``None`` in place of every cache object (``is_cache``): within one training
+    (1) passes ``None`` in place of every cache object (``is_kv_cache``): within one training
         forward that is what the layer computed with (its cache slot is empty until the layer
         fills it); a layer that cannot run without it is reported as not probed (3);
     (2) clones every tensor argument, so a module working in place cannot alter a recording;
@@ -49,7 +49,6 @@ Note [replay without caches]
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +59,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from bigbatch.core._tree import tensor_leaves
+from bigbatch.memory.checkpointing import is_kv_cache
 
 ROUNDING = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative gradient difference that computing partly in each dtype can make (~100 float32 ulps;
@@ -118,17 +118,17 @@ class _Watch(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         args, kwargs = list(args), dict(kwargs or {})
-        where = self.stack[-1] if self.stack else LOSS_FN
-        if func in _DROPOUT and _dropout_off(func, args, kwargs) and self.observed is not None:
-            if where not in self.observed.dropout:
-                self.observed.dropout.append(where)
+        off = func in _DROPOUT and _dropout_off(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.observed is None:
             return out
-        low = {t.dtype for _, t in tensor_leaves(out) if _is_low(t)}
-        if low and any(True for _ in tensor_leaves((args, kwargs))):
-            for dtype in low:
-                self.observed.add(dtype, where)
+        where = self.stack[-1] if self.stack else LOSS_FN
+        if off and where not in self.observed.dropout:
+            self.observed.dropout.append(where)
+        if next(tensor_leaves((args, kwargs)), None) is not None:  # computed, not a constant
+            for _, t in tensor_leaves(out):
+                if t.is_floating_point() and t.dtype != torch.float64:
+                    self.observed.add(t.dtype, where)
         return out
 
 
@@ -144,10 +144,6 @@ def _dropout_off(func: Any, args: list[Any], kwargs: dict[str, Any]) -> bool:
     else:
         kwargs[name] = 0.0
     return True
-
-
-def _is_low(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and t.dtype != torch.float64
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -173,18 +169,15 @@ def observe(model: nn.Module) -> Iterator[Observed]:
     Returns:
         A context manager yielding the ``Observed`` it fills.
     """
-    observed, stack = Observed(), []
+    observed, stack = Observed(), list[str]()
     names = {m: name for name, m in model.named_modules()}
-
-    def enter(module: nn.Module, args: Any) -> None:
-        stack.append(names[module])
 
     def leave(module: nn.Module, args: Any, out: Any) -> None:
         stack.pop()
         if observed.nonfinite is None and not all(finite(t) for _, t in tensor_leaves(out)):
             observed.nonfinite = names[module]
 
-    hooks = [m.register_forward_pre_hook(enter) for m in names]
+    hooks = [m.register_forward_pre_hook(lambda m, _: stack.append(names[m])) for m in names]
     hooks += [m.register_forward_hook(leave, always_call=True) for m in names]
     try:
         with _Watch(observed, stack):
@@ -238,11 +231,7 @@ def _innermost(names: list[str]) -> list[str]:
 
 
 def _replay(
-    module: nn.Module,
-    recorded: dict[Any, Any],
-    n: int,
-    seeded: Callable[[], Any],
-    rtol: float,
+    module: nn.Module, recorded: dict[Any, Any], n: int, seeded: Callable[[], Any], rtol: float
 ) -> str | None:
     """``"coupled"``, ``"unprobed"``, or ``None`` (independent, or no batch-shaped input).
 
@@ -256,12 +245,13 @@ def _replay(
     other[1:] = x[1:] * 1.7 + 0.3
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
-        call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_cache(v) else v
+        call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
                 for k, v in recorded.items()}  # fmt: skip
         call[where] = first.clone()
         args = [call.pop(i) for i in range(len(call)) if i in call]
         with seeded(), torch.no_grad():
-            return _first_rows(module(*args, **call), n)
+            out = module(*args, **call)
+        return next((t[0] for _, t in tensor_leaves(out) if _batch_shaped(t, n)), None)
 
     try:
         a, b = row_0(x), row_0(other)
@@ -273,24 +263,9 @@ def _replay(
     return "coupled" if again is not None and _close(a, again, rtol) else "unprobed"
 
 
-def is_cache(value: Any) -> bool:
-    """Is ``value`` a transformers key/value cache (Note [replay without caches])?
-
-    Read from ``sys.modules``: a model that holds such a cache has imported transformers, and
-    ``import bigbatch`` must not import it.
-    """
-    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-    return isinstance(cache_type, type) and isinstance(value, cache_type)
-
-
 def _batch_shaped(value: Any, n: int) -> bool:
     is_float = isinstance(value, torch.Tensor) and value.is_floating_point()
     return is_float and value.dim() > 0 and value.shape[0] == n
-
-
-def _first_rows(out: Any, n: int) -> torch.Tensor | None:
-    """Row 0 of the first floating tensor with ``n`` rows in ``out``."""
-    return next((t[0] for _, t in tensor_leaves(out) if _batch_shaped(t, n)), None)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import LossFn, as_sum_and_count
-from bigbatch.core.split import Batch, batch_size
+from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import disable_checkpointing
 from bigbatch.verifier._probes import Observed, dropout_off, finite, observe
 
@@ -38,11 +38,15 @@ class Case:
     size: int
     seed: int
 
-    def sum_and_count(self, model: nn.Module, batch: Batch) -> tuple[float, float]:
-        """``loss_fn``'s ``(loss_sum, count)`` on ``batch`` from the seed, as floats."""
-        with seeded(self.seed):
-            loss_sum, count = as_sum_and_count(self.loss_fn(model, batch), batch_size(batch))
-        return float(loss_sum), float(count)
+    def sums(self, model: nn.Module, size: int) -> list[tuple[float, float]]:
+        """``loss_fn``'s ``(loss_sum, count)`` on each piece of the batch cut at ``size`` (the
+        last may be smaller), as floats, without gradients, each from the seed."""
+        out = []
+        for piece in split(self.batch, size):
+            with seeded(self.seed), torch.no_grad():
+                loss_sum, count = as_sum_and_count(self.loss_fn(model, piece), batch_size(piece))
+            out.append((float(loss_sum), float(count)))
+        return out
 
 
 @dataclass
@@ -81,15 +85,15 @@ def full_run(case: Case, checkpointing: bool = True) -> FullRun:
             raise ValueError(
                 "loss_fn's loss does not depend on the model's parameters (it carries no "
                 "gradient): compute it from the model's outputs, without torch.no_grad(), "
-                ".detach() or .item() in loss_fn."
+                ".detach() or .item()."
             )
         loss.backward()
     grads = {n: p.grad.detach() for n, p in work.named_parameters() if p.grad is not None}
     if not grads:
         raise ValueError(
             "no gradient reaches any of the model's trainable parameters from loss_fn's loss: "
-            "compute the loss from the outputs of the model passed to check (does loss_fn call "
-            "another model?)."
+            "compute it from the outputs of the model passed to check (does loss_fn call another "
+            "model?)."
         )
     return FullRun(grads, float(loss.detach()), observed)
 
@@ -105,11 +109,9 @@ def accumulated_grads(case: Case) -> tuple[Grads, float]:
     named = {p: name for name, p in work.named_parameters() if p.requires_grad}
     grads: Grads = {}
     recorder = torch.optim.SGD(list(named), lr=0.0)  # a step with lr 0 changes nothing
-
-    def record(*_: object) -> None:
-        grads.update({named[p]: p.grad.clone() for p in named if p.grad is not None})
-
-    recorder.register_step_pre_hook(record)
+    recorder.register_step_pre_hook(
+        lambda *_: grads.update({named[p]: p.grad.clone() for p in named if p.grad is not None})
+    )
     with seeded(case.seed), warnings.catch_warnings():
         warnings.simplefilter("ignore", BigBatchWarning)  # check reports the cause itself
         try:
