@@ -89,14 +89,20 @@ class Audit:
     steps: tuple[int, ...]
     results: list[AuditResult] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        found = (self.steps,) if isinstance(self.steps, int) else tuple(self.steps)
-        if not found or not all(type(s) is int and s > 0 for s in found):
-            raise ValueError(
-                f"steps={self.steps!r} is not allowed: give the optimizer steps to audit as "
-                "positive integers, e.g. steps=1 or steps=(1, 100)."
-            )
-        self.steps = found
+
+def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
+    """``steps`` as a tuple of positive ints (an int is one step).
+
+    Raises:
+        ValueError: anything else.
+    """
+    found = (steps,) if isinstance(steps, int) else tuple(steps)
+    if not found or not all(type(s) is int and s > 0 for s in found):
+        raise ValueError(
+            f"steps={steps!r} is not allowed: give the optimizer steps to audit as positive "
+            "integers, e.g. steps=1 or steps=(1, 100)."
+        )
+    return found
 
 
 @dataclass

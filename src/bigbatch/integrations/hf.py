@@ -153,7 +153,9 @@ class TrainerWindow:
             trainer, size, budget, cut, loss_fn
         )  # fmt: skip
         self.pending: list[Any] = []
-        self.calls, self.acc, self.last = 0, None, None  # last: the last window's StepResult
+        self.calls = 0
+        self.acc: Accumulator | None = None
+        self.last: Any = None  # the last window's StepResult
         stock = loss_fn is None and stock_compute_loss(type(trainer))
         self.plain: bool | None = True if stock else None  # the loss has one term: count first
         self.reader = Reader(trainer)
@@ -339,7 +341,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _transformers().Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
-    log = _audit.Audit(steps)
+    log = _audit.Audit(_audit.check_steps(steps))
     _Watch(trainer, log)
     return log
 

@@ -80,7 +80,7 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
         self.sums: list[torch.Tensor] = []
         self.counts: list[Any] = []
         self.scale: Any = None
-        self.window_loss: torch.Tensor | None = None  # the last window's loss, Σ sum / C
+        self.window_loss: Any = None  # the last window's loss, Σ sum / C
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not pl_module.automatic_optimization:
@@ -125,7 +125,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _lightning().Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
-    log = _audit.Audit(steps)
+    log = _audit.Audit(_audit.check_steps(steps))
     trainer.callbacks.append(_Watch(log))
     return log
 
@@ -134,7 +134,9 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
     def __init__(self, log: _audit.Audit) -> None:
-        self.report, self.window, self.exact = log, None, None
+        self.report: _audit.Audit = log
+        self.window: _audit.Window | None = None
+        self.exact: Exact | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
