@@ -107,9 +107,9 @@ def exact(trainer_class: type) -> type:
     if _named(trainer_class, GENERATING):
         raise TypeError(
             f"exact() does not take {trainer_class.__name__}, which generates inside training_step: "
-            "use it as it is (its loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
-            "accumulation, 'bnpo' is a mean of micro-batch means) and check a step with "
-            "bigbatch.hf.audit(trainer)."
+            "use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
+            "window) and check a step with bigbatch.hf.audit(trainer)."
         )
     if "bigbatch" in vars(trainer_class):
         return trainer_class
