@@ -49,6 +49,7 @@ from bigbatch.verifier._runs import differences
 
 logger = logging.getLogger("bigbatch")
 Weights = Callable[[], tuple[list[float], list[float]]]
+Grads = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -119,9 +120,8 @@ class Window:
 
 def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window | None:
     """A window about to run (its random state now) if ``step`` is audited, else ``None``."""
-    if step not in log.steps:
-        return None
-    return Window(step, accumulation_steps, _rng.capture(torch.device(device)))
+    audited = step in log.steps
+    return Window(step, accumulation_steps, _rng.capture(torch.device(device))) if audited else None
 
 
 def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
@@ -169,20 +169,16 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
     return world * sum(t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True))  # type: ignore[return-value]  # fmt: skip
 
 
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gradients(model: torch.nn.Module) -> Grads:
     """Every trainable parameter's gradient by name (zeros where there is none), detached."""
-    return {
-        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    }
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in named}
 
 
 @contextlib.contextmanager
-def aside(model: torch.nn.Module, window: Window, device: Any) -> Iterator[None]:
+def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Iterator[None]:
     """Within the block: no gradients, the window's first random state; afterwards the gradients,
     the buffers and the random state as they were (Note [audit])."""
-    device = torch.device(device)
     params = [p for p in model.parameters() if p.requires_grad]
     kept, now = [p.grad for p in params], _rng.capture(device)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -222,18 +218,14 @@ def check(
                 torch.distributed.all_reduce(g)
                 g /= torch.distributed.get_world_size()
         tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
-        log.results.append(judge(window, acc, (grads, float(value.detach()), tolerance), weights))
+        log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, weights))
 
 
 def judge(
-    window: Window,
-    acc: dict[str, torch.Tensor],
-    one: tuple[dict[str, torch.Tensor], float, float],
-    weights: Weights | None,
+    window: Window, acc: Grads, grads: Grads, loss: float, tolerance: float, weights: Weights | None
 ) -> AuditResult:
-    """Compare the accumulated gradients ``acc`` with the one-batch gradients, loss and tolerance
-    ``one``; diagnose a difference (Note [audit diagnosis])."""
-    grads, loss, tolerance = one
+    """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
+    ``loss``); diagnose a difference (Note [audit diagnosis])."""
     worst = max(differences(acc, grads).values(), default=0.0)
     returned, whole, disagree = sum(window.returns), loss, 0.0
     if _world() > 1:  # every rank takes the same path from here: agree on the worst difference
@@ -283,7 +275,7 @@ def _diagnose(
     return "gradients differ where the losses agree"
 
 
-def _norm(grads: dict[str, torch.Tensor]) -> float:
+def _norm(grads: Grads) -> float:
     return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads.values()])))
 
 

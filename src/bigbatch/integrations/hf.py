@@ -99,18 +99,7 @@ def exact(trainer_class: type) -> type:
         >>> from trl import DPOTrainer  # doctest: +SKIP
         >>> trainer = bigbatch.hf.exact(DPOTrainer)(model=model, args=args, ...)  # doctest: +SKIP
     """
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers().Trainer)):
-        raise TypeError(
-            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
-            "bigbatch.hf.exact(trl.SFTTrainer)."
-        )
-    if _named(trainer_class, GENERATING):
-        raise TypeError(
-            f"exact() does not take {trainer_class.__name__}, which generates inside training_step: "
-            "use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
-            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
-            "window) and check a step with bigbatch.hf.audit(trainer)."
-        )
+    _check_class(trainer_class)
     if "bigbatch" in vars(trainer_class):
         return trainer_class
 
@@ -125,15 +114,13 @@ def exact(trainer_class: type) -> type:
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
-            cut = dict(micro_batch_tokens=micro_batch_tokens, pad_to_multiple_of=pad_to_multiple_of)
-            self.bigbatch_window = TrainerWindow(
-                self, micro_batch_size, memory_budget, cut, loss_fn
-            )
-
-        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
-            self.bigbatch_window.pending, self.bigbatch_window.calls = list(batches), 0
-            return batches, n
+            if micro_batch_size is None and micro_batch_tokens is None:
+                micro_batch_size = self.args.per_device_train_batch_size
+            settings = dict(
+                micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                memory_budget=memory_budget, pad_to_multiple_of=pad_to_multiple_of,
+            )  # fmt: skip
+            self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             return self.bigbatch_window.training_step(model, inputs, num_items_in_batch)
@@ -143,30 +130,40 @@ def exact(trainer_class: type) -> type:
     return Exact
 
 
+def _check_class(trainer_class: Any) -> None:
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers().Trainer)):
+        raise TypeError(
+            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
+            "bigbatch.hf.exact(trl.SFTTrainer)."
+        )
+    if _named(trainer_class, GENERATING):  # Note [generating trainers]
+        raise TypeError(
+            f"exact() does not take {trainer_class.__name__}, which generates inside "
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
+            "window) and check a step with bigbatch.hf.audit(trainer)."
+        )
+
+
 class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
-    def __init__(
-        self, trainer: Any, size: Any, budget: Any, cut: dict[str, Any], loss_fn: Any
-    ) -> None:
-        self.trainer, self.size, self.budget, self.cut, self.loss_fn = (
-            trainer, size, budget, cut, loss_fn
-        )  # fmt: skip
-        self.pending: list[Any] = []
-        self.calls = 0
+    def __init__(self, trainer: Any, settings: dict[str, Any], loss_fn: Any) -> None:
+        self.trainer, self.settings, self.loss_fn = trainer, settings, loss_fn
+        self.pending: list[Any] = []  # the window's batches so far
+        self.reader = Reader(trainer)
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
         stock = loss_fn is None and stock_compute_loss(type(trainer))
         self.plain: bool | None = True if stock else None  # the loss has one term: count first
-        self.reader = Reader(trainer)
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""
         t = self.trainer
-        self.calls += 1
-        if self.calls < len(self.pending):
+        self.pending.append(inputs)
+        if len(self.pending) < t.current_gradient_accumulation_steps:  # the window's batches
             return torch.zeros((), device=t.args.device)
-        window, self.pending, self.calls = self.pending or [inputs], [], 0
+        window, self.pending = self.pending, []
         model.train()
         batch = self.reader.join([t._prepare_inputs(b) for b in window])
         loss_fn: Any = self.loss_fn
@@ -182,16 +179,13 @@ class TrainerWindow:
     def _accumulator(self, model: Any) -> Accumulator:
         t = self.trainer
         if self.acc is None or self.acc.model is not model:
-            size = self.size or (None if self.cut["micro_batch_tokens"] else t.args.per_device_train_batch_size)  # fmt: skip
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
-            held = SimpleNamespace(param_groups=t.optimizer.param_groups, step=_nothing, zero_grad=_nothing)  # fmt: skip
+            groups = t.optimizer.param_groups
+            held = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
-            self.acc = Accumulator(
-                model, held, size, precision=precision, memory_budget=self.budget,  # type: ignore[arg-type]
-                nonfinite="apply", **self.cut,
-            )  # fmt: skip
+            self.acc = Accumulator(model, held, precision=precision, nonfinite="apply", **self.settings)  # type: ignore[arg-type]  # an optimizer's stand-in  # fmt: skip
         return self.acc
 
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
@@ -239,18 +233,17 @@ def one_step(trainer: Any) -> Iterator[None]:
     """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
     that divides by them (``current_gradient_accumulation_steps``, ``args``; GRPO's
     ``steps_per_generation``) sees one batch."""
-    args, names = trainer.args, ["gradient_accumulation_steps", "steps_per_generation"]
-    before = {n: getattr(args, n) for n in names if hasattr(args, n)}
-    held = trainer.current_gradient_accumulation_steps
-    for name in before:
-        setattr(args, name, 1)
-    trainer.current_gradient_accumulation_steps = 1
+    args, names = trainer.args, ("gradient_accumulation_steps", "steps_per_generation")
+    held = [(args, n, getattr(args, n)) for n in names if hasattr(args, n)]
+    name = "current_gradient_accumulation_steps"
+    held.append((trainer, name, getattr(trainer, name)))
+    for owner, name, _ in held:
+        setattr(owner, name, 1)
     try:
         yield
     finally:
-        for name, value in before.items():
-            setattr(args, name, value)
-        trainer.current_gradient_accumulation_steps = held
+        for owner, name, value in held:
+            setattr(owner, name, value)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -270,8 +263,7 @@ def pairs(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``pairs`` undone: rows of pairs back to chosen rows, then rejected rows."""
-    rows = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == 2}  # fmt: skip
-    return {k: torch.cat(v.unbind(1)) if k in rows else v for k, v in batch.items()}
+    return {k: torch.cat(v.unbind(1)) if _wide(v, 2) else v for k, v in batch.items()}
 
 
 def trim(batch: Any) -> Any:
@@ -282,8 +274,12 @@ def trim(batch: Any) -> Any:
         return batch
     used = mask.ne(0).any(0).nonzero()
     width, full = (int(used.max()) + 1 if len(used) else 1), mask.shape[1]
-    cut = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full}  # fmt: skip
-    return {k: v[:, :width] if k in cut else v for k, v in batch.items()}
+    return {k: v[:, :width] if _wide(v, full) else v for k, v in batch.items()}
+
+
+def _wide(value: Any, width: int) -> bool:
+    """Whether ``value`` is a tensor of ``width`` columns (a per-token or per-pair tensor)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width
 
 
 def stock_compute_loss(trainer_class: type) -> bool:
@@ -341,9 +337,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _transformers().Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
-    log = _audit.Audit(_audit.check_steps(steps))
-    _Watch(trainer, log)
-    return log
+    return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
 
 class _Watch:
@@ -352,9 +346,8 @@ class _Watch:
     recorded as the trainer prepared them (GRPO generates there), not prepared again."""
 
     def __init__(self, trainer: Any, log: _audit.Audit) -> None:
-        self.trainer, self.log, self.reader = trainer, log, Reader(trainer)
-        self.window: _audit.Window | None = None
-        self.size = 0  # the window's batches
+        self.trainer, self.log, self.reader, self.size = trainer, log, Reader(trainer), 0
+        self.window: _audit.Window | None = None  # size: its batches
         self.wrapped = trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step
         trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
             self.get_batch_samples, self.prepare_inputs, self.training_step
@@ -363,16 +356,14 @@ class _Watch:
     def get_batch_samples(self, iterator: Any, num_batches: int, device: Any) -> Any:
         batches, n = self.wrapped[0](iterator, num_batches, device)
         t, self.size = self.trainer, len(batches)
-        k = t.args.gradient_accumulation_steps
-        self.window = _audit.start(self.log, t.state.global_step + 1, k, device) if batches else None  # fmt: skip
+        step, k = t.state.global_step + 1, t.args.gradient_accumulation_steps
+        self.window = _audit.start(self.log, step, k, device)
         return batches, n
 
     def prepare_inputs(self, inputs: Any) -> Any:
         prepared = self.wrapped[1](inputs)
         if self.window is not None:  # a copy: compute_loss may pop the labels
-            self.window.batches.append(
-                dict(prepared) if isinstance(prepared, Mapping) else prepared
-            )
+            self.window.batches.append({**prepared} if isinstance(prepared, Mapping) else prepared)
         return prepared
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -395,7 +386,8 @@ class _Watch:
         plain = unpairs(batch) if self.reader.paired else batch
         n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
         if window is None:
-            return t.compute_loss(model, dict(plain), num_items_in_batch=n)  # type: ignore[no-any-return]
+            out: torch.Tensor = t.compute_loss(model, dict(plain), num_items_in_batch=n)
+            return out
         n = None if n is None else window.window_count(batch)
         return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 

@@ -40,8 +40,9 @@ def _lightning() -> Any:
     return pl
 
 
-def _sum_and_count(out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
-    """A ``training_step`` result as ``(loss_sum, count)``: a pair, or a mean over the samples."""
+def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch.Tensor, Any]:
+    """A ``training_step`` result as ``(loss_sum, count)``: a pair, or a mean over ``count(batch)``
+    items (its samples)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if isinstance(loss, (tuple, list)) and len(loss) == 2:
         return loss[0], loss[1]
@@ -50,7 +51,8 @@ def _sum_and_count(out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
             f"training_step returned {type(out).__name__}: with bigbatch.lightning return "
             "(loss_sum, count), {'loss': (loss_sum, count)} or a mean over the batch's samples."
         )
-    return loss * batch_size(batch), batch_size(batch)
+    n = count(batch)
+    return loss * n, n
 
 
 def _wrap_training_step(pl_module: Any, after: Any) -> None:
@@ -125,9 +127,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _lightning().Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
-    log = _audit.Audit(_audit.check_steps(steps))
-    trainer.callbacks.append(_Watch(log))
-    return log
+    trainer.callbacks.append(watch := _Watch(_audit.Audit(_audit.check_steps(steps))))
+    return watch.report
 
 
 class _Watch(_lightning().Callback):  # type: ignore[misc]
@@ -173,9 +174,9 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
         return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
     def _weights(self, pl_module: Any, batches: list[Any]) -> Any:
+        """Each micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        items = functools.partial(_audit.count_items, shifts=False)
         with torch.no_grad():
             outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
-        pairs = [_sum_and_count(o, b) for o, b in zip(outs, batches, strict=True)]
-        paired = all(isinstance(o.get("loss") if isinstance(o, Mapping) else o, (tuple, list)) for o in outs)  # fmt: skip
-        counts = [c if paired else _audit.count_items(b, False) for (_, c), b in zip(pairs, batches, strict=True)]  # fmt: skip
-        return [float(s / c) for s, c in pairs], [float(c) for c in counts]
+        pairs = [_sum_and_count(o, b, items) for o, b in zip(outs, batches, strict=True)]
+        return [float(s / c) for s, c in pairs], [float(c) for _, c in pairs]
