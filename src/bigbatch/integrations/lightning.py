@@ -10,8 +10,9 @@ Note [lightning window]
     that many batches (fewer at the end of an epoch): a mean of micro-batch means, wrong when the
     micro-batches hold different numbers of tokens, and a short last window scaled by ``m / k``.
     ``Exact`` lets ``training_step`` return ``(loss_sum, count)`` (or a mean over its samples):
-    it hands Lightning ``loss_sum · s``, ``s`` fixed for the window (one over the first
-    micro-batch's count: the magnitude of a mean, for fp16), records the counts, and in
+    it hands Lightning ``loss_sum · s``, ``s`` fixed for the window and the same on every rank
+    (one over the first micro-batches' mean count: the magnitude of a mean, for fp16; one
+    all-reduce, since DDP averages what the ranks back-propagate), records the counts, and in
     ``on_before_optimizer_step`` (after fp16 unscaling, before clipping) multiplies the gradients
     by ``k · W / (s · C)``: ``C`` the window's count over every rank (one all-reduce), ``W`` the
     ranks DDP averages over. The gradient is then ``∇(Σ loss_sum) / C`` over the window, the
@@ -79,8 +80,7 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
     """
 
     def __init__(self) -> None:
-        self.sums: list[torch.Tensor] = []
-        self.counts: list[Any] = []
+        self.seen: list[torch.Tensor] = []  # each micro-batch's (loss_sum, count), float64
         self.scale: Any = None
         self.window_loss: Any = None  # the last window's loss, Σ sum / C
 
@@ -90,27 +90,27 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
                 "bigbatch.lightning.Exact needs automatic optimization; with manual "
                 "optimization accumulate with bigbatch.Accumulator in your training_step."
             )
+        self.strategy = trainer.strategy
         _wrap_training_step(pl_module, self._record)
 
     def _record(self, out: Any, batch: Any) -> dict[str, Any]:
         loss_sum, count = _sum_and_count(out, batch)
+        n = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device)
         if self.scale is None:  # the window's first micro-batch
-            self.scale = 1.0 / torch.as_tensor(count, dtype=torch.float64).clamp_min(1.0)
-        self.sums.append(loss_sum.detach().to(torch.float64))
-        self.counts.append(count)
+            self.scale = 1.0 / self.strategy.reduce(n, reduce_op="mean").clamp_min(1.0)
+        self.seen.append(torch.stack([loss_sum.detach().to(torch.float64), n]))
         rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
         return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        values = [torch.as_tensor(v, dtype=torch.float64) for v in (*self.sums, *self.counts)]
-        mine = torch.stack(values).reshape(2, -1).sum(1).to(pl_module.device)
+        mine = torch.stack(self.seen).sum(0).to(pl_module.device)
         loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
-        self.sums, self.counts, self.scale = [], [], None
+        self.seen, self.scale = [], None
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
