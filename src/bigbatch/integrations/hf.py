@@ -9,10 +9,12 @@ Needs transformers (``pip install "bigbatch[hf]"``)::
 Note [trainer window]
     ``Trainer`` prefetches each optimizer step's ``gradient_accumulation_steps`` batches
     (``get_batch_samples``) and calls ``training_step`` once per batch, inside ``no_sync`` for
-    all but the last. ``exact(TrainerClass)`` keeps that loop and changes one thing: the first
-    calls of a window return a zero loss without work, and the last (where the Trainer
+    all but the last; ``current_gradient_accumulation_steps`` is the window's number of batches.
+    ``exact(TrainerClass)`` keeps that loop and changes one thing: the first calls of a window
+    keep their batch and return a zero loss without work, and the last (where the Trainer
     synchronises) joins the window's batches into one (``bigbatch.integrations._audit.join``) and
-    runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model. Its optimizer
+    runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model: on several
+    ranks each rank joins its own window and the count is every rank's. Its optimizer
     is the Trainer's parameters with a ``step`` and ``zero_grad`` that do nothing, so
     the normalised gradient stays in ``.grad`` for the Trainer's own clipping, optimizer, scheduler
     and logging; its backward is the Trainer's ``accelerator.backward`` (its loss scaler). Each
