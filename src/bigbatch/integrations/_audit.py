@@ -1,5 +1,5 @@
-"""What the transformers and Lightning audits share: the window joined as one batch, the
-comparison with that batch's gradient, and the diagnosis in words.
+"""What the transformers and Lightning audits share: the audited window, joined as one batch,
+the comparison with that batch's gradient, and the diagnosis in words.
 
 Note [audit]
     An optimizer step under accumulation should equal the step the same trainer takes on the
@@ -12,7 +12,8 @@ Note [audit]
     if nothing had happened. The tolerance is the rounding of the lowest precision that forward
     really computes in (Note [float32 islands] in ``bigbatch.verifier._probes``), so a float64
     model with float32 islands is not a false alarm. On several ranks every rank compares and
-    all agree on the verdict (one all-reduce).
+    all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
+    read over every rank's count (``window_mean``), as the window normalises it.
 
 Note [audit diagnosis]
     When a step is not exact, each micro-batch's loss is computed again without gradient (its
@@ -41,11 +42,14 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
 from bigbatch.verifier._probes import ROUNDING, observe
 from bigbatch.verifier._runs import differences
 
 logger = logging.getLogger("bigbatch")
+Weights = Callable[[], tuple[list[float], list[float]]]
+Grads = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -87,16 +91,14 @@ class Audit:
     results: list[AuditResult] = field(default_factory=list)
 
 
-def check_steps(steps: Any) -> tuple[int, ...]:
+def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
     """``steps`` as a tuple of positive ints (an int is one step).
 
     Raises:
         ValueError: anything else.
     """
     found = (steps,) if isinstance(steps, int) else tuple(steps)
-    if not found or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in found
-    ):
+    if not found or not all(type(s) is int and s > 0 for s in found):
         raise ValueError(
             f"steps={steps!r} is not allowed: give the optimizer steps to audit as positive "
             "integers, e.g. steps=1 or steps=(1, 100)."
@@ -106,18 +108,20 @@ def check_steps(steps: Any) -> tuple[int, ...]:
 
 @dataclass
 class Window:
-    """An audited window as it runs (Note [audit])."""
+    """An audited window as it runs (Note [audit]): the micro-batches as the trainer computed on
+    them, the random state before the first, what each back-propagated."""
 
     step: int
-    batches: list[Any]
     accumulation_steps: int
     rng: Any
+    batches: list[Any] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
 
 
-def start(step: int, batches: list[Any], accumulation_steps: int, device: Any) -> Window:
-    """Record a window about to run (its random state now)."""
-    return Window(step, batches, accumulation_steps, _rng.capture(torch.device(device)))
+def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window | None:
+    """A window about to run (its random state now) if ``step`` is audited, else ``None``."""
+    audited = step in log.steps
+    return Window(step, accumulation_steps, _rng.capture(torch.device(device))) if audited else None
 
 
 def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
@@ -134,43 +138,47 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
     value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
-    padded = [
-        torch.nn.functional.pad(
-            t,
-            [p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])],
-            value=value,
-        )
-        for t in batches
-    ]
-    return torch.cat(padded)
+    pads = [[p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])] for t in batches]  # fmt: skip
+    return torch.cat([torch.nn.functional.pad(t, p, value=value) for t, p in zip(batches, pads, strict=True)])  # fmt: skip
 
 
 def count_items(batch: Any, shifts: bool) -> Any:
     """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
-    of each row when the loss ``shifts``; ``shift_labels`` as given), else its samples."""
-    labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
-    if labels is None and isinstance(batch, Mapping) and batch.get("labels") is not None:
-        labels = batch["labels"]
-        labels = labels[..., 1:] if shifts and labels.dim() >= 2 else labels
+    of each row when the loss ``shifts``; ``shift_labels`` as given), else its completion tokens
+    (``completion_mask``: TRL's GRPO), else its rows."""
+    if not isinstance(batch, Mapping):
+        return batch_size(batch)
+    labels = batch.get("shift_labels")
+    if labels is None and batch.get("labels") is not None:
+        labels = batch["labels"][..., 1:] if shifts and batch["labels"].dim() >= 2 else batch["labels"]  # fmt: skip
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return (labels != -100).sum()
-    return batch_size(batch)
+    if isinstance(batch.get("completion_mask"), torch.Tensor):
+        return batch["completion_mask"].sum()
+    return next(len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
 
 
-def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def window_mean(out: Any, rows: int) -> torch.Tensor:
+    """A loss (a mean over ``rows`` samples, ``(sum, count)`` or named terms) as one batch: each
+    term over its count on every rank, times the ranks (whose gradients are averaged)."""
+    terms, world = as_terms(out, rows), _world()
+    if world == 1:
+        return mean_of(terms)
+    counts = torch.tensor([float(t.count) for t in terms.values()], dtype=torch.float64)
+    torch.distributed.all_reduce(counts)
+    return world * sum(t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True))  # type: ignore[return-value]  # fmt: skip
+
+
+def gradients(model: torch.nn.Module) -> Grads:
     """Every trainable parameter's gradient by name (zeros where there is none), detached."""
-    return {
-        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    }
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in named}
 
 
 @contextlib.contextmanager
-def aside(model: torch.nn.Module, window: Window, device: Any) -> Iterator[None]:
+def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Iterator[None]:
     """Within the block: no gradients, the window's first random state; afterwards the gradients,
     the buffers and the random state as they were (Note [audit])."""
-    device = torch.device(device)
     params = [p for p in model.parameters() if p.requires_grad]
     kept, now = [p.grad for p in params], _rng.capture(device)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -188,52 +196,51 @@ def aside(model: torch.nn.Module, window: Window, device: Any) -> Iterator[None]
         _rng.restore(now, device)
 
 
-def one_batch(
-    model: torch.nn.Module, loss: Callable[[], torch.Tensor], average: bool
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """The one-batch gradient of ``loss()``, its value and the tolerance its precision allows;
-    ``average``: average the gradients over the ranks (a model DDP does not wrap)."""
-    with observe(model) as precision:
-        value = loss()
-    value.backward()
-    grads = gradients(model)
-    if average:
-        for g in grads.values():
-            torch.distributed.all_reduce(g)
-            g /= torch.distributed.get_world_size()
-    return grads, float(value.detach()), max(1e-10, ROUNDING.get(precision.dtype, 0.0))
+def check(
+    log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
+    weights: Weights | None, average: bool, scope: Any,
+) -> None:  # fmt: skip
+    """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
+    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult`` to ``log``.
+
+    ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
+    ``weights()``: each micro-batch's own one-batch loss and count, for the diagnosis (``None``
+    when the trainer weighs micro-batches right by construction: bigbatch's own).
+    """
+    acc = gradients(model)
+    with aside(model, window, next(model.parameters()).device), scope:
+        with observe(model) as precision:
+            value = loss()
+        value.backward()
+        grads = gradients(model)
+        if average:
+            for g in grads.values():
+                torch.distributed.all_reduce(g)
+                g /= torch.distributed.get_world_size()
+        tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
+        log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, weights))
 
 
 def judge(
-    window: Window,
-    acc: dict[str, torch.Tensor],
-    one: tuple[dict[str, torch.Tensor], float, float],
-    weights: Callable[[], tuple[list[float], list[float]]] | None,
+    window: Window, acc: Grads, grads: Grads, loss: float, tolerance: float, weights: Weights | None
 ) -> AuditResult:
-    """Compare the accumulated gradients ``acc`` with ``one_batch``'s; diagnose a difference.
-
-    ``weights()`` gives each micro-batch's own one-batch loss ``L_i`` and its count ``n_i``;
-    ``None`` when the trainer weighs micro-batches right by construction (bigbatch's own).
-    Note [audit diagnosis].
-    """
-    grads, loss, tolerance = one
+    """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
+    ``loss``); diagnose a difference (Note [audit diagnosis])."""
     worst = max(differences(acc, grads).values(), default=0.0)
-    ranks = _world()
-    disagree = 0.0
-    if ranks > 1:  # every rank takes the same path from here: agree on the worst difference
+    returned, whole, disagree = sum(window.returns), loss, 0.0
+    if _world() > 1:  # every rank takes the same path from here: agree on the worst difference
         norms = torch.stack([g.double().norm() for g in acc.values()])
         spread = torch.stack([worst * torch.ones(()), *norms, *(-norms)]).double()
         torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
         worst, half = float(spread[0]), (len(spread) - 1) // 2
         disagree = float((spread[1 : 1 + half] + spread[1 + half :]).abs().max())
+        totals = torch.tensor([returned, loss], dtype=torch.float64)
+        torch.distributed.all_reduce(totals)  # the loss ratio of the whole window
+        returned, whole = totals.tolist()
     result = AuditResult(
-        window.step,
-        worst <= tolerance,
-        _norm(acc) / max(_norm(grads), 1e-300),
-        sum(window.returns) / loss if loss else math.nan,
-        worst,
-        tolerance,
-    )
+        window.step, worst <= tolerance, _norm(acc) / max(_norm(grads), 1e-300),
+        returned / whole if whole else math.nan, worst, tolerance,
+    )  # fmt: skip
     if not result.exact:
         result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), weights, tolerance)
     (logger.info if result.exact else logger.warning)(str(result))
@@ -241,11 +248,7 @@ def judge(
 
 
 def _diagnose(
-    window: Window,
-    loss: float,
-    ranks_differ: bool,
-    weights: Callable[[], tuple[list[float], list[float]]] | None,
-    tolerance: float,
+    window: Window, loss: float, ranks_differ: bool, weights: Weights | None, tolerance: float
 ) -> str:
     if ranks_differ:
         return "ranks did not synchronise"
@@ -272,7 +275,7 @@ def _diagnose(
     return "gradients differ where the losses agree"
 
 
-def _norm(grads: dict[str, torch.Tensor]) -> float:
+def _norm(grads: Grads) -> float:
     return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads.values()])))
 
 

@@ -9,10 +9,12 @@ Needs transformers (``pip install "bigbatch[hf]"``)::
 Note [trainer window]
     ``Trainer`` prefetches each optimizer step's ``gradient_accumulation_steps`` batches
     (``get_batch_samples``) and calls ``training_step`` once per batch, inside ``no_sync`` for
-    all but the last. ``exact(TrainerClass)`` keeps that loop and changes one thing: the first
-    calls of a window return a zero loss without work, and the last (where the Trainer
+    all but the last; ``current_gradient_accumulation_steps`` is the window's number of batches.
+    ``exact(TrainerClass)`` keeps that loop and changes one thing: the first calls of a window
+    keep their batch and return a zero loss without work, and the last (where the Trainer
     synchronises) joins the window's batches into one (``bigbatch.integrations._audit.join``) and
-    runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model. Its optimizer
+    runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model: on several
+    ranks each rank joins its own window and the count is every rank's. Its optimizer
     is the Trainer's parameters with a ``step`` and ``zero_grad`` that do nothing, so
     the normalised gradient stays in ``.grad`` for the Trainer's own clipping, optimizer, scheduler
     and logging; its backward is the Trainer's ``accelerator.backward`` (its loss scaler). Each
@@ -24,6 +26,18 @@ Note [trainer window]
     are not -100 (shifted for a causal LM, found also inside a wrapper), else its samples, pairs
     for DPO and reward trainers. A ``(sum, count)`` pair or named terms pass through, and so does
     a bigbatch ``loss_fn`` (``cached_loss`` included).
+
+Note [generating trainers]
+    ``exact`` refuses TRL's GRPO and RLOO trainers. They generate completions for the whole
+    window in the first ``training_step`` and hand out one slice per call, counted by their own
+    ``training_step`` (``_step``), which ``exact`` replaces; and TRL already normalises them over
+    the window: each generation batch is cut into equal micro-batches, ``loss_type="grpo"``
+    (each sequence's token mean) and ``"dr_grpo"`` (a sum over a constant length) average equal
+    micro-batches, and ``"dapo"`` divides by the generation batch's token count on every rank.
+    ``"bnpo"`` is a token mean per micro-batch, as its name says (batch-normalised); under
+    accumulation that is a mean of micro-batch means, which ``audit`` reports. Making it a token
+    mean over the window would take TRL's whole loss rewritten as named terms
+    (``bigbatch.losses.terms.policy_gradient`` has the three units) in an ``Accumulator`` loop.
 """
 
 from __future__ import annotations
@@ -40,24 +54,16 @@ from bigbatch.core._precision import Precision
 from bigbatch.core._tokens import make_cut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
-from bigbatch.core.loss import WindowLoss, as_terms, mean_of
+from bigbatch.core.loss import WindowLoss
 from bigbatch.core.split import batch_size
-from bigbatch.integrations._audit import (
-    Audit,
-    aside,
-    check_steps,
-    count_items,
-    gradients,
-    join,
-    judge,
-    one_batch,
-    start,
-)
+from bigbatch.integrations import _audit
 
 __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
+GENERATING = ("GRPOTrainer", "RLOOTrainer")
+"""Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating trainers])."""
 
 
 def _transformers() -> Any:
@@ -88,18 +94,14 @@ def exact(trainer_class: type) -> type:
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``.
 
     Raises:
-        TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass.
+        TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
+            or RLOO trainer (Note [generating trainers]).
 
     Example:
         >>> from trl import DPOTrainer  # doctest: +SKIP
         >>> trainer = bigbatch.hf.exact(DPOTrainer)(model=model, args=args, ...)  # doctest: +SKIP
     """
-    base = _transformers().Trainer
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, base)):
-        raise TypeError(
-            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
-            "bigbatch.hf.exact(trl.SFTTrainer)."
-        )
+    _check_class(trainer_class)
     if "bigbatch" in vars(trainer_class):
         return trainer_class
 
@@ -114,15 +116,13 @@ def exact(trainer_class: type) -> type:
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
-            cut = dict(micro_batch_tokens=micro_batch_tokens, pad_to_multiple_of=pad_to_multiple_of)
-            self.bigbatch_window = TrainerWindow(
-                self, micro_batch_size, memory_budget, cut, loss_fn
-            )
-
-        def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            batches, n = super().get_batch_samples(epoch_iterator, num_batches, device)
-            self.bigbatch_window.pending, self.bigbatch_window.calls = list(batches), 0
-            return batches, n
+            if micro_batch_size is None and micro_batch_tokens is None:
+                micro_batch_size = self.args.per_device_train_batch_size
+            settings = dict(
+                micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                memory_budget=memory_budget, pad_to_multiple_of=pad_to_multiple_of,
+            )  # fmt: skip
+            self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             return self.bigbatch_window.training_step(model, inputs, num_items_in_batch)
@@ -132,40 +132,48 @@ def exact(trainer_class: type) -> type:
     return Exact
 
 
+def _check_class(trainer_class: Any) -> None:
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers().Trainer)):
+        raise TypeError(
+            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
+            "bigbatch.hf.exact(trl.SFTTrainer)."
+        )
+    if _named(trainer_class, GENERATING):  # Note [generating trainers]
+        raise TypeError(
+            f"exact() does not take {trainer_class.__name__}, which generates inside "
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
+            "window) and check a step with bigbatch.hf.audit(trainer)."
+        )
+
+
 class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
-    def __init__(
-        self, trainer: Any, size: Any, budget: Any, cut: dict[str, Any], loss_fn: Any
-    ) -> None:
-        self.trainer, self.size, self.budget, self.cut, self.loss_fn = (
-            trainer, size, budget, cut, loss_fn
-        )  # fmt: skip
-        self.pending: list[Any] = []
-        self.calls = 0
+    def __init__(self, trainer: Any, settings: dict[str, Any], loss_fn: Any) -> None:
+        self.trainer, self.settings, self.loss_fn = trainer, settings, loss_fn
+        self.pending: list[Any] = []  # the window's batches so far
+        self.reader = Reader(trainer)
         self.acc: Accumulator | None = None
+        self.last: Any = None  # the last window's StepResult
         stock = loss_fn is None and stock_compute_loss(type(trainer))
         self.plain: bool | None = True if stock else None  # the loss has one term: count first
-        self.last: Any = None  # the last window's StepResult
-        self.paired = paired(type(trainer))
-        self.shifts = shifts_labels(trainer.model)
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""
         t = self.trainer
-        self.calls += 1
-        if self.calls < len(self.pending):
+        self.pending.append(inputs)
+        if len(self.pending) < t.current_gradient_accumulation_steps:  # the window's batches
             return torch.zeros((), device=t.args.device)
-        window, self.pending, self.calls = self.pending or [inputs], [], 0
+        window, self.pending = self.pending, []
         model.train()
-        batches = [t._prepare_inputs(b) for b in window]
-        batch = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
+        batch = self.reader.join([t._prepare_inputs(b) for b in window])
         loss_fn: Any = self.loss_fn
         if not isinstance(self.loss_fn, WindowLoss):
             if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
                 num_items = self.window_count(batch)
-            loss_fn = functools.partial(self._loss, self.loss_fn, num_items)
-        count_fn = self.count if self.plain and self.loss_fn is None else None
+            loss_fn = functools.partial(self.loss, self.loss_fn, num_items)
+        count_fn = self.reader.count if self.plain and self.loss_fn is None else None
         with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
@@ -173,24 +181,19 @@ class TrainerWindow:
     def _accumulator(self, model: Any) -> Accumulator:
         t = self.trainer
         if self.acc is None or self.acc.model is not model:
-            size = self.size or (None if self.cut["micro_batch_tokens"] else t.args.per_device_train_batch_size)  # fmt: skip
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
-            held = SimpleNamespace(
-                param_groups=t.optimizer.param_groups, step=_nothing, zero_grad=_nothing
-            )
+            groups = t.optimizer.param_groups
+            held = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
-            self.acc = Accumulator(
-                model, held, size, precision=precision, memory_budget=self.budget,  # type: ignore[arg-type]
-                nonfinite="apply", **self.cut,
-            )  # fmt: skip
+            self.acc = Accumulator(model, held, precision=precision, nonfinite="apply", **self.settings)  # type: ignore[arg-type]  # an optimizer's stand-in  # fmt: skip
         return self.acc
 
-    def _loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
+    def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
         """The micro-batch's loss as the loss contract reads it (Note [trainer window])."""
-        t, count = self.trainer, self.count(micro_batch)  # rows of pairs: pairs
-        mb = trim(unpairs(micro_batch) if self.paired else micro_batch)
+        t, count = self.trainer, self.reader.count(micro_batch)
+        mb = trim(unpairs(micro_batch) if self.reader.paired else micro_batch)
         if loss_fn is not None:
             return loss_fn(model, mb)
         n = num_items if stock_compute_loss(type(t)) else None
@@ -199,67 +202,70 @@ class TrainerWindow:
             self.plain = not isinstance(out, Mapping)
         if not isinstance(out, torch.Tensor):
             return out
-        if n is None:
-            return out * count, count
-        return out * (n / self.ranks()), count  # compute_loss multiplied by the ranks DDP averages
+        # transformers' compute_loss multiplies a num_items loss by the ranks DDP averages over
+        ranks = t.accelerator.num_processes if t.args.average_tokens_across_devices else 1
+        return (out * count, count) if n is None else (out * (n / ranks), count)
 
     def window_count(self, batch: Any) -> torch.Tensor:
         """The window's count, every rank's where the Trainer averages tokens across them."""
-        n = torch.as_tensor(count_items(batch, self.shifts), device=self.trainer.args.device)
-        if self.ranks() > 1:
+        n = torch.as_tensor(self.reader.count(batch), device=self.trainer.args.device)
+        if self.trainer.accelerator.num_processes > 1:
             torch.distributed.all_reduce(n)
         return n
 
-    def ranks(self) -> int:
-        """The ranks transformers' ``compute_loss`` multiplies a ``num_items`` loss by."""
-        t = self.trainer
-        return t.accelerator.num_processes if t.args.average_tokens_across_devices else 1
 
-    def count(self, micro_batch: Any) -> Any:
-        """``count_items`` with this trainer's shift (the engine's ``count_fn``)."""
-        return count_items(micro_batch, self.shifts)
+class Reader:
+    """How a trainer's batches read: paired (TRL's DPO, reward), joined, counted."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.paired, self.pad_id = _named(type(trainer), PAIRED), pad_id(trainer)
+        self.shifts = shifts_labels(trainer.model)
+
+    def join(self, batches: list[Any]) -> Any:
+        """The batches as one, rows of pairs for a paired trainer."""
+        return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
+
+    def count(self, batch: Any) -> Any:
+        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's ``count_fn``)."""
+        return batch_size(batch) if self.paired else _audit.count_items(batch, self.shifts)
 
 
 @contextlib.contextmanager
 def one_step(trainer: Any) -> Iterator[None]:
     """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
-    that divides by them (``current_gradient_accumulation_steps``, ``args``) sees one batch."""
-    args, before = trainer.args, (trainer.args.gradient_accumulation_steps, trainer.current_gradient_accumulation_steps)  # fmt: skip
-    args.gradient_accumulation_steps = trainer.current_gradient_accumulation_steps = 1
+    that divides by them (``current_gradient_accumulation_steps``, ``args``; GRPO's
+    ``steps_per_generation``) sees one batch."""
+    args, names = trainer.args, ("gradient_accumulation_steps", "steps_per_generation")
+    held = [(args, n, getattr(args, n)) for n in names if hasattr(args, n)]
+    name = "current_gradient_accumulation_steps"
+    held.append((trainer, name, getattr(trainer, name)))
+    for owner, name, _ in held:
+        setattr(owner, name, 1)
     try:
         yield
     finally:
-        args.gradient_accumulation_steps, trainer.current_gradient_accumulation_steps = before
+        for owner, name, value in held:
+            setattr(owner, name, value)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-def paired(trainer_class: type) -> bool:
-    """Whether the trainer's batches hold pairs as halves (TRL's DPO and reward trainers)."""
-    return any(c.__name__ in PAIRED for c in trainer_class.__mro__)
+def _named(trainer_class: type, names: tuple[str, ...]) -> bool:
+    return any(c.__name__ in names for c in trainer_class.__mro__)
 
 
 def pairs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """A batch of ``2B`` rows (chosen, then rejected) as ``B`` rows of pairs ``[B, 2, ...]``."""
     n = batch_size(batch)
-    return {
-        k: torch.stack(v.chunk(2), 1)
-        if isinstance(v, torch.Tensor) and v.dim() and len(v) == n
-        else v
-        for k, v in batch.items()
-    }
+    rows = {k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == n}
+    return {k: torch.stack(v.chunk(2), 1) if k in rows else v for k, v in batch.items()}
 
 
 def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``pairs`` undone: rows of pairs back to chosen rows, then rejected rows."""
-    return {
-        k: torch.cat(v.unbind(1))
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == 2
-        else v
-        for k, v in batch.items()
-    }
+    return {k: torch.cat(v.unbind(1)) if _wide(v, 2) else v for k, v in batch.items()}
 
 
 def trim(batch: Any) -> Any:
@@ -270,12 +276,12 @@ def trim(batch: Any) -> Any:
         return batch
     used = mask.ne(0).any(0).nonzero()
     width, full = (int(used.max()) + 1 if len(used) else 1), mask.shape[1]
-    return {
-        k: v[:, :width]
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == full
-        else v
-        for k, v in batch.items()
-    }
+    return {k: v[:, :width] if _wide(v, full) else v for k, v in batch.items()}
+
+
+def _wide(value: Any, width: int) -> bool:
+    """Whether ``value`` is a tensor of ``width`` columns (a per-token or per-pair tensor)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width
 
 
 def stock_compute_loss(trainer_class: type) -> bool:
@@ -298,17 +304,12 @@ def shifts_labels(model: Any) -> bool:
 
 def pad_id(trainer: Any) -> int:
     """The tokenizer's pad id, else the model's, else 0."""
-    for owner in (
-        getattr(trainer, "processing_class", None),
-        getattr(trainer.model, "config", None),
-    ):
-        value = getattr(owner, "pad_token_id", None)
-        if isinstance(value, int):
-            return value
-    return 0
+    owners = (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None))
+    ids = (getattr(owner, "pad_token_id", None) for owner in owners)
+    return next((i for i in ids if isinstance(i, int)), 0)
 
 
-def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> Audit:
+def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """Check, inside training, that a trainer's accumulated step equals its one-batch step.
 
     Attaches to any ``transformers.Trainer`` (bigbatch's, TRL's, your subclass): at the optimizer
@@ -338,68 +339,66 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> Audit:
     """
     if not isinstance(trainer, _transformers().Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
-    log = Audit(check_steps(steps))
-    _Watch(trainer, log)
-    return log
+    return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
 
 class _Watch:
-    """``audit``'s hold on a trainer: its ``get_batch_samples`` and ``training_step``, wrapped on
-    the instance (the class is untouched)."""
+    """``audit``'s hold on a trainer: its ``get_batch_samples``, ``_prepare_inputs`` and
+    ``training_step``, wrapped on the instance (the class is untouched). The window's batches are
+    recorded as the trainer prepared them (GRPO generates there), not prepared again."""
 
-    def __init__(self, trainer: Any, log: Audit) -> None:
-        self.trainer, self.log, self.window = trainer, log, None
-        self.get, self.step = trainer.get_batch_samples, trainer.training_step
-        trainer.get_batch_samples, trainer.training_step = (
-            self.get_batch_samples,
-            self.training_step,
-        )
-        self.paired, self.shifts = paired(type(trainer)), shifts_labels(trainer.model)
+    def __init__(self, trainer: Any, log: _audit.Audit) -> None:
+        self.trainer, self.log, self.reader, self.size = trainer, log, Reader(trainer), 0
+        self.window: _audit.Window | None = None  # size: its batches
+        self.wrapped = trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step
+        trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
+            self.get_batch_samples, self.prepare_inputs, self.training_step
+        )  # fmt: skip
 
     def get_batch_samples(self, iterator: Any, num_batches: int, device: Any) -> Any:
-        batches, n = self.get(iterator, num_batches, device)
-        t, step = self.trainer, self.trainer.state.global_step + 1
-        if step in self.log.steps and batches:
-            k = t.args.gradient_accumulation_steps
-            self.window = start(step, list(batches), k, t.args.device)  # type: ignore[assignment]
+        batches, n = self.wrapped[0](iterator, num_batches, device)
+        t, self.size = self.trainer, len(batches)
+        step, k = t.state.global_step + 1, t.args.gradient_accumulation_steps
+        self.window = _audit.start(self.log, step, k, device)
         return batches, n
 
+    def prepare_inputs(self, inputs: Any) -> Any:
+        prepared = self.wrapped[1](inputs)
+        if self.window is not None:  # a copy: compute_loss may pop the labels
+            self.window.batches.append({**prepared} if isinstance(prepared, Mapping) else prepared)
+        return prepared
+
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        loss = self.step(model, inputs, num_items_in_batch)
+        loss = self.wrapped[2](model, inputs, num_items_in_batch)
         w = self.window
         if w is not None:
             w.returns.append(float(loss))
-            if len(w.returns) == len(w.batches):
+            if len(w.returns) == self.size:
                 self.window = None
-                self.log.results.append(self._compare(model, w))
+                mine = getattr(self.trainer, "bigbatch_window", None) is not None
+                weights = None if mine else functools.partial(self._weights, model, w.batches)
+                joined = functools.partial(self._loss, model, self.reader.join(w.batches))
+                _audit.check(self.log, w, model, joined, weights, False, one_step(self.trainer))
         return loss
-
-    def _compare(self, model: Any, w: Any) -> Any:
-        t, acc = self.trainer, gradients(model)
-        batches = [t._prepare_inputs(b) for b in w.batches]
-        joined = join([pairs(b) for b in batches] if self.paired else batches, pad_id(t))
-        with aside(model, w, t.args.device), one_step(t):
-            one = one_batch(model, lambda: self._loss(model, joined), average=False)
-            mine = getattr(t, "bigbatch_window", None) is not None
-            return judge(w, acc, one, None if mine else lambda: self._weights(model, batches))
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
         """The trainer's loss on ``batch`` as one batch (what it does with one accumulation
         step); bigbatch's reads it as its window does (Note [trainer window])."""
         t, window = self.trainer, getattr(self.trainer, "bigbatch_window", None)
-        if window is not None:
-            n = window.window_count(batch) if window.plain and window.loss_fn is None else None
-            out = window._loss(window.loss_fn, n, model, batch)
-        else:
-            batch = unpairs(batch) if self.paired else batch
-            n = t._get_num_items_in_batch([batch], t.args.device)
-            out = t.compute_loss(model, dict(batch), num_items_in_batch=n)
-        return mean_of(as_terms(out, batch_size(batch)))
+        plain = unpairs(batch) if self.reader.paired else batch
+        n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
+        if window is None:
+            out: torch.Tensor = t.compute_loss(model, dict(plain), num_items_in_batch=n)
+            return out
+        n = None if n is None else window.window_count(batch)
+        return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 
     def _weights(self, model: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
+        r = self.reader
+        held = [pairs(b) if r.paired else b for b in batches]
         with torch.no_grad():
-            own = [float(self._loss(model, pairs(b) if self.paired else b)) for b in batches]
-        return own, [float(count_items(b, self.shifts)) for b in batches]
+            own = [float(self._loss(model, b)) for b in held]
+        return own, [float(r.count(b)) for b in held]
 
 
 Trainer: type = exact(_transformers().Trainer)

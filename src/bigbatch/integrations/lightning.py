@@ -10,8 +10,9 @@ Note [lightning window]
     that many batches (fewer at the end of an epoch): a mean of micro-batch means, wrong when the
     micro-batches hold different numbers of tokens, and a short last window scaled by ``m / k``.
     ``Exact`` lets ``training_step`` return ``(loss_sum, count)`` (or a mean over its samples):
-    it hands Lightning ``loss_sum · s``, ``s`` fixed for the window (one over the first
-    micro-batch's count: the magnitude of a mean, for fp16), records the counts, and in
+    it hands Lightning ``loss_sum · s``, ``s`` fixed for the window and the same on every rank
+    (one over the first micro-batches' mean count: the magnitude of a mean, for fp16; one
+    all-reduce, since DDP averages what the ranks back-propagate), records the counts, and in
     ``on_before_optimizer_step`` (after fp16 unscaling, before clipping) multiplies the gradients
     by ``k · W / (s · C)``: ``C`` the window's count over every rank (one all-reduce), ``W`` the
     ranks DDP averages over. The gradient is then ``∇(Σ loss_sum) / C`` over the window, the
@@ -27,17 +28,7 @@ from typing import Any
 import torch
 
 from bigbatch.core.split import batch_size
-from bigbatch.integrations._audit import (
-    Audit,
-    aside,
-    check_steps,
-    count_items,
-    gradients,
-    join,
-    judge,
-    one_batch,
-    start,
-)
+from bigbatch.integrations import _audit
 
 __all__ = ["Exact", "audit"]
 
@@ -46,19 +37,14 @@ def _lightning() -> Any:
     try:
         import lightning.pytorch as pl
     except ModuleNotFoundError as exc:
-        raise ImportError(
-            'bigbatch.lightning needs Lightning: pip install "bigbatch[lightning]"'
-        ) from exc
+        raise ImportError('bigbatch.lightning needs Lightning: pip install "bigbatch[lightning]"') from exc  # fmt: skip
     return pl
 
 
-def _loss_of(out: Any) -> Any:
-    return out.get("loss") if isinstance(out, Mapping) else out
-
-
-def _sum_and_count(out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
-    """A ``training_step`` result as ``(loss_sum, count)``: a pair, or a mean over the samples."""
-    loss = _loss_of(out)
+def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch.Tensor, Any]:
+    """A ``training_step`` result as ``(loss_sum, count)``: a pair, or a mean over ``count(batch)``
+    items (its samples)."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
     if isinstance(loss, (tuple, list)) and len(loss) == 2:
         return loss[0], loss[1]
     if not isinstance(loss, torch.Tensor):
@@ -66,13 +52,19 @@ def _sum_and_count(out: Any, batch: Any) -> tuple[torch.Tensor, Any]:
             f"training_step returned {type(out).__name__}: with bigbatch.lightning return "
             "(loss_sum, count), {'loss': (loss_sum, count)} or a mean over the batch's samples."
         )
-    n = batch_size(batch)
+    n = count(batch)
     return loss * n, n
 
 
-def _mean(out: Any, batch: Any) -> torch.Tensor:
-    loss_sum, count = _sum_and_count(out, batch)
-    return loss_sum / count
+def _wrap_training_step(pl_module: Any, after: Any) -> None:
+    """``pl_module.training_step`` becomes ``after(its result, batch)``."""
+    step = pl_module.training_step
+
+    @functools.wraps(step)
+    def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        return after(step(batch, *args, **kwargs), batch)
+
+    pl_module.training_step = training_step
 
 
 class Exact(_lightning().Callback):  # type: ignore[misc]
@@ -88,10 +80,9 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
     """
 
     def __init__(self) -> None:
-        self.sums: list[torch.Tensor] = []
-        self.counts: list[Any] = []
+        self.seen: list[torch.Tensor] = []  # each micro-batch's (loss_sum, count), float64
         self.scale: Any = None
-        self.window_loss: torch.Tensor | None = None  # the last window's loss, Σ sum / C
+        self.window_loss: Any = None  # the last window's loss, Σ sum / C
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if not pl_module.automatic_optimization:
@@ -99,34 +90,30 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
                 "bigbatch.lightning.Exact needs automatic optimization; with manual "
                 "optimization accumulate with bigbatch.Accumulator in your training_step."
             )
-        step = pl_module.training_step
+        self.strategy = trainer.strategy
+        _wrap_training_step(pl_module, self._record)
 
-        @functools.wraps(step)
-        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            out = step(batch, *args, **kwargs)
-            loss_sum, count = _sum_and_count(out, batch)
-            if self.scale is None:  # the window's first micro-batch
-                self.scale = 1.0 / torch.as_tensor(count, dtype=torch.float64).clamp_min(1.0)
-            self.sums.append(loss_sum.detach().to(torch.float64))
-            self.counts.append(count)
-            rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
-            return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
-
-        pl_module.training_step = training_step
+    def _record(self, out: Any, batch: Any) -> dict[str, Any]:
+        loss_sum, count = _sum_and_count(out, batch)
+        n = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device)
+        if self.scale is None:  # the window's first micro-batch
+            self.scale = 1.0 / self.strategy.reduce(n, reduce_op="mean").clamp_min(1.0)
+        self.seen.append(torch.stack([loss_sum.detach().to(torch.float64), n]))
+        rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
+        return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        values = [torch.as_tensor(v, dtype=torch.float64) for v in (*self.sums, *self.counts)]
-        mine = torch.stack(values).reshape(2, -1).sum(1).to(pl_module.device)
+        mine = torch.stack(self.seen).sum(0).to(pl_module.device)
         loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
-        self.sums, self.counts, self.scale = [], [], None
+        self.seen, self.scale = [], None
 
 
-def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> Audit:
+def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """``bigbatch.hf.audit`` for a Lightning ``Trainer``: at the optimizer steps asked for,
     compare the accumulated gradient with the same ``training_step`` on the window as one batch.
 
@@ -140,37 +127,32 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> Audit:
     """
     if not isinstance(trainer, _lightning().Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
-    log = Audit(check_steps(steps))
-    trainer.callbacks.append(_Watch(log))
-    return log
+    trainer.callbacks.append(watch := _Watch(_audit.Audit(_audit.check_steps(steps))))
+    return watch.report
 
 
 class _Watch(_lightning().Callback):  # type: ignore[misc]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
-    def __init__(self, log: Audit) -> None:
-        self.report, self.window = log, None
+    def __init__(self, log: _audit.Audit) -> None:
+        self.report: _audit.Audit = log
+        self.window: _audit.Window | None = None
         self.exact: Exact | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
-        step = pl_module.training_step
+        _wrap_training_step(pl_module, self._record)
 
-        @functools.wraps(step)
-        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            out = step(batch, *args, **kwargs)
-            if self.window is not None and self.exact is None:  # what Lightning back-propagates
-                self.window.returns.append(
-                    float(_mean(out, batch)) / self.window.accumulation_steps
-                )
-            return out
-
-        pl_module.training_step = training_step
+    def _record(self, out: Any, batch: Any) -> Any:
+        if self.window is not None and self.exact is None:  # what Lightning back-propagates
+            loss_sum, count = _sum_and_count(out, batch)
+            self.window.returns.append(float(loss_sum / count) / self.window.accumulation_steps)
+        return out
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-        k, step = trainer.accumulate_grad_batches, trainer.global_step + 1
-        if idx % k == 0 and step in self.report.steps:
-            self.window = start(step, [], k, pl_module.device)  # type: ignore[assignment]
+        k = trainer.accumulate_grad_batches
+        if idx % k == 0:
+            self.window = _audit.start(self.report, trainer.global_step + 1, k, pl_module.device)
         if self.window is not None:
             self.window.batches.append(batch)
 
@@ -180,26 +162,21 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
             return
         if self.exact is not None:
             w.returns = [float(self.exact.window_loss)]
-        acc = gradients(pl_module)
-        with aside(pl_module, w, pl_module.device):
-            loss = functools.partial(self._loss, trainer, pl_module, join(w.batches))
-            one = one_batch(pl_module, loss, average=trainer.world_size > 1)
-            weights = self._weights if self.exact is None else None
-            self.report.results.append(
-                judge(w, acc, one, weights and functools.partial(weights, pl_module, w.batches))
-            )
+        weights = functools.partial(self._weights, pl_module, w.batches) if self.exact is None else None  # fmt: skip
+        loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
+        scope = trainer.precision_plugin.train_step_context()
+        _audit.check(self.report, w, pl_module, loss, weights, trainer.world_size > 1, scope)
 
-    def _loss(self, trainer: Any, pl_module: Any, batch: Any) -> torch.Tensor:
-        """The module's own ``training_step`` (not a callback's wrapper) as a mean."""
-        with trainer.precision_plugin.train_step_context():
-            return _mean(type(pl_module).training_step(pl_module, batch, 0), batch)
+    def _loss(self, pl_module: Any, batch: Any) -> torch.Tensor:
+        """The module's own ``training_step`` (not a callback's wrapper) on ``batch``: with
+        ``Exact`` over the window's count on every rank, else Lightning's mean."""
+        loss_sum, count = _sum_and_count(type(pl_module).training_step(pl_module, batch, 0), batch)
+        return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
     def _weights(self, pl_module: Any, batches: list[Any]) -> Any:
+        """Each micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        items = functools.partial(_audit.count_items, shifts=False)
         with torch.no_grad():
             outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
-        pairs = [_sum_and_count(o, b) for o, b in zip(outs, batches, strict=True)]
-        paired = all(isinstance(_loss_of(o), (tuple, list)) for o in outs)
-        counts = [
-            c if paired else count_items(b, False) for (_, c), b in zip(pairs, batches, strict=True)
-        ]
-        return [float(s / c) for s, c in pairs], [float(c) for c in counts]
+        pairs = [_sum_and_count(o, b, items) for o, b in zip(outs, batches, strict=True)]
+        return [float(s / c) for s, c in pairs], [float(c) for _, c in pairs]

@@ -1,0 +1,121 @@
+"""transformers' Trainer on 2 real gloo ranks (accelerate's MULTI_CPU, DDP over gloo), float64.
+
+Each rank reads the torchrun variables accelerate reads (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); the process group is the one ``run_ranks``
+already opened. 12 variable-length samples, 2 per micro-batch, 3 micro-batches per window on
+each of 2 ranks: every optimizer step is the whole data set, split unevenly in tokens between the
+ranks and their micro-batches, so the reference is two plain full-batch steps on the union.
+
+The bug (FunASR PR #3472, build-nanogpt PR #30): no micro-batch of the window runs outside
+``no_sync``, so the ranks never all-reduce, each steps with its own gradient and the replicas
+drift apart. ``audit`` flags it as "ranks did not synchronise"; the stock Trainer raises no false
+alarm, and flags a wrapper whose ``forward`` takes no loss kwargs (a mean of micro-batch means on
+each rank); ``bigbatch.hf.Trainer`` (the model's own loss, and a wrapper whose ``forward`` takes no
+loss kwargs) equals one process on the union.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+from ranks import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, sgd, texts  # noqa: E402
+from integrations.test_hf import model_loss, plain  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real gloo ranks, transformers imported in each
+
+
+def _never_syncs(base: type) -> type:
+    class NeverSyncs(base):  # type: ignore[misc, valid-type]
+        """Every micro-batch inside ``no_sync``, the last one too: the all-reduce never runs."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            with self.accelerator.no_sync(model):
+                return super().training_step(model, inputs, num_items_in_batch)
+
+    return NeverSyncs
+
+
+def _rank(rank: int, world: int, tmp: str) -> dict:
+    import transformers
+
+    import bigbatch.hf
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    warnings.simplefilter("ignore")
+    runs = {
+        "stock": (transformers.Trainer, gpt2),
+        "never syncs": (_never_syncs(transformers.Trainer), gpt2),
+        "stock wrapper": (transformers.Trainer, lambda: Wrapper(gpt2())),
+        "bigbatch": (bigbatch.hf.Trainer, gpt2),
+        "bigbatch wrapper": (bigbatch.hf.Trainer, lambda: Wrapper(gpt2())),
+    }
+    out = {}
+    for name, (cls, make) in runs.items():
+        model = make()
+        trainer = cls(
+            model=model, args=arguments(f"{tmp}/{name}", 2, 3, ddp_backend="gloo"),
+            train_dataset=texts(12), data_collator=collate, optimizers=sgd(model),
+        )  # fmt: skip
+        assert trainer.accelerator.num_processes == world  # really distributed
+        report = bigbatch.hf.audit(trainer, steps=(1, 2))
+        trainer.train()
+        out[name] = (model.state_dict(), report.results)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(_rank, str(tmp_path_factory.mktemp("hf")), timeout_s=400)
+
+
+def _model(make, state):
+    model = make()
+    model.load_state_dict(state)
+    return model
+
+
+def test_no_sync_on_every_micro_batch_is_flagged_and_the_ranks_drift(ranks):
+    states = [r["never syncs"][0] for r in ranks]
+    a, b = (_model(gpt2, s) for s in states)
+    assert distance(a, b, gpt2()) > 1e-2  # each rank stepped alone
+    for rank in ranks:
+        for result in rank["never syncs"][1]:
+            assert not result.exact and result.diagnosis == "ranks did not synchronise", result
+
+
+def test_the_stock_trainer_on_ranks_is_no_false_alarm(ranks):
+    for rank in ranks:
+        assert [r.exact for r in rank["stock"][1]] == [True, True]
+
+
+def test_a_mean_of_micro_batch_means_on_ranks_is_flagged(ranks):
+    """A wrapper whose forward takes no loss kwargs: each rank averages its micro-batch means."""
+    for rank in ranks:
+        for result in rank["stock wrapper"][1]:
+            assert not result.exact, result
+            assert result.diagnosis == "per-micro-batch mean on padded data", result
+
+
+@pytest.mark.parametrize(
+    "name, make", [("bigbatch", gpt2), ("bigbatch wrapper", lambda: Wrapper(gpt2()))]
+)
+def test_bigbatch_on_ranks_equals_one_process_on_the_union(ranks, name, make):
+    base = make()
+    reference = plain(copy.deepcopy(base), model_loss if name == "bigbatch" else _wrapped, sgd)
+    for rank in ranks:
+        state, results = rank[name]
+        assert [r.exact for r in results] == [True, True], results
+        assert distance(_model(make, state), reference, base) < 1e-10
+
+
+def _wrapped(m, b):
+    return m(**b)["loss"]

@@ -1,0 +1,162 @@
+"""TRL's SFT, DPO, reward and GRPO trainers under gradient accumulation, stock and through
+``bigbatch.hf.exact``, against the same trainer's one-batch run.
+
+Tiny random models built from configs, a word-level tokenizer built here, in-memory data sets of
+very different lengths: nothing is downloaded. The models are float64, but TRL's fused LM head
+(SFT, DPO, GRPO) computes its log-probabilities in float32 and Llama's RMSNorm in float32, so those
+runs agree to float32's rounding (``FLOAT32``); the reward model (GPT-2 with a scalar head) is
+float64 end to end and agrees to 1e-10.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import transformers  # noqa: E402
+from integrations.hf_models import VOCAB, distance, llama  # noqa: E402
+
+import bigbatch.hf  # noqa: E402
+
+FLOAT32 = 1e-5  # float32 islands (TRL's fused LM head, Llama's RMSNorm) in a float64 model
+WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+
+
+def tokenizer():
+    """A word-level tokenizer over ``WORDS`` (ids 3...), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def sentences(n: int, seed: int, low: int = 2, high: int = 14) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g)) for k in lengths]  # fmt: skip
+
+
+def config(cls, tmp, batch: int, steps: int, **kwargs):
+    """A TRL config for a deterministic CPU run: float64 (no bf16), SGD, constant LR, no clipping."""
+    return cls(
+        output_dir=str(tmp), per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
+        learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[],
+        save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, max_steps=2,
+        dataloader_num_workers=0, disable_tqdm=True, bf16=False, optim="sgd", **kwargs,
+    )  # fmt: skip
+
+
+def reward_model():
+    torch.manual_seed(0)
+    settings = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, num_labels=1,
+    )  # fmt: skip
+    return transformers.GPT2ForSequenceClassification(settings).to(torch.float64)
+
+
+def train(cls, base, batch, steps, tmp, data, **kwargs):
+    """Train a copy of ``base`` with ``cls``, auditing its first step; the model and the result."""
+    model = copy.deepcopy(base)
+    arguments = config(CONFIGS[cls.__name__], tmp, batch, steps, **kwargs.pop("args", {}))
+    trainer = cls(
+        model=model, args=arguments, train_dataset=data, processing_class=tokenizer(), **kwargs
+    )
+    report = bigbatch.hf.audit(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return model, report.results[0]
+
+
+CONFIGS = {
+    "SFTTrainer": trl.SFTConfig,
+    "DPOTrainer": trl.DPOConfig,
+    "RewardTrainer": trl.RewardConfig,
+    "GRPOTrainer": trl.GRPOConfig,
+}
+
+
+def test_sft_per_token(tmp_path):
+    """12 texts of 2 to 13 words, 5 + 5 + 2 per window: SFT's loss is a token mean over the
+    window's count (``num_items_in_batch``), so the stock trainer is right too (no false alarm)."""
+    data, base = datasets.Dataset.from_dict({"text": sentences(12, 1)}), llama()
+    one, _ = train(trl.SFTTrainer, base, 12, 1, tmp_path, data)
+    stock, stock_audit = train(trl.SFTTrainer, base, 5, 3, tmp_path, data)
+    ours, our_audit = train(bigbatch.hf.exact(trl.SFTTrainer), base, 5, 3, tmp_path, data)
+    assert stock_audit.exact and our_audit.exact
+    assert our_audit.loss_ratio == pytest.approx(1, abs=FLOAT32)
+    assert distance(stock, one, base) < FLOAT32 and distance(ours, one, base) < FLOAT32
+
+
+@pytest.mark.slow
+def test_dpo_per_pair(tmp_path):
+    """10 pairs, 4 + 4 + 2 per window: stock DPO averages the micro-batches' pair means (each of
+    the last 2 pairs weighs twice as much); ``exact`` weighs every pair 1/10."""
+    data = datasets.Dataset.from_dict(
+        {"prompt": sentences(10, 1, 1, 6), "chosen": sentences(10, 2), "rejected": sentences(10, 3)}
+    )
+    base = llama()
+    runs = {}
+    for name, cls, batch, steps in [
+        ("one", trl.DPOTrainer, 10, 1),
+        ("stock", trl.DPOTrainer, 4, 3),
+        ("exact", bigbatch.hf.exact(trl.DPOTrainer), 4, 3),
+    ]:
+        runs[name] = train(cls, base, batch, steps, tmp_path, data, ref_model=copy.deepcopy(base))
+    (one, _), (stock, found), (ours, mine) = runs["one"], runs["stock"], runs["exact"]
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+    assert mine.exact and mine.loss_ratio == pytest.approx(1, abs=FLOAT32), mine
+    assert distance(ours, one, base) < FLOAT32 < 0.05 < distance(stock, one, base)
+
+
+def test_reward_per_pair_float64(tmp_path):
+    """The reward trainer's loss, ``-log σ(r_chosen − r_rejected)`` per pair, in float64."""
+    data = datasets.Dataset.from_dict({"chosen": sentences(10, 2), "rejected": sentences(10, 3)})
+    base = reward_model()
+    one, _ = train(trl.RewardTrainer, base, 10, 1, tmp_path, data)
+    stock, found = train(trl.RewardTrainer, base, 4, 3, tmp_path, data)
+    ours, mine = train(bigbatch.hf.exact(trl.RewardTrainer), base, 4, 3, tmp_path, data)
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+    assert mine.exact
+    assert distance(ours, one, base) < 1e-10 < 0.05 < distance(stock, one, base)
+
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_grpo_is_audited(tmp_path, loss_type):
+    """Stock GRPO (8 prompts x 4 completions of up to 6 tokens, 4 sequences per micro-batch, 2
+    micro-batches) is exact under accumulation for the per-sequence, constant-length and
+    window-token units (Note [generating trainers]); bnpo's token mean per micro-batch is not."""
+    data = datasets.Dataset.from_dict({"prompt": sentences(8, 1, 1, 6)})
+    settings = dict(num_generations=4, max_completion_length=6, loss_type=loss_type, beta=0.0)
+    _, found = train(
+        trl.GRPOTrainer, llama(), 4, 2, tmp_path, data, reward_funcs=length, args=settings
+    )
+    if loss_type == "bnpo":
+        assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+    else:
+        assert found.exact, found  # (its loss is near 0: advantages are centred per prompt)
+
+
+def test_exact_refuses_generating_trainers():
+    for cls in (
+        getattr(trl, name) for name in ("GRPOTrainer", "RLOOTrainer") if hasattr(trl, name)
+    ):
+        with pytest.raises(TypeError, match=f"exact\\(\\) does not take {cls.__name__}.*audit"):
+            bigbatch.hf.exact(cls)
