@@ -3,7 +3,7 @@
 A policy of ``bigbatch.core.batchnorm`` installs a ``BatchNormHook`` on each BatchNorm layer: a record
 that holds its own hook handles, so it can be found (``hooks_of``) and removed (``remove``), and
 sets nothing else on the user's layer. The engine tells the hooks how many samples the window
-holds (``window``), and warns once about BatchNorm layers that no policy handles.
+holds (``momentum_window``), and warns once about BatchNorm layers that no policy handles.
 
 Note [momentum correction]
     A window of ``n`` samples cut into micro-batches of ``s_1..s_k`` samples runs k BatchNorm
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -115,9 +115,10 @@ def warn_batch_coupled(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def window(model: nn.Module, samples: int) -> Iterator[None]:
-    """Tell momentum-corrected BatchNorm hooks that the next forwards form a window of ``samples``."""
-    hooks = [h for _, m in batchnorm_layers(model) for h in hooks_of(m) if h.correct]
+def momentum_window(layers: Sequence[nn.Module], samples: int) -> Iterator[None]:
+    """Tell the momentum-corrected hooks of the BatchNorm ``layers`` that the next forwards form a
+    window of ``samples`` (Note [momentum correction])."""
+    hooks = [h for m in layers for h in hooks_of(m) if h.correct]
     for hook in hooks:
         hook.window_samples = samples
     try:

@@ -12,7 +12,6 @@ Note [fp16 and accumulation]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,21 +26,18 @@ class Precision:
 
     name: str
     device_type: str
-    scaler: Any = field(default=None)  # torch.amp.GradScaler for fp16, else None
+    scaler: Any = None  # torch.amp.GradScaler for fp16, else None
+    autocast_dtype: torch.dtype | None = field(init=False)  # None: no autocast (fp32)
 
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.name]
+    def __post_init__(self) -> None:
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        self.autocast_dtype = dtypes[self.name]
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Run the forward pass in this precision (no-op for fp32)."""
-        dtype = self.autocast_dtype
-        if dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device_type, dtype=dtype):
-            yield
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for fp16), outside autocast as PyTorch recommends."""
@@ -97,16 +93,18 @@ class Precision:
 
 
 def make_precision(precision: object, device: torch.device) -> Precision:
-    """Build the ``Precision`` for ``precision`` ("fp32" | "bf16" | "fp16") on ``device``.
+    """Build the ``Precision`` for ``precision`` ("fp32" | "bf16" | "fp16") on ``device``; an
+    object with ``Precision``'s methods is an integration's own (Keras' loss scaling) and is used
+    as it is.
 
     Raises:
         ValueError: an unknown precision name.
     """
+    if all(hasattr(precision, a) for a in ("autocast", "backward", "step", "unscale_")):
+        return precision  # type: ignore[return-value]  # duck-typed: Precision's methods
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(
             f"precision={precision!r} is not allowed: use one of {', '.join(map(repr, PRECISIONS))}."
         )
-    scaler = None
-    if precision == "fp16":
-        scaler = torch.amp.GradScaler(device.type)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     return Precision(precision, device.type, scaler)

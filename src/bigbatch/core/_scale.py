@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.core._stepping import scale_grads_, stack_values
+from bigbatch.core._stepping import scale_grads_
 from bigbatch.core._sync import GradSync
 from bigbatch.core._window import Window, clamp_count, total_counts
 
@@ -108,3 +108,12 @@ def _reciprocal(count: Any) -> Any:
         count = count.to(torch.float64)
         return torch.where(count > 0, 1.0 / count.clamp_min(1e-300), torch.ones_like(count))
     return 1.0 / count if count > 0 else 1.0
+
+
+def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:
+    """Numbers and 0-dim tensors as one float64 vector (on ``device``, else the tensors' own)."""
+    if device is None:
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    return torch.stack(
+        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+    )

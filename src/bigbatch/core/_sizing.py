@@ -1,14 +1,14 @@
 """How a window is cut: a micro-batch sizing policy, chosen once when the ``Accumulator`` is built.
 
-Two policies behind one small interface (``size_for`` / ``after_oom`` / ``after_success`` and
-``state_dict``), so the engine never branches on ``"auto"``:
+One ``Sizing`` object behind a small interface (``size_for`` / ``after_oom`` / ``after_success``
+and ``state_dict``), so the engine never branches on ``"auto"``:
 
-* ``FixedSize(8)``: every window is cut at 8 samples; an out-of-memory error is raised to the
+* ``Sizing(8)``: every window is cut at 8 samples; an out-of-memory error is raised to the
   caller (``retries`` is ``False``) after the window is discarded.
-* ``AutoSize()``: Note [auto micro-batch] in ``bigbatch.core._auto``: the first window runs whole,
-  an out-of-memory error shrinks the size and the same window is redone, later windows probe
-  back up. Its decisions are the pure functions of ``bigbatch.core._auto``; this object only
-  holds their ``AutoState``.
+* ``Sizing("auto")``: Note [auto micro-batch] in ``bigbatch.core._auto``: the first window runs
+  whole, an out-of-memory error shrinks the size and the same window is redone, later windows
+  probe back up. Its decisions are the pure functions of ``bigbatch.core._auto``; this object
+  only holds their ``AutoState`` (a fixed size is an ``AutoState`` that never moves).
 
 ``WindowMeter`` measures one attempt of a window: it enforces ``memory_budget`` after every
 micro-batch (``MemoryBudgetExceeded``, which auto mode treats like an out-of-memory error) and
@@ -19,7 +19,7 @@ succeeded, not of the one that ran out of memory.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -30,119 +30,70 @@ from bigbatch.core.peak import PeakMemory, PeakProbe, fix_mmap_threshold
 from bigbatch.core.split import check_micro_batch_size
 
 
-class Sizing(Protocol):
-    """A micro-batch sizing policy (see the module docstring)."""
+class Sizing:
+    """The micro-batch sizing policy: a fixed size, or ``"auto"`` (see the module docstring).
 
-    retries: bool  # redo a window that ran out of memory at a smaller size
-
-    def size_for(self, n_samples: int, floor: int = 1) -> int:
-        """Samples per micro-batch for a window of ``n_samples``."""
-        ...
-
-    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
-        """The window ran out of memory at ``failed_size`` (only called when ``retries``);
-        ``measured``: over the memory budget, not an allocator failure."""
-        ...
-
-    def after_success(self, used_size: int) -> None:
-        """A window completed at ``used_size``."""
-        ...
-
-    @property
-    def adopted(self) -> int | None:
-        """The size the next full window is cut at; ``None`` while unknown (auto, first window)."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """What must be saved to take the same decisions after a restart."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict``'s result."""
-        ...
-
-
-class FixedSize:
-    """Every window cut at ``size`` samples (the last micro-batch may be smaller)."""
-
-    retries = False
-
-    def __init__(self, size: int, name: str = "micro_batch_size") -> None:
-        self.size, self.name = check_micro_batch_size(size, name), name
-
-    def size_for(self, n_samples: int, floor: int = 1) -> int:
-        return min(self.size, n_samples)
-
-    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
-        raise AssertionError("a fixed micro-batch size never retries")  # pragma: no cover
-
-    def after_success(self, used_size: int) -> None:
-        pass
-
-    @property
-    def adopted(self) -> int:
-        return self.size
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"policy": "fixed", "size": self.size}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_policy(state, "fixed")
-        if state["size"] != self.size:
-            raise ValueError(
-                f"the state holds {self.name}={state['size']}, this Accumulator uses "
-                f"{self.size}: build it with {self.name}={state['size']} to load it."
-            )
-
-
-class AutoSize:
-    """The largest micro-batch that fits, found and kept up to date (Note [auto micro-batch])."""
-
-    retries = True
-
-    def __init__(self, name: str = "micro_batch_size") -> None:
-        self.state, self.name = auto.AutoState(), name
-
-    def size_for(self, n_samples: int, floor: int = 1) -> int:
-        return auto.size_for(self.state, n_samples, floor)
-
-    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
-        self.state = auto.after_oom(self.state, failed_size, measured, floor, self.name)
-
-    def after_success(self, used_size: int) -> None:
-        self.state = auto.after_success(self.state, used_size)
-
-    @property
-    def adopted(self) -> int | None:
-        return self.state.size
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"policy": "auto", **dataclasses.asdict(self.state)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_policy(state, "auto")
-        self.state = auto.AutoState(**{k: v for k, v in state.items() if k != "policy"})
-
-
-def make_sizing(micro_batch_size: object, name: str = "micro_batch_size") -> FixedSize | AutoSize:
-    """``AutoSize()`` for ``"auto"``, else ``FixedSize(micro_batch_size)``.
+    Args:
+        size: a positive integer, or ``"auto"``.
+        name: the setting's name, for messages (``micro_batch_size`` / ``micro_batch_tokens``).
 
     Raises:
         TypeError, ValueError: neither a positive integer nor ``"auto"`` (the message says so).
     """
-    if micro_batch_size == "auto":
-        return AutoSize(name)
-    return FixedSize(micro_batch_size, name)  # type: ignore[arg-type]  # checked by FixedSize
+
+    def __init__(self, size: object, name: str = "micro_batch_size") -> None:
+        self.name, self.retries = name, size == "auto"  # retries: redo a window that ran out
+        fixed = None if self.retries else check_micro_batch_size(size, name)
+        self.state = auto.AutoState(size=fixed)
+
+    def size_for(self, n_samples: int, floor: int = 1) -> int:
+        """Samples (or tokens) per micro-batch for a window of ``n_samples``; a fixed size
+        ignores ``floor`` (a sample longer than a token budget gets a micro-batch of its own)."""
+        return auto.size_for(self.state, n_samples, floor if self.retries else 1)
+
+    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
+        """The window ran out of memory at ``failed_size`` (only called when ``retries``);
+        ``measured``: over the memory budget, not an allocator failure."""
+        self.state = auto.after_oom(self.state, failed_size, measured, floor, self.name)
+
+    def after_success(self, used_size: int) -> None:
+        """A window completed at ``used_size``."""
+        if self.retries:
+            self.state = auto.after_success(self.state, used_size)
+
+    @property
+    def adopted(self) -> int | None:
+        """The size the next full window is cut at; ``None`` while unknown (auto, first window)."""
+        return self.state.size
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must be saved to take the same decisions after a restart."""
+        if self.retries:
+            return {"policy": "auto", **dataclasses.asdict(self.state)}
+        return {"policy": "fixed", "size": self.state.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s result.
+
+        Raises:
+            ValueError: saved with the other policy, or with another fixed size.
+        """
+        found, policy = state.get("policy"), "auto" if self.retries else "fixed"
+        if found != policy:
+            size = '"auto"' if found == "auto" else state.get("size")
+            raise ValueError(
+                f"the state was saved with a {found} micro-batch size, this Accumulator uses a "
+                f"{policy} one: build it with micro_batch_size={size} to load it."
+            )
+        if not self.retries and state["size"] != self.state.size:
+            raise ValueError(
+                f"the state holds {self.name}={state['size']}, this Accumulator uses "
+                f"{self.state.size}: build it with {self.name}={state['size']} to load it."
+            )
+        self.state = auto.AutoState(**{k: v for k, v in state.items() if k != "policy"})
 
 
-def _check_policy(state: dict[str, Any], expected: str) -> None:
-    found = state.get("policy")
-    if found != expected:
-        size = '"auto"' if found == "auto" else state.get("size")
-        raise ValueError(
-            f"the state was saved with a {found} micro-batch size, this Accumulator uses a "
-            f"{expected} one: build it with micro_batch_size={size} to load it."
-        )
+make_sizing = Sizing  # the name bigbatch.keras checks a micro_batch_size with
 
 
 class WindowMeter:
@@ -168,11 +119,8 @@ class WindowMeter:
         always: bool = False,
         gradient_bytes: int = 0,
     ) -> None:
-        self.budget = budget
-        self.auto = always
-        self.gradient_bytes = gradient_bytes
-        self.active = budget is not None or always
-        self._probe = PeakProbe(device) if self.active else None
+        self.budget, self.auto, self.gradient_bytes = budget, always, gradient_bytes
+        self._probe = PeakProbe(device) if budget is not None or always else None
         self._record: PeakMemory | None = None
         if budget is not None and device.type == "cpu":
             fix_mmap_threshold()  # Note [honest CPU peaks]: a failed attempt's pages leave

@@ -76,7 +76,7 @@ NONFINITE_FIX = (
 )
 
 
-def check_empty_window(micro_batches: int, model: torch.nn.Module) -> None:
+def check_empty_window(micro_batches: int, optimizer: Any) -> None:
     """Refuse a ``train_step`` while a low-level window is open or ``.grad`` holds gradients.
 
     Raises:
@@ -87,7 +87,7 @@ def check_empty_window(micro_batches: int, model: torch.nn.Module) -> None:
             f"train_step() called while {micro_batches} micro-batch(es) from backward() await a "
             "step(): call acc.step() first, or use only one of the two paths."
         )
-    if any(p.grad is not None for p in model.parameters()):
+    if any(p.grad is not None for p in params_of(optimizer)):
         raise RuntimeError(
             "train_step() found gradients already in the parameters' .grad; they would be "
             "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
@@ -256,24 +256,24 @@ def scale_grads_(params: list[torch.Tensor], factor: float | torch.Tensor) -> No
 
 def clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """The gradients' total 2-norm, clipping them to ``max_norm`` first when it is given."""
-    if not params:
-        return torch.zeros(())
-    if any(p.grad is not None and p.grad.is_sparse for p in params):
-        return _sparse_clip_or_norm_(params, max_norm)
-    if max_norm is not None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    norms = torch._foreach_norm([p.grad for p in params])  # type: ignore[misc]  # grads are set
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-
-
-def _sparse_clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    # clip_grad_norm_'s foreach path does not take sparse tensors; same arithmetic, one by one.
     grads = [p.grad for p in params if p.grad is not None]
-    norms = [g.coalesce().values().norm() if g.is_sparse else g.norm() for g in grads]
+    if not grads:
+        return torch.zeros(())
+    if not any(g.is_sparse for g in grads):
+        if max_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norms: Sequence[torch.Tensor] = torch._foreach_norm(grads)
+    else:  # clip_grad_norm_'s foreach path does not take sparse tensors: its arithmetic, by hand
+        norms = [g.coalesce().values().norm() if g.is_sparse else g.norm() for g in grads]
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm is not None:
         scale_grads_(params, (max_norm / (total + 1e-6)).clamp(max=1.0))
     return total
+
+
+def params_of(optimizer: Any) -> list[torch.Tensor]:
+    """Every parameter ``optimizer`` holds, in its order (no walk over the model's modules)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _steppable_without_arguments(scheduler: Any) -> bool:
@@ -313,36 +313,21 @@ class Stepper:
         self.max_grad_norm, self.nonfinite = max_grad_norm, nonfinite
         self.precision, self.sync, self.device = precision, sync, device
 
-    def apply(self, w: Any) -> StepResult:
-        """Step on the window ``w`` (a ``bigbatch.core._window.Window``); Note [backward scale]."""
-        totals = self.totals(w)  # the one host sync per step
-        counts = {k: totals[1][k] for k in w.sums}
-        check_window_totals(sum(counts.values()), totals[2])
+    def apply(self, w: Any, **fields: Any) -> StepResult:
+        """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
+        ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
+        sums, counts, bad = self.totals(w)  # the one host sync per step
+        check_window_totals(sum(counts.values()), bad)
         check_expected(w.expected, counts)
-        terms = {k: totals[0][k] / c if c else 0.0 for k, c in counts.items()}
+        terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
-        first = next(iter(counts))
+        count = next(iter(counts.values()))
         fp16 = self.precision.scaler is not None  # non-finite windows are the scaler's to skip
         if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
-            raise NonFiniteError(
-                f"the window's loss is {loss} (count {counts[first]:g}); " + NONFINITE_FIX
-            )
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        scale = float(w.scales[first])  # type: ignore[index]  # set by the first backward
-        if w.expected is not None and len(counts) > 1:  # every s_k is exactly 1 / C_k
-            factor = float(self.sync.world_size)
-        else:  # one term: whatever s was, W / (C s) makes it exact
-            factor = self.sync.world_size / (counts[first] * scale) if counts[first] else 1.0
-        if w.deferred:  # Note [several forwards]: each rank's own factor, then the average
-            scale_grads_(params, factor)
-            self.sync.reduce_grads(params)
-        self.precision.unscale_(self.optimizer)
-        with_grad = [p for p in params if p.grad is not None]
-        if not w.deferred and abs(factor - 1.0) > 4e-16:
-            scale_grads_(with_grad, factor)
-        grad_norm = float(clip_or_norm_(with_grad, self.max_grad_norm))
+            raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
+        grad_norm = self.normalise(w, counts)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        skipped = self.decide(nonfinite, grad_norm, counts[first])
+        skipped = self.skips(nonfinite, grad_norm, count)
         if skipped:
             self.precision.discard()
         else:
@@ -351,11 +336,28 @@ class Stepper:
             step_scheduler(self.scheduler, loss)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            loss, counts[first], w.micro_batches, None, grad_norm, skipped, nonfinite=nonfinite,
-            samples=w.samples, terms=terms,
+            loss, count, w.micro_batches, fields.pop("micro_batch_size", None), grad_norm,
+            skipped, nonfinite=nonfinite, samples=w.samples, terms=terms, **fields,
         )  # fmt: skip
 
-    def decide(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
+    def normalise(self, w: Any, counts: dict[str, float]) -> float:
+        """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
+        window's (Note [several forwards]), unscale and clip them; return their norm."""
+        params, (first, count) = params_of(self.optimizer), next(iter(counts.items()))
+        if w.expected is not None and len(counts) > 1:  # every s_k is exactly 1 / C_k
+            factor = float(self.sync.world_size)
+        else:  # one term: whatever s was, W / (C s) makes it exact
+            factor = self.sync.world_size / (count * float(w.scales[first])) if count else 1.0
+        if w.deferred:  # each rank's own factor, then the average
+            scale_grads_(params, factor)
+            self.sync.reduce_grads(params)
+        self.precision.unscale_(self.optimizer)
+        with_grad = [p for p in params if p.grad is not None]
+        if not w.deferred and abs(factor - 1.0) > 4e-16:
+            scale_grads_(with_grad, factor)
+        return float(clip_or_norm_(with_grad, self.max_grad_norm))
+
+    def skips(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
         """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
         if not nonfinite or self.nonfinite == "apply" or self.precision.scaler is not None:
             return False  # fp16: the scaler skips it and lowers the scale, as a full batch would
@@ -367,10 +369,11 @@ class Stepper:
 
     def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
         """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
-        names = list(w.sums)
-        totals = self.sync.all_reduce_sum(stack_values(w.local_totals(), self.device)).tolist()
-        k = len(names)
-        sums, counts = totals[0 : 2 * k : 2], totals[1 : 2 * k : 2]  # [sum, count] per term
+        totals = w.totals()
+        if self.sync.world_size > 1:
+            totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
+        names = list(w.factors)
+        sums, counts = totals[0:-1:2], totals[1:-1:2]  # [sum, count] per term, then bad
         return (
             dict(zip(names, sums, strict=True)),
             dict(zip(names, counts, strict=True)),
@@ -390,12 +393,3 @@ def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) ->
                 f"counts adding up to {count:g}: count_fn must return, for each micro-batch, the "
                 "counts loss_fn will return for it. The window was discarded; nothing changed."
             )
-
-
-def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:
-    """Numbers and 0-dim tensors as one float64 vector (on ``device``, else the tensors' own)."""
-    if device is None:
-        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-    return torch.stack(
-        [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
-    )

@@ -3,7 +3,7 @@
 The only ``torch.distributed`` calls the engine makes live here. One small object is chosen
 once per model by ``make_sync`` (the single place that looks at the model's wrapper type):
 
-* ``LocalSync``: a plain module; nothing to synchronise.
+* ``GradSync``: a plain module; nothing to synchronise (and the interface of the others).
 * ``DDPSync``: ``DistributedDataParallel``; every micro-batch but the window's last runs
   forward *and* backward under ``no_sync()`` so gradients are all-reduced once per step.
 * ``FSDPSync``: ``fully_shard`` (FSDP2, ``set_requires_gradient_sync``) or the older
@@ -74,31 +74,32 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-class GradSync(Protocol):
-    """How gradients are synchronised across ranks, chosen once per model by ``make_sync``."""
+class GradSync:
+    """How gradients are synchronised across ranks, chosen once per model by ``make_sync``: the
+    interface, and the plain module's control (one process, nothing to synchronise)."""
 
-    world_size: int
-    defers_sync: bool  # train_step never syncs in a backward: step() calls reduce_grads
-    can_defer: bool  # reduce_grads is possible (Note [several forwards])
-    equal_micro_batches: bool  # every rank must run as many forwards (Note [micro-batches ...])
+    world_size = 1
+    defers_sync = False  # train_step never syncs in a backward: step() calls reduce_grads
+    can_defer = False  # reduce_grads is possible (Note [several forwards])
+    equal_micro_batches = False  # every rank must run as many forwards (Note [micro-batches ...])
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
-        ...
+        return contextlib.nullcontext()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum ``values`` over ranks (identity on one process)."""
-        ...
+        return values
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
         """Maximum of ``values`` over ranks (identity on one process)."""
-        ...
+        return values
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         """The smallest micro-batch size that ran out of memory on any rank, or ``None``, and
@@ -107,49 +108,21 @@ class GradSync(Protocol):
         ``failed_size`` is this rank's (``None`` when its window completed). A collective in
         distributed auto mode (Note [auto micro-batch across ranks]); else the arguments.
         """
-        ...
-
-    def reduce_grads(self, params: list[torch.Tensor]) -> None:
-        """All-reduce and average the gradients of ``params`` now (a deferred window's sync)."""
-        ...
-
-
-class LocalSync:
-    """A model on one process: no synchronisation."""
-
-    world_size = 1
-    defers_sync = False
-    can_defer = False
-    equal_micro_batches = False
-
-    @contextlib.contextmanager
-    def micro_batch(self, last: bool) -> Iterator[None]:
-        yield
-
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        return values
-
-    def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         return failed_size, measured
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
-        pass
+        """All-reduce and average the gradients of ``params`` now (a deferred window's sync)."""
 
 
-class _RankSync:
-    """Shared by the distributed variants: the rank group and the sum all-reduce."""
+class _RankSync(GradSync):
+    """Shared by the distributed variants: the rank group, the all-reduces, the agreement."""
 
-    can_defer = False
     equal_micro_batches = True  # FSDP all-gathers in every forward
 
-    def __init__(self, group: object | None = None, auto: bool = False) -> None:
-        self.group = group
+    def __init__(self, model: torch.nn.Module, group: object | None, auto: bool) -> None:
+        self.model, self.group = model, group
         self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]  # None: the world
-        self.auto = auto and self.world_size > 1  # Note [auto micro-batch across ranks]
-        self.defers_sync = self.auto
+        self.auto = self.defers_sync = auto and self.world_size > 1  # Note [... across ranks]
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(values, dist.ReduceOp.SUM)
@@ -158,7 +131,8 @@ class _RankSync:
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def _all_reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
-        values = values.to(self._device(), torch.float64, copy=True)
+        device = next(self.model.parameters()).device
+        values = values.to(device, torch.float64, copy=True)
         dist.all_reduce(values, op=op, group=self.group)  # type: ignore[arg-type]
         return values
 
@@ -170,12 +144,6 @@ class _RankSync:
         local = torch.tensor([-(failed_size or inf), allocator_failed], dtype=torch.float64)
         neg_failed, any_allocator = self.all_reduce_max(local).tolist()
         return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
-
-    def reduce_grads(self, params: list[torch.Tensor]) -> None:
-        raise NotImplementedError  # pragma: no cover - only DDP defers
-
-    def _device(self) -> torch.device:
-        return torch.device("cpu")
 
 
 class DDPSync(_RankSync):
@@ -190,12 +158,11 @@ class DDPSync(_RankSync):
     can_defer = True
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
-        super().__init__(getattr(model, "process_group", None), auto)
-        self.model = model
+        super().__init__(model, getattr(model, "process_group", None), auto)
         self.equal_micro_batches = bool(
             model.broadcast_buffers and any(True for _ in model.buffers())
         )
-        if self.auto and model.broadcast_buffers and any(True for _ in model.buffers()):
+        if self.auto and self.equal_micro_batches:
             raise ValueError(
                 'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '
                 "its buffers in every forward: a rank out of memory mid-forward would leave the "
@@ -217,16 +184,12 @@ class DDPSync(_RankSync):
             work.wait()  # type: ignore[union-attr]  # async_op=True returns a Work
         torch._foreach_div_(grads, self.world_size)  # type: ignore[arg-type]  # averaged, as DDP does
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
 
 class FSDPSync(_RankSync):
     """FSDP2 (``fully_shard``) or FSDP1: reduce-scatter only on the window's last micro-batch."""
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
-        super().__init__(None, auto)
-        self.model = model
+        super().__init__(model, None, auto)
         if self.auto:
             raise ValueError(
                 f'micro_batch_size="auto" is not supported with FSDP on {self.world_size} ranks: '
@@ -235,21 +198,16 @@ class FSDPSync(_RankSync):
                 "(Note [auto micro-batch across ranks] in bigbatch.core._sync)."
             )
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     @contextlib.contextmanager
-    def micro_batch(self, last: bool) -> Iterator[None]:
+    def micro_batch(self, last: bool) -> Iterator[None]:  # type: ignore[override]
         if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
             self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
             try:
                 yield
             finally:
                 self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
-        elif last:
-            yield
         else:
-            with self.model.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last else self.model.no_sync():  # type: ignore[operator]
                 yield
 
 
@@ -263,12 +221,9 @@ def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
     Raises:
         ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
     """
+    kinds = {"ddp": DDPSync, "fsdp": FSDPSync}
     kind = wrapper_kind(model)
-    if kind == "ddp":
-        return DDPSync(model, auto)
-    if kind == "fsdp":
-        return FSDPSync(model, auto)
-    return LocalSync()
+    return kinds[kind](model, auto) if kind in kinds else GradSync()
 
 
 def wrapper_kind(model: torch.nn.Module) -> str:

@@ -22,12 +22,12 @@ def tensor_leaves(tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
 def _leaves(tree: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
         yield path, tree
-    elif isinstance(tree, Mapping):
-        for key, value in tree.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
     elif isinstance(tree, (tuple, list)):
         for i, value in enumerate(tree):
             yield from _leaves(value, f"{path}[{i}]")
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{path}[{key!r}]")
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -80,14 +80,14 @@ def take(tree: Any, index: slice | list[int], n: int) -> Any:
     """
     if isinstance(tree, torch.Tensor):
         return tree[index] if isinstance(index, slice) else tree[torch.as_tensor(index)]
-    if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: take(v, index, n) for k, v in tree.items()})
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
-        return type(tree)(*(take(v, index, n) for v in tree))
     if isinstance(tree, (tuple, list)):
+        if hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
+            return type(tree)(*[take(v, index, n) for v in tree])
         if is_column(tree, n):
             return type(tree)(tree[index] if isinstance(index, slice) else [tree[i] for i in index])
-        return type(tree)(take(v, index, n) for v in tree)
+        return type(tree)([take(v, index, n) for v in tree])
+    if isinstance(tree, Mapping):
+        return _rebuild_mapping(tree, {k: take(v, index, n) for k, v in tree.items()})
     return tree
 
 

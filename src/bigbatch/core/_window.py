@@ -25,21 +25,23 @@ Note [window buffers]
 
 from __future__ import annotations
 
-import gc
+import math
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core import _rng
-from bigbatch.core._batchnorm import batchnorm_layers
+from bigbatch.core._batchnorm import momentum_window
 from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
+from bigbatch.core._tree import rows
 from bigbatch.core.loss import Term, check_count
-from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
-from bigbatch.core.split import batch_size, micro_batch_sizes, split
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
+from bigbatch.core.split import batch_size, micro_batch_sizes
 
 T = TypeVar("T")
 
@@ -95,8 +97,9 @@ class SampleCut:
         return 1
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
-        sizes = micro_batch_sizes(batch_size(batch), size)
-        return [Piece(p, n) for p, n in zip(split(batch, size), sizes, strict=True)]
+        n = batch_size(batch)
+        sizes = micro_batch_sizes(n, size)
+        return [Piece(rows(batch, i * size, i * size + m, n), m) for i, m in enumerate(sizes)]
 
     def empty(self, batch: Any) -> Piece:
         raise ValueError(
@@ -115,7 +118,9 @@ class Window:
 
     Attributes:
         micro_batches: backward calls so far.
-        sums, counts, weights: per loss term (Note [named terms]), one entry per micro-batch.
+        sums, counts, weights: per loss term (Note [named terms]), one entry per micro-batch;
+            an entry's sum is its ``sums`` value times its ``factors`` one (a mean times its
+            samples, multiplied at step time: one multiply fewer per micro-batch).
         scales: the constant each term's sum is multiplied by in every backward (Note [backward
             scale] in ``bigbatch.core._scale``); ``None`` until chosen.
         follow: fp16 without counts known before the window: the scale follows the count seen
@@ -130,6 +135,7 @@ class Window:
     micro_batches: int = 0
     sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     counts: dict[str, list[Any]] = field(default_factory=dict)
+    factors: dict[str, list[float]] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     scales: dict[str, Any] | None = None
     follow: str = ""
@@ -138,33 +144,37 @@ class Window:
     deferred: bool = False
     samples: int | None = None
 
-    def add(self, terms: Mapping[str, Term]) -> None:
-        """Record one micro-batch's terms."""
+    def add(self, terms: Mapping[str, Term], factor: float = 1.0) -> None:
+        """Record one micro-batch's terms (each ``loss_sum`` times ``factor`` is its sum)."""
         for name, (loss_sum, count, weight) in terms.items():
-            self.sums.setdefault(name, []).append(loss_sum.detach())
+            loss_sum = loss_sum.detach()
+            self.sums.setdefault(name, []).append(
+                loss_sum.reshape(()) if loss_sum.dim() else loss_sum
+            )
             self.counts.setdefault(name, []).append(count)
+            self.factors.setdefault(name, []).append(factor)
             self.weights[name] = weight
         self.micro_batches += 1
 
     def count(self, name: str) -> Any:
         """Term ``name``'s count so far: a float, or a 0-dim tensor on the device."""
-        numbers = [c for c in self.counts.get(name, ()) if not isinstance(c, torch.Tensor)]
-        tensors = [c for c in self.counts.get(name, ()) if isinstance(c, torch.Tensor)]
-        total = float(sum(numbers))
-        return torch.stack(tensors).to(torch.float64).sum() + total if tensors else total
+        counts = self.counts.get(name, ())
+        tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+        total = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
+        return torch.stack(tensors).sum(dtype=torch.float64) + total if tensors else total
 
-    def local_totals(self) -> list[Any]:
-        """``[Σ sum, Σ count]`` per term, then the number of bad tensor counts (negative or not
-        finite; checked at step time, Note [window checks])."""
-        out: list[Any] = []
-        bad: Any = 0.0
-        for name, sums in self.sums.items():
-            out.append(torch.stack([s.reshape(()).to(torch.float64) for s in sums]).sum())
-            out.append(self.count(name))
-            tensors = [c for c in self.counts[name] if isinstance(c, torch.Tensor)]
-            if tensors:
-                stacked = torch.stack(tensors)
-                bad = bad + (~torch.isfinite(stacked) | (stacked < 0)).sum().to(torch.float64)
+    def totals(self) -> list[float]:
+        """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
+        checked at step time, Note [window checks]): read from the device in one host sync."""
+        sums = iter(torch.stack([s for v in self.sums.values() for s in v]).tolist())
+        tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
+        read = iter(torch.stack(tensors).tolist() if tensors else ())
+        out: list[float] = []
+        bad = 0
+        for name, factors in self.factors.items():
+            counts = [next(read) if isinstance(c, torch.Tensor) else c for c in self.counts[name]]
+            bad += sum(not (math.isfinite(c) and c >= 0) for c in counts)
+            out += [sum(next(sums) * f for f in factors), float(sum(counts))]
         return [*out, bad]
 
 
@@ -185,54 +195,48 @@ def total_counts(counts: Sequence[Any], what: str = "count_fn's result") -> dict
 
 
 # ---------------------------------------------------------------------------- what a window changes
-class MutableBuffers:
-    """The model's tensors that forwards may change (Note [window buffers]).
+class Backup:
+    """The random generators and the tensors a window may change, as they were before it (Note
+    [window buffers]), and the model's BatchNorm layers, found in the same walk over the modules.
 
     Args:
         model: the module.
-        tensors: the candidates (default: ``model.buffers()``); Keras passes its variables.
+        tracked: more tensors that forwards change (``Accumulator.track``: Keras' variables).
+        seen: ids of the tensors seen changing in earlier windows (``None``: no window yet).
+        device: whose random generator the forwards draw from.
     """
 
-    def __init__(self, model: torch.nn.Module, tensors: Callable[[], list] | None = None) -> None:
-        self.model = model
-        self.all = tensors or (lambda: list(model.buffers()))
-        self._seen_changing: set[int] | None = None  # ids; None until the first window ends
-
-    def candidates(self) -> list[torch.Tensor]:
-        """The tensors to copy before a window."""
-        tensors = self.all()
-        if self._seen_changing is None:
-            return tensors
-        always = {id(b) for _, m in batchnorm_layers(self.model) for b in m.buffers()}
-        return [b for b in tensors if id(b) in self._seen_changing or id(b) in always]
-
-    def learn(self, backup: Backup) -> None:
-        """After a completed window: remember the tensors whose contents changed."""
-        changed = {id(b) for b in self.all() if backup.versions.get(id(b)) != _version(b)}
-        self._seen_changing = changed | (self._seen_changing or set())
-
-
-class Backup:
-    """The random generators and the mutable tensors as they were before a window."""
-
-    def __init__(self, buffers: MutableBuffers, device: torch.device) -> None:
-        self.device = device
-        self.rng = _rng.capture(device)
-        self.buffers = buffers.candidates()
-        self.values = [b.detach().clone() for b in self.buffers]
-        self._all = buffers.all
-        self.versions = self._read_versions()
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tracked: list[torch.Tensor],
+        seen: set[int] | None,
+        device: torch.device,
+    ) -> None:
+        self.device, self.rng = device, _rng.capture(device)
+        modules = list(model.modules())
+        self.batchnorms = [m for m in modules if isinstance(m, _BatchNorm)]
+        buffers = [b for m in modules for b in m._buffers.values() if b is not None]
+        self.tensors = buffers + tracked
+        copied = set(map(id, self.tensors)) if seen is None else seen
+        copied |= {id(b) for m in self.batchnorms for b in m.buffers()}  # BatchNorm: always
+        self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
+        self.versions = self._versions()
 
     def restore(self) -> None:
         """Put the generators and the tensors back."""
         _rng.restore(self.rng, self.device)
         with torch.no_grad():
-            for buffer, value in zip(self.buffers, self.values, strict=True):
+            for buffer, value in self.saved:
                 buffer.copy_(value)
-        self.versions = self._read_versions()  # our own copy_ is not the model changing them
+        self.versions = self._versions()  # our own copy_ is not the model changing them
 
-    def _read_versions(self) -> dict[int, int | None]:
-        return {id(b): _version(b) for b in self._all()}
+    def changed(self) -> set[int]:
+        """Ids of the tensors whose contents changed since the backup (or its last restore)."""
+        return {id(b) for b in self.tensors if self.versions[id(b)] != _version(b)}
+
+    def _versions(self) -> dict[int, int | None]:
+        return {id(b): _version(b) for b in self.tensors}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -248,28 +252,19 @@ class Restart(Exception):
     loss turned out to have several terms and the window needs a count pass first."""
 
 
-@dataclass
-class Ran(Generic[T]):
-    """What ``Runner.run`` returns: the attempt's value, the size it ran at, the windows redone
-    after running out of memory, and the adopted attempt's peak (``None`` when not measured)."""
-
-    value: T
-    size: int
-    oom_retries: int
-    peak_bytes: int | None
-
-
 class Runner:
     """Runs windows: cut, size, back up, attempt, retry smaller after out-of-memory, restore.
 
     Args:
         model: the module whose buffers a window may change.
-        sizing: the micro-batch policy (``FixedSize`` / ``AutoSize``).
+        sizing: the micro-batch policy (``bigbatch.core._sizing.Sizing``).
         sync: the gradient-sync control (agrees on out-of-memory errors across ranks).
-        meter: the window's memory meter (the budget).
+        meter: the window's memory meter (the budget; ``meter.check`` after each micro-batch).
         device: where the window runs.
         cut: how a window is cut (``SampleCut()`` by default).
-        buffers: the tensors a window may change (``MutableBuffers(model)`` by default).
+
+    Attributes:
+        tracked: callables returning more tensors a window may change (``Accumulator.track``).
     """
 
     def __init__(
@@ -280,22 +275,27 @@ class Runner:
         meter: WindowMeter,
         device: torch.device,
         cut: Cut | None = None,
-        buffers: MutableBuffers | None = None,
     ) -> None:
         self.model, self.sizing, self.sync, self.meter, self.device = (
             model, sizing, sync, meter, device
         )  # fmt: skip
         self.cut: Cut = cut or SampleCut()
-        self.buffers = buffers or MutableBuffers(model)
+        self.tracked: list[Callable[[], list[torch.Tensor]]] = []
+        self._seen: set[int] | None = None  # ids of tensors seen changing (Note [window buffers])
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors a pass over the window may change: the buffers and the tracked tensors."""
+        return [*self.model.buffers(), *(t for tensors in self.tracked for t in tensors())]
 
     def run(
         self,
         batch: Any,
         attempt: Callable[[list[Piece], int], None],
-        finish: Callable[[list[Piece], int], T],
+        finish: Callable[[list[Piece], int, int, int | None], T],
         discard: Callable[[], None],
-    ) -> Ran[T]:
-        """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size)``.
+    ) -> T:
+        """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size,
+        oom_retries, peak_bytes)`` (the peak of the attempt that completed, or ``None``).
 
         ``attempt`` runs the micro-batches; ``finish`` (the optimizer step) is never retried.
         ``discard()`` drops a failed attempt's partial gradients and window record; the runner
@@ -304,7 +304,8 @@ class Runner:
         ``attempt`` that the sizing policy retries.
         """
         units, floor = self.cut.units(batch), self.cut.floor(batch)
-        backup, retries = Backup(self.buffers, self.device), 0
+        tracked = [t for tensors in self.tracked for t in tensors()]
+        backup, retries = Backup(self.model, tracked, self._seen, self.device), 0
         while True:
             size = self.sizing.size_for(units, floor)
             self.meter.start()
@@ -321,16 +322,15 @@ class Runner:
             release_memory(self.device)
             self.sizing.after_oom(failed, measured, floor)
             retries += 1
-        peak = self.meter.peak_bytes()
         try:
-            value = finish(pieces, size)
+            value = finish(pieces, size, retries, self.meter.peak_bytes())
         except BaseException:
             discard()
             backup.restore()
             raise
         self.sizing.after_success(size)
-        self.buffers.learn(backup)
-        return Ran(value, size, retries, peak)
+        self._seen = backup.changed() | (self._seen or set())
+        return value
 
     def _try(
         self,
@@ -342,7 +342,8 @@ class Runner:
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
-            attempt(pieces, size)
+            with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
+                attempt(pieces, size)
             return None, False
         except Restart:
             discard()
@@ -363,18 +364,3 @@ class Runner:
             return pieces
         most = int(self.sync.all_reduce_max(torch.tensor([float(len(pieces))])).item())
         return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
-
-    def check_memory(self, size: int) -> None:
-        """After each micro-batch: over the memory budget raises ``MemoryBudgetExceeded``."""
-        self.meter.check(size)
-
-
-def release_memory(device: torch.device) -> None:
-    """Give back what a failed window left behind: collect garbage, empty the CUDA cache.
-
-    Called *after* leaving the ``except`` block: while the exception is alive its traceback pins
-    the failed step's tensors (pytorch/pytorch#18853).
-    """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

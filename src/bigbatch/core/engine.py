@@ -18,15 +18,15 @@ Note [window checks]
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from bigbatch.core._batchnorm import warn_batch_coupled, window
-from bigbatch.core._passes import replay, run_prepass, total_stats, with_stats
+from bigbatch.core import _rng
+from bigbatch.core._batchnorm import warn_batch_coupled
+from bigbatch.core._passes import run_prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes
@@ -40,12 +40,13 @@ from bigbatch.core._stepping import (
     check_optimizer,
     check_scheduler,
     pair_grads,
+    params_of,
 )
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core._window import Piece, Restart, Runner, Window
-from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, check_count, check_scalar_loss
+from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
 __all__ = ["Accumulator", "CountFn", "StatsFn", "StepResult"]
@@ -131,26 +132,20 @@ class Accumulator:
         self.scheduler = check_scheduler(scheduler, optimizer)
         self.micro_batch_size = micro_batch_size
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._build(sizing, cut, precision, memory_budget)
+        self._precision = make_precision(precision, self.device)
+        self._sync = make_sync(model, auto=sizing.retries)
+        self._stepper = Stepper(
+            optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
+            self._sync, self.device,
+        )  # fmt: skip
+        budget = parse_bytes(memory_budget)
+        meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
+        self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
         self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
-
-    def _build(self, sizing: Any, cut: Any, precision: Any, memory_budget: Any) -> None:
-        """The engine's parts: precision, sync control, the step half and the window runner."""
-        ready = all(hasattr(precision, a) for a in ("autocast", "backward", "step", "unscale_"))
-        self._precision: Precision = precision if ready else make_precision(precision, self.device)
-        meter = WindowMeter(
-            self.device, parse_bytes(memory_budget), sizing.retries, gradient_bytes(self.optimizer)
-        )
-        self._sync = make_sync(self.model, auto=sizing.retries)
-        self._stepper = Stepper(
-            self.optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
-            self._sync, self.device,
-        )  # fmt: skip
-        self._runner = Runner(self.model, sizing, self._sync, meter, self.device, cut)
 
     @property
     def precision(self) -> str:
@@ -169,8 +164,7 @@ class Accumulator:
         statistics, seed generators and metric totals in non-trainable variables): a failed or
         redone window then leaves it as it was (Note [window buffers]).
         """
-        buffers = self._runner.buffers.all
-        self._runner.buffers.all = lambda: [*buffers(), *tensors()]
+        self._runner.tracked.append(tensors)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -245,51 +239,60 @@ class Accumulator:
                 micro-batch).
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
-        check_empty_window(self._window.micro_batches, self.model)
+        check_empty_window(self._window.micro_batches, self.optimizer)
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
-        ran = self._runner.run(batch, run, self._finish, self._discard_window)
-        return dataclasses.replace(
-            ran.value,
-            micro_batch_size=ran.size,
-            oom_retries=ran.oom_retries,
-            peak_bytes=ran.peak_bytes,
-        )
+        return self._runner.run(batch, run, self._finish, self._discard_window)
 
-    def _finish(self, pieces: list[Piece], size: int) -> StepResult:
-        result = self._apply()
+    def _finish(self, pieces: list[Piece], size: int, retries: int, peak: int | None) -> StepResult:
+        tokens = None if pieces[0].tokens is None else sum(p.tokens or 0 for p in pieces)
+        padded = None if tokens is None else sum(p.padded_tokens or 0 for p in pieces)
+        result = self._apply(
+            micro_batch_size=size, oom_retries=retries, peak_bytes=peak, tokens=tokens,
+            padded_tokens=padded,
+        )  # fmt: skip
         if isinstance(self._runner.cut, TokenCut):
             self._runner.cut.check_shapes(self.model)
-        tokens = [p.tokens for p in pieces]
-        if None in tokens:
-            return result
-        padded = sum(p.padded_tokens or 0 for p in pieces)
-        return dataclasses.replace(result, tokens=sum(tokens), padded_tokens=padded)  # type: ignore[arg-type]
+        return result
 
     def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
             warn_batch_coupled(self.model)
             self._warned = True
-        samples = sum(p.samples for p in pieces)
         loss_fn, states = self._before(batch, pieces, *fns)
         last_syncs = not self._sync.defers_sync  # Note [auto micro-batch across ranks]
-        with window(self.model, samples):
+        try:
             for i, piece in enumerate(pieces):
-                with replay(states[i] if states else None, self.device):
-                    with self.micro_batch(last=last_syncs and i == len(pieces) - 1):
+                if states:  # the random state its pre-pass drew from (same dropout masks)
+                    _rng.restore(states[i], self.device)
+                self._last = last = last_syncs and i == len(pieces) - 1
+                with self._sync.micro_batch(last):
+                    with self._precision.autocast():
                         out = loss_fn(self.model, piece.batch)
-                        if piece.pad_rows and isinstance(out, torch.Tensor):
-                            raise ValueError(PAD_ROWS_NEED_SUMS)
-                        self._backward(as_terms(out, piece.samples))
-                self._runner.check_memory(size)
-        self._window.deferred = self._window.deferred or self._sync.defers_sync
-        self._window.samples = samples
-        if self._window.follow and self._precision.scaler is not None:  # Note [backward scale]
-            count = overflowed(self._window, self._sync, self._params_with_grad(), self.device)
+                    self._backward_output(out, piece)
+                self._runner.meter.check(size)
+        finally:
+            self._last = None
+        w = self._window
+        w.deferred, w.samples = w.deferred or self._sync.defers_sync, sum(p.samples for p in pieces)
+        if w.follow and self._precision.scaler is not None:  # Note [backward scale]
+            count = overflowed(w, self._sync, self._params_with_grad(), self.device)
             if count is not None:
                 self._known = count
                 raise Restart
+
+    def _backward_output(self, out: Any, piece: Piece) -> None:
+        """Back-propagate what ``loss_fn`` returned for ``piece``. A mean of one term goes in one
+        multiply, ``mean · (n · s)``; the window multiplies it by ``n`` at step time."""
+        w, scales = self._window, self._window.scales or {}
+        if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
+            return self._backward(as_terms(out, piece.samples))
+        if piece.pad_rows:
+            raise ValueError(PAD_ROWS_NEED_SUMS)
+        check_scalar_loss(out, "loss_fn's return value")
+        self._precision.backward(out * (piece.samples * scales["loss"]))
+        w.add({"loss": Term(out, piece.samples)}, factor=piece.samples)
 
     def _before(
         self, batch: Batch, pieces: list[Piece], loss_fn: Any, count_fn: Any, stats_fn: Any
@@ -299,15 +302,9 @@ class Accumulator:
         pieces and the random states their forwards replay (``None``: no pass ran)."""
         states = None
         if stats_fn is not None:
-            outputs, states = run_prepass(
-                self._runner.buffers.all(),
-                pieces,
-                functools.partial(self._under_autocast(stats_fn), self.model),
-                self.device,
-                self._sync,
-            )
+            outputs, states = self._prepass(lambda p: stats_fn(self.model, p.batch), pieces)
             loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
-        if isinstance(loss_fn, WindowLoss):  # e.g. cached_loss: sees the window first
+        if hasattr(loss_fn, "prepare"):  # a WindowLoss (cached_loss): sees the window first
             if any(p.pad_rows for p in pieces):
                 raise ValueError(
                     "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
@@ -316,37 +313,33 @@ class Accumulator:
             rows = None if pieces[0].rows is None else [p.rows for p in pieces]
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
                 loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
-        counts, states = self._counts(pieces, loss_fn, count_fn, states)
+        if count_fn is not None:
+            counts: list[Any] | None = [count_fn(p.batch) for p in pieces]
+        elif self._known is not None:  # a window redone at its known count (fp16 overflow)
+            counts, self._known = [self._known], None
+        elif self._count_pass:  # Note [named terms]
+
+            def count(p: Piece) -> dict[str, Any]:
+                terms = as_terms(loss_fn(self.model, p.batch), p.samples)
+                return {name: t.count for name, t in terms.items()}
+
+            counts, states = self._prepass(count, pieces, states)
+        else:
+            counts = None
         plan(self._window, batch, counts, sum(p.samples for p in pieces), self._sync,
              self._precision.scaler is not None)  # fmt: skip
         return loss_fn, states
 
-    def _counts(
-        self, pieces: list[Piece], loss_fn: Any, count_fn: Any, states: list[Any] | None
-    ) -> tuple[list[Any] | None, list[Any] | None]:
-        """Each piece's counts before the window: ``count_fn``'s, or a count pass's (Note [named
-        terms]); ``None`` when neither is needed. Also the random states the pieces replay."""
-        if count_fn is not None:
-            return [count_fn(p.batch) for p in pieces], states
-        if self._known is not None:  # a window redone at its known count (fp16 overflow)
-            known, self._known = self._known, None
-            return [known], states
+    def _prepass(
+        self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
+    ) -> tuple[list[Any], list[Any]]:
+        """``fn`` on every piece under autocast without gradients, agreed across ranks."""
 
-        def count(piece: Piece) -> dict[str, Any]:
-            terms = as_terms(self._under_autocast(loss_fn)(self.model, piece), piece.samples)
-            return {name: t.count for name, t in terms.items()}
-
-        if not self._count_pass:
-            return None, states
-        state = self._runner.buffers.all()  # with what track() added (Keras' variables)
-        return run_prepass(state, pieces, count, self.device, self._sync, states)
-
-    def _under_autocast(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Piece], Any]:
-        def run(model: Any, piece: Piece) -> Any:
+        def run(piece: Piece) -> Any:
             with self._precision.autocast():
-                return fn(model, piece.batch)
+                return fn(piece)
 
-        return run
+        return run_prepass(self._runner.state(), pieces, run, self.device, self._sync, states)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -390,10 +383,8 @@ class Accumulator:
 
     def _backward(self, terms: dict[str, Term]) -> None:
         w = self._window
-        if self._last is None and w.pending_forwards:
-            w.pending_forwards -= (
-                1  # the backward of a forward run earlier (Note [several forwards])
-            )
+        if self._last is None and w.pending_forwards:  # of a forward run earlier (Note [several
+            w.pending_forwards -= 1  # forwards])
         elif self._last is None and self._precision.autocast_dtype is not None:
             raise RuntimeError(
                 f"precision={self.precision!r} needs the forward under autocast: run it inside "
@@ -402,16 +393,16 @@ class Accumulator:
         if w.scales is None:  # the low-level path: nothing known before the window
             w.scales = {"loss": 1.0}
             w.follow = "all" if self._precision.scaler is not None else ""
-        if set(terms) != set(w.scales):
+        if terms.keys() != w.scales.keys():
             if len(terms) == len(w.scales) == 1 and w.expected is None:  # one term, any name
                 w.scales = {next(iter(terms)): next(iter(w.scales.values()))}
             else:
                 self._need_counts(terms)
-        count = terms["loss"].count if "loss" in terms else None
-        if w.follow == "all" or w.follow and isinstance(count, torch.Tensor):
-            follow(w, count, bool(self._last), self._sync, self._params_with_grad)
-        loss = _scaled_sum(terms, w.scales)
-        self._precision.backward(loss)  # type: ignore[arg-type]
+        if w.follow:
+            count = terms["loss"].count if "loss" in terms else None
+            if w.follow == "all" or isinstance(count, torch.Tensor):
+                follow(w, count, bool(self._last), self._sync, self._params_with_grad)
+        self._precision.backward(_scaled_sum(terms, w.scales))
         w.add(terms)
 
     def _need_counts(self, terms: Mapping[str, Term]) -> None:
@@ -484,15 +475,15 @@ class Accumulator:
             self._discard_window()
             raise
 
-    def _apply(self) -> StepResult:
+    def _apply(self, **fields: Any) -> StepResult:
         try:
-            return self._stepper.apply(self._window)
+            return self._stepper.apply(self._window, **fields)
         finally:
             self._window = Window()
 
     # ------------------------------------------------------------------ helpers
     def _params_with_grad(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        return [p for p in params_of(self.optimizer) if p.grad is not None]
 
     def _discard_window(self) -> None:
         """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)."""
@@ -504,12 +495,9 @@ class Accumulator:
 
 def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.Tensor:
     """``Σ_k w_k · loss_sum_k · s_k``, multiplying only by factors that are not exactly 1."""
-    total = None
+    parts = []
     for name, term in terms.items():
-        scale = scales[name]
-        factor = term.weight * scale if isinstance(scale, float) else scale * term.weight
-        part = (
-            term.loss_sum if isinstance(factor, float) and factor == 1.0 else term.loss_sum * factor
-        )
-        total = part if total is None else total + part
-    return total  # type: ignore[return-value]  # at least one term (as_terms)
+        factor = term.weight * scales[name]
+        one = isinstance(factor, float) and factor == 1.0
+        parts.append(term.loss_sum if one else term.loss_sum * factor)
+    return sum(parts[1:], parts[0])
