@@ -216,8 +216,9 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
     code, err = run(capsys, "check", f"{TASKS}:classify", "--micro-batch-size", "0")
     assert code == 2
     assert one_line(err, "check") == (
-        "micro_batch_size=0 is not allowed: use a positive integer smaller than the batch, or "
-        "None for about a third of it."
+        "micro_batch_size=0 is not allowed: use a positive integer smaller than the batch "
+        "(16 samples: one micro-batch of all of it leaves nothing to compare), or None for about "
+        "a third of it."
     )
 
 
