@@ -83,9 +83,9 @@ def train_under(budget: int) -> dict:
     failed: list[tuple[int, int, bool]] = []
     after_oom_ = acc._runner.sizing.after_oom
 
-    def recorded(size: int, measured: bool = False) -> None:
+    def recorded(size: int, measured: bool = False, floor: int = 1) -> None:
         failed.append((len(steps), size, measured))
-        after_oom_(size, measured)
+        after_oom_(size, measured, floor)
 
     acc._runner.sizing.after_oom = recorded  # type: ignore[method-assign]
     steps = []
