@@ -138,8 +138,12 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
     value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
-    pads = [[p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])] for t in batches]  # fmt: skip
-    return torch.cat([torch.nn.functional.pad(t, p, value=value) for t, p in zip(batches, pads, strict=True)])  # fmt: skip
+
+    def pad(t: torch.Tensor) -> torch.Tensor:  # the last dimension first, as F.pad reads them
+        widths = [(0, want - n) for want, n in zip(shape[:0:-1], t.shape[:0:-1], strict=True)]
+        return torch.nn.functional.pad(t, [w for pair in widths for w in pair], value=value)
+
+    return torch.cat([pad(t) for t in batches])
 
 
 def count_items(batch: Any, shifts: bool) -> Any:
@@ -148,9 +152,9 @@ def count_items(batch: Any, shifts: bool) -> Any:
     (``completion_mask``: TRL's GRPO), else its rows."""
     if not isinstance(batch, Mapping):
         return batch_size(batch)
-    labels = batch.get("shift_labels")
-    if labels is None and batch.get("labels") is not None:
-        labels = batch["labels"][..., 1:] if shifts and batch["labels"].dim() >= 2 else batch["labels"]  # fmt: skip
+    labels, given = batch.get("shift_labels"), batch.get("labels")
+    if labels is None and given is not None:
+        labels = given[..., 1:] if shifts and given.dim() >= 2 else given
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return (labels != -100).sum()
     if isinstance(batch.get("completion_mask"), torch.Tensor):
@@ -166,7 +170,8 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
         return mean_of(terms)
     counts = torch.tensor([float(t.count) for t in terms.values()], dtype=torch.float64)
     torch.distributed.all_reduce(counts)
-    return world * sum(t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True))  # type: ignore[return-value]  # fmt: skip
+    each = [t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True)]
+    return world * sum(each)  # type: ignore[return-value]
 
 
 def gradients(model: torch.nn.Module) -> Grads:
@@ -201,7 +206,8 @@ def check(
     weights: Weights | None, average: bool, scope: Any,
 ) -> None:  # fmt: skip
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
-    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult`` to ``log``.
+    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult``
+    to ``log``.
 
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
     ``weights()``: each micro-batch's own one-batch loss and count, for the diagnosis (``None``

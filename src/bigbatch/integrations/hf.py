@@ -63,7 +63,8 @@ __all__ = ["Trainer", "audit", "exact"]
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
-"""Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating trainers])."""
+"""Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
+trainers])."""
 
 
 def _transformers() -> Any:
@@ -141,9 +142,9 @@ def _check_class(trainer_class: Any) -> None:
     if _named(trainer_class, GENERATING):  # Note [generating trainers]
         raise TypeError(
             f"exact() does not take {trainer_class.__name__}, which generates inside "
-            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
-            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
-            "window) and check a step with bigbatch.hf.audit(trainer)."
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact "
+            "under accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over "
+            "the window) and check a step with bigbatch.hf.audit(trainer)."
         )
 
 
@@ -151,9 +152,9 @@ class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
     def __init__(self, trainer: Any, settings: dict[str, Any], loss_fn: Any) -> None:
-        self.trainer, self.settings, self.loss_fn = trainer, settings, loss_fn
+        self.trainer, self.loss_fn, self.reader = trainer, loss_fn, Reader(trainer)
+        self.settings = {**settings, "nonfinite": "apply"}  # the Trainer's scaler and step decide
         self.pending: list[Any] = []  # the window's batches so far
-        self.reader = Reader(trainer)
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
         stock = loss_fn is None and stock_compute_loss(type(trainer))
@@ -184,10 +185,10 @@ class TrainerWindow:
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
             groups = t.optimizer.param_groups
-            held = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
+            held: Any = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
-            self.acc = Accumulator(model, held, precision=precision, nonfinite="apply", **self.settings)  # type: ignore[arg-type]  # an optimizer's stand-in  # fmt: skip
+            self.acc = Accumulator(model, held, precision=precision, **self.settings)
         return self.acc
 
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
@@ -226,7 +227,8 @@ class Reader:
         return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
 
     def count(self, batch: Any) -> Any:
-        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's ``count_fn``)."""
+        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's
+        ``count_fn``)."""
         return batch_size(batch) if self.paired else _audit.count_items(batch, self.shifts)
 
 
@@ -235,10 +237,9 @@ def one_step(trainer: Any) -> Iterator[None]:
     """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
     that divides by them (``current_gradient_accumulation_steps``, ``args``; GRPO's
     ``steps_per_generation``) sees one batch."""
-    args, names = trainer.args, ("gradient_accumulation_steps", "steps_per_generation")
-    held = [(args, n, getattr(args, n)) for n in names if hasattr(args, n)]
-    name = "current_gradient_accumulation_steps"
-    held.append((trainer, name, getattr(trainer, name)))
+    args, k = trainer.args, "gradient_accumulation_steps"
+    named = [(args, k), (args, "steps_per_generation"), (trainer, "current_" + k)]
+    held = [(owner, name, getattr(owner, name)) for owner, name in named if hasattr(owner, name)]
     for owner, name, _ in held:
         setattr(owner, name, 1)
     try:

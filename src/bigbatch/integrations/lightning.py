@@ -37,7 +37,7 @@ def _lightning() -> Any:
     try:
         import lightning.pytorch as pl
     except ModuleNotFoundError as exc:
-        raise ImportError('bigbatch.lightning needs Lightning: pip install "bigbatch[lightning]"') from exc  # fmt: skip
+        raise ImportError('Lightning is missing: pip install "bigbatch[lightning]"') from exc
     return pl
 
 
@@ -162,7 +162,7 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
             return
         if self.exact is not None:
             w.returns = [float(self.exact.window_loss)]
-        weights = functools.partial(self._weights, pl_module, w.batches) if self.exact is None else None  # fmt: skip
+        weights = None if self.exact else functools.partial(self._weights, pl_module, w.batches)
         loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
         scope = trainer.precision_plugin.train_step_context()
         _audit.check(self.report, w, pl_module, loss, weights, trainer.world_size > 1, scope)

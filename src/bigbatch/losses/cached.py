@@ -195,12 +195,11 @@ class CachedLoss:
                 lambda t: next(scalar_it) if t.dim() == 0 else next(row_it), template
             )
             loss_sum, count = self._loss(tree, whole, len(reps[0]))
-        sizes = [batch_size(p) for p in pieces]
-        end_state = _rng.capture(device)  # after pass 1 and the batch loss
+        sizes, states = [batch_size(p) for p in pieces], [*states, _rng.capture(device)]
         grads = _gradients(loss_sum, reps, scalars, offset, sum(sizes), order)
         counts = [count * (n / len(reps[0])) for n in sizes]
         paths = [path for path, _ in encoded + per_batch]
-        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, end_state, *grads,
+        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, *grads,
                           loss_sum.detach() / count, counts, 1.0 / ranks.size)  # fmt: skip
 
     def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -216,8 +215,7 @@ class _PieceLoss:
     pieces: list[Batch]
     paths: list[str]  # the representations, as pass 1 saw them
     sizes: list[int]  # samples per micro-batch
-    states: list[_rng.RngState]  # random state before each micro-batch's encode
-    end_state: _rng.RngState  # random state to leave behind
+    states: list[_rng.RngState]  # random state before each micro-batch's encode, then after
     grads: Grads  # ∂S/∂r of this rank's samples; None: the loss ignores r
     per_batch: Grads  # ∂S/∂(0-dim output)
     params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
@@ -235,7 +233,7 @@ class _PieceLoss:
         device, start, n = _device_of(model), sum(self.sizes[:j]), self.sizes[j]
         _rng.restore(self.states[j], device)  # the dropout masks of pass 1
         reps = self.encode_fn(model, piece)
-        _rng.restore(self.end_state, device)
+        _rng.restore(self.states[-1], device)  # as after pass 1 and the batch loss
         needs = attrgetter("requires_grad")
         rows, per_batch = _split_leaves(reps, n, f"micro-batch {j}", self.paths, needs)
         mine = zip([r for _, r in rows], self.grads, strict=True)
@@ -284,22 +282,19 @@ def _split_leaves(
     for wrong, error, message in (
         (column is not None, TypeError, f"encode_fn returned per-sample values that are not "
          f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
-         "tensors from encode_fn and take ids or strings from batch_loss_fn's batch argument (it "
-         "sees the whole batch)."),
+         "tensors; take ids or strings from batch_loss_fn's batch (it sees the whole batch)."),
         (not rows, TypeError, f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
-         f"for {where}: return a tensor, or a tuple / dict of tensors whose first dimension is the "
-         "sample dimension."),
+         f"for {where}: return a tensor, or a tuple / dict of tensors, one row per sample."),
         (any(t.shape[0] != n for _, t in rows), ValueError, "encode_fn's outputs disagree on the "
          f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
-         "one row per sample. Return one value for the whole batch (e.g. a temperature) as a "
-         "0-dim tensor."),
+         "one row per sample. Return one value for the batch (e.g. a temperature) as 0-dim."),
         (paths is not None and names != paths, ValueError, f"encode_fn returned {names} for "
          f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch."),
         (bad is not None, ValueError, "encode_fn's {} (shape {}) does not require grad, so no "
-         "gradient reaches the model through it: every per-sample representation must be computed "
-         "from trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, "
-         "not an input passed through). Take per-sample inputs such as labels from batch_loss_fn's "
-         "batch argument.".format(*(bad or ("", ())))),
+         "gradient reaches the model through it: compute every per-sample representation from "
+         "trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, not "
+         "an input passed through); take labels and such from batch_loss_fn's batch."
+         .format(*(bad or ("", ())))),
     ):  # fmt: skip
         if wrong:
             raise error(message)
