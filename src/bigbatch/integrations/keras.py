@@ -27,7 +27,6 @@ Note [keras train step]
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._auto import AutoState
+from bigbatch.core._precision import Precision
 from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
@@ -47,28 +47,26 @@ __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
 def _import_keras() -> Any:
     """Keras 3 on the torch backend, or an ImportError saying in one line what to do."""
-    setting = f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch"
+    setting = (f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch before "
+               "keras is first imported")  # fmt: skip
     try:
         import keras
     except ModuleNotFoundError as exc:
         if exc.name == "keras":
-            raise ImportError(
-                'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
-                "KERAS_BACKEND=torch."
-            ) from None
+            raise ImportError('bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
+                              "KERAS_BACKEND=torch.") from None  # fmt: skip
         raise ImportError(  # Keras is there; the backend it was asked for is not
-            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its backend "
-            f"({exc}; {setting} before keras is first imported)."
+            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start it ({exc}; "
+            f"{setting})."
         ) from exc
-    if not keras.__version__.startswith("3."):
-        raise ImportError(
-            f'bigbatch.keras needs Keras 3, found {keras.__version__}: pip install "bigbatch[keras]".'
-        )
-    if keras.backend.backend() != "torch":
-        raise ImportError(
-            f"bigbatch.keras needs Keras' torch backend, but Keras runs on "
-            f"{keras.backend.backend()!r} ({setting} before keras is first imported)."
-        )
+    for wrong, needs in (
+        (not keras.__version__.startswith("3."), f"Keras 3, found {keras.__version__}: pip "
+         'install "bigbatch[keras]".'),
+        (keras.backend.backend() != "torch", "Keras' torch backend, but Keras runs on "
+         f"{keras.backend.backend()!r} ({setting})."),
+    ):  # fmt: skip
+        if wrong:
+            raise ImportError(f"bigbatch.keras needs {needs}")
     return keras
 
 
@@ -112,34 +110,6 @@ class _Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=True)
-
-
-class _Precision:
-    """Keras' own precision handling, as the engine's precision object (``Precision``'s methods).
-
-    Keras casts inside its layers, and a ``LossScaleOptimizer`` scales the loss and unscales and
-    checks the gradients in ``apply``: the engine only back-propagates through ``scale_loss``.
-    """
-
-    name, scaler, autocast_dtype = "keras", None, None
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def autocast(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.model.optimizer.scale_loss(loss).backward()
-
-    def step(self, optimizer: _Optimizer) -> bool:
-        optimizer.step()
-        return False  # whether Keras skipped it is the LossScaleOptimizer's own business
-
-    def unscale_(self, optimizer: Any) -> None: ...
-    def discard(self) -> None: ...
-    def state_dict(self) -> None: ...
-    def load_state_dict(self, state: Any) -> None: ...
 
 
 class Accumulation:
@@ -194,10 +164,15 @@ class Accumulation:
     def _build(self) -> Accumulator:
         model = self.model
         _warn_float32_matmuls(model)
+        # Keras casts inside its layers, and a LossScaleOptimizer scales the loss and unscales
+        # and checks the gradients in apply: the engine only back-propagates through scale_loss.
+        precision: Any = Precision("fp32", "cpu")  # no autocast, no scaler: the device is moot
+        precision.name = "keras"
+        precision.backward = lambda loss: model.optimizer.scale_loss(loss).backward()
+        optimizer: Any = _Optimizer(model)  # duck-typed
         acc = Accumulator(
-            model, _Optimizer(model), self.micro_batch_size,  # type: ignore[arg-type]  # duck-typed
-            precision=_Precision(model), nonfinite="apply",  # type: ignore[arg-type]  # as Keras
-        )  # fmt: skip
+            model, optimizer, self.micro_batch_size, precision=precision, nonfinite="apply"
+        )
         acc.track(self._state)
         return acc
 
@@ -304,31 +279,26 @@ def _check_own_train_step(model: Any) -> None:
 
 def _check_compiled(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        raise RuntimeError(
-            "the model has no optimizer: call model.compile(optimizer=..., loss=...) before fit."
-        )
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(
-            f"the optimizer has gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}; bigbatch.keras.accumulate already makes "
-            "each fit step one step over the whole batch: compile without "
-            "gradient_accumulation_steps and pass the whole batch as fit's batch_size."
-        )
-    if getattr(model, "jit_compile", False) is True:
-        raise ValueError(
-            "jit_compile=True is not supported with bigbatch.keras.accumulate (the step loops "
-            "over micro-batches in Python): model.compile(..., jit_compile=False)."
-        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    for wrong, error, message in (
+        (optimizer is None, RuntimeError, "the model has no optimizer: call "
+         "model.compile(optimizer=..., loss=...) before fit."),
+        (bool(steps), ValueError, f"the optimizer has gradient_accumulation_steps={steps}; "
+         "bigbatch.keras.accumulate already makes each fit step one step over the whole batch: "
+         "compile without gradient_accumulation_steps; pass the whole batch as fit's batch_size."),
+        (getattr(model, "jit_compile", False) is True, ValueError, "jit_compile=True is not "
+         "supported with bigbatch.keras.accumulate (the step loops over micro-batches in Python): "
+         "model.compile(..., jit_compile=False)."),
+    ):  # fmt: skip
+        if wrong:
+            raise error(message)
 
 
 def _warn_batch_norm(model: Any) -> None:
     """One BigBatchWarning naming the trainable BatchNormalization layers, if there are any."""
-    found = [
-        layer.name
-        for layer in model._flatten_layers(include_self=False)  # nested models too
-        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable
-    ]
+    norms = _keras.layers.BatchNormalization
+    layers = model._flatten_layers(include_self=False)  # nested models too
+    found = [layer.name for layer in layers if isinstance(layer, norms) and layer.trainable]
     if found:
         warnings.warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
