@@ -66,7 +66,7 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
-from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss, mean_of
+from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, check_scalar_loss, mean_of
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -189,11 +189,9 @@ class CachedLoss:
             everyone, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
         reps = [t.detach().requires_grad_() for t in everyone]
         scalars = [t.detach().requires_grad_(t.is_floating_point()) for _, t in per_batch]
+        row_it, scalar_it = iter(reps), iter(scalars)
+        tree = map_tensors(lambda t: next(scalar_it if t.dim() == 0 else row_it), template)
         with torch.enable_grad():
-            row_it, scalar_it = iter(reps), iter(scalars)
-            tree = map_tensors(
-                lambda t: next(scalar_it) if t.dim() == 0 else next(row_it), template
-            )
             loss_sum, count = self._loss(tree, whole, len(reps[0]))
         sizes, states = [batch_size(p) for p in pieces], [*states, _rng.capture(device)]
         grads = _gradients(loss_sum, reps, scalars, offset, sum(sizes), order)
@@ -320,14 +318,14 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
         out = mean_of(as_terms(out, n))
     if isinstance(out, torch.Tensor):
         check_scalar_loss(out, "batch_loss_fn's return value")
-        return out.reshape(()) * n, float(n)
-    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        check_scalar_loss(out[0], "batch_loss_fn's loss_sum")
-        return out[0].reshape(()), check_count(out[1], "batch_loss_fn's count")
-    raise TypeError(
-        f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over the "
-        "batch's samples), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
-    )
+    elif not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(
+            f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over "
+            "the batch's samples), a pair (loss_sum, count) or named terms "
+            "{name: (loss_sum, count)}."
+        )
+    loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
+    return loss_sum.reshape(()), count
 
 
 def _gradients(
@@ -425,9 +423,8 @@ def _takes_batch(fn: Callable[..., Any]) -> bool:
         kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
     except (TypeError, ValueError):  # a builtin without a signature: pass the batch
         return True
-    P = inspect.Parameter
-    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
-    return P.VAR_POSITIONAL in kinds or positional >= 2
+    P = inspect.Parameter  # kinds are ordered: POSITIONAL_ONLY < POSITIONAL_OR_KEYWORD < ...
+    return P.VAR_POSITIONAL in kinds or sum(k <= P.POSITIONAL_OR_KEYWORD for k in kinds) >= 2
 
 
 def _device_of(model: nn.Module) -> torch.device:
