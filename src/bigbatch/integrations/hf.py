@@ -62,6 +62,8 @@ __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
+SETTINGS = ("micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of")
+"""How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
 """Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
 trainers])."""
@@ -119,10 +121,8 @@ def exact(trainer_class: type) -> type:
             super().__init__(*args, **kwargs)
             if micro_batch_size is None and micro_batch_tokens is None:
                 micro_batch_size = self.args.per_device_train_batch_size
-            settings = dict(
-                micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                memory_budget=memory_budget, pad_to_multiple_of=pad_to_multiple_of,
-            )  # fmt: skip
+            given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
+            settings = dict(zip(SETTINGS, given, strict=True))
             self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -366,7 +366,8 @@ class _Watch:
     def prepare_inputs(self, inputs: Any) -> Any:
         prepared = self.wrapped[1](inputs)
         if self.window is not None:  # a copy: compute_loss may pop the labels
-            self.window.batches.append({**prepared} if isinstance(prepared, Mapping) else prepared)
+            kept = {**prepared} if isinstance(prepared, Mapping) else prepared
+            self.window.batches.append(pairs(kept) if self.reader.paired else kept)
         return prepared
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -377,9 +378,10 @@ class _Watch:
             if len(w.returns) == self.size:
                 self.window = None
                 mine = getattr(self.trainer, "bigbatch_window", None) is not None
-                weights = None if mine else functools.partial(self._weights, model, w.batches)
-                joined = functools.partial(self._loss, model, self.reader.join(w.batches))
-                _audit.check(self.log, w, model, joined, weights, False, one_step(self.trainer))
+                own = None if mine else functools.partial(self._own, model)
+                joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
+                once = functools.partial(self._loss, model, joined)
+                _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
         return loss
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
@@ -394,12 +396,8 @@ class _Watch:
         n = None if n is None else window.window_count(batch)
         return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 
-    def _weights(self, model: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
-        r = self.reader
-        held = [pairs(b) if r.paired else b for b in batches]
-        with torch.no_grad():
-            own = [float(self._loss(model, b)) for b in held]
-        return own, [float(r.count(b)) for b in held]
+    def _own(self, model: Any, batch: Any) -> tuple[float, float]:
+        return float(self._loss(model, batch)), float(self.reader.count(batch))
 
 
 Trainer: type = exact(_transformers().Trainer)

@@ -123,13 +123,12 @@ class Accumulation:
     """
 
     def __init__(self, model: Any, micro_batch_size: int | str) -> None:
-        self.model = model
-        self.micro_batch_size = micro_batch_size
+        self.model, self.micro_batch_size = model, micro_batch_size
         self.accumulator: Accumulator | None = None
         self.last: StepInfo | None = None
-        self._samples = 0  # N: samples in the fit step being computed
-        self._counted = False  # the engine ran a count pass in this step
-        self._warned = False  # about BatchNormalization, once
+        # N: samples in the fit step being computed; the engine ran a count pass in this step;
+        # warned about BatchNormalization (once)
+        self._samples, self._counted, self._warned = 0, False, False
 
     @property
     def auto_state(self) -> AutoState | None:
@@ -145,8 +144,7 @@ class Accumulation:
         _check_compiled(model)
         if not model.trainable_weights:  # nothing to accumulate: Keras' own step (it warns)
             return type(model).train_step(model, data)
-        x, y, sample_weight = _keras.utils.unpack_x_y_sample_weight(data)
-        batch = (x, y, sample_weight)
+        batch = tuple(_keras.utils.unpack_x_y_sample_weight(data))  # (x, y, sample_weight)
         self._samples, self._counted = batch_size(batch), False
         if self.accumulator is None:
             self.accumulator = self._build()
@@ -183,13 +181,8 @@ class Accumulation:
 
     def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
         """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
-        if not torch.is_grad_enabled():  # the engine's count pass (it puts the state back)
-            self._counted = True
-        return self._terms(batch, update_metrics=torch.is_grad_enabled())
-
-    def _terms(self, batch: Any, update_metrics: bool) -> dict[str, Any]:
-        model, (x, y, sample_weight) = self.model, batch
-        n = batch_size(batch)
+        (x, y, sample_weight), n, counting = batch, batch_size(batch), not torch.is_grad_enabled()
+        self._counted |= counting  # the engine's count pass (it puts the state back)
         if n < self._samples and not self._warned:  # cut in several pieces: see BatchNorm
             _warn_batch_norm(model)
             self._warned = True
@@ -198,12 +191,11 @@ class Accumulation:
         record = Recording(n, self._samples)
         with recording(model, record):
             total = model._compute_loss(x, y, y_pred, sample_weight, training=True)
-        if update_metrics:
+        if not counting:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
         terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
-        terms.update({f"loss_{k}": term for k, term in record.data.items()})
-        return terms
+        return terms | {f"loss_{k}": term for k, term in record.data.items()}
 
 
 def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulation | None:
@@ -249,7 +241,10 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
         if isinstance(vars(model).get("train_step"), Accumulation):
             del model.train_step
         return None
-    _check_micro_batch_size(micro_batch_size)
+    try:
+        make_sizing(micro_batch_size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
     _check_own_train_step(model)
     if getattr(model, "optimizer", None) is not None:
         _check_compiled(model)
@@ -257,13 +252,6 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
     model.train_step = step  # Note [keras train step]
     model.train_function = None  # built again on the next fit
     return step
-
-
-def _check_micro_batch_size(value: object) -> None:
-    try:
-        make_sizing(value)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
 
 
 def _check_own_train_step(model: Any) -> None:
@@ -300,13 +288,11 @@ def _warn_batch_norm(model: Any) -> None:
     layers = model._flatten_layers(include_self=False)  # nested models too
     found = [layer.name for layer in layers if isinstance(layer, norms) and layer.trainable]
     if found:
-        warnings.warn(
+        _warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
             "statistics, so a step is not exactly the full batch's: freeze them "
             "(layer.trainable = False) or use keras.layers.GroupNormalization / "
-            "LayerNormalization for exact accumulation.",
-            BigBatchWarning,
-            stacklevel=2,
+            "LayerNormalization for exact accumulation."
         )
 
 
@@ -317,14 +303,15 @@ def _overrides_compute_loss(model: Any) -> bool:
 
 def _warn_float32_matmuls(model: Any) -> None:
     """Say that float64 weights do not make Keras compute in float64 (issue 21, 4b)."""
-    if _keras.backend.result_type("float64", "float64") != "float64" and any(
-        w.dtype == "float64" for w in model.weights
-    ):
-        warnings.warn(
+    wide = any(w.dtype == "float64" for w in model.weights)
+    if wide and _keras.backend.result_type("float64", "float64") != "float64":
+        _warn(
             "the model's weights are float64, but Keras computes float64 layers in float32 "
             "(keras.backend.result_type('float64', 'float64') is 'float32', as in JAX), its own "
             "full-batch fit included: fit with accumulate agrees with it to float32 rounding "
-            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64').",
-            BigBatchWarning,
-            stacklevel=2,
+            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64')."
         )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, BigBatchWarning, stacklevel=3)  # where the step asked for it

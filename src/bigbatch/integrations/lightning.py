@@ -162,10 +162,10 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
             return
         if self.exact is not None:
             w.returns = [float(self.exact.window_loss)]
-        weights = None if self.exact else functools.partial(self._weights, pl_module, w.batches)
+        own = None if self.exact else functools.partial(self._own, pl_module)
         loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
         scope = trainer.precision_plugin.train_step_context()
-        _audit.check(self.report, w, pl_module, loss, weights, trainer.world_size > 1, scope)
+        _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope)
 
     def _loss(self, pl_module: Any, batch: Any) -> torch.Tensor:
         """The module's own ``training_step`` (not a callback's wrapper) on ``batch``: with
@@ -173,10 +173,10 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
         loss_sum, count = _sum_and_count(type(pl_module).training_step(pl_module, batch, 0), batch)
         return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
-    def _weights(self, pl_module: Any, batches: list[Any]) -> Any:
-        """Each micro-batch's own loss and count (a mean's: its labels, else its samples)."""
-        items = functools.partial(_audit.count_items, shifts=False)
-        with torch.no_grad():
-            outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
-        pairs = [_sum_and_count(o, b, items) for o, b in zip(outs, batches, strict=True)]
-        return [float(s / c) for s, c in pairs], [float(c) for _, c in pairs]
+    def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
+        """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        out = type(pl_module).training_step(pl_module, batch, 0)
+        loss_sum, count = _sum_and_count(
+            out, batch, functools.partial(_audit.count_items, shifts=False)
+        )
+        return float(loss_sum / count), float(count)
