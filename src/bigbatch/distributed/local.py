@@ -311,9 +311,8 @@ class LocalAccumulation:
         if not self.at_boundary:
             raise RuntimeError(
                 f"state_dict() in the middle of a round ({self._round.steps} of "
-                f"local_steps={self.local_steps} inner steps taken): the ranks hold different "
-                "parameters until the outer step, so rank 0's snapshot could not resume the "
-                "others. Take it when local.at_boundary is True, or call local.outer_step() first."
+                f"local_steps={self.local_steps} inner steps taken): the ranks' parameters differ "
+                "until the outer step; take it when local.at_boundary, or after local.outer_step()."
             )
         start = {n: s.clone() for n, s in zip(self._names, self._start, strict=True)}
         return {"format": STATE_FORMAT, "local_steps": self.local_steps, "outer_steps":

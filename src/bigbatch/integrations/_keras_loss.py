@@ -164,9 +164,8 @@ def recording(model: Any, record: Recording) -> Iterator[None]:
     entries = getattr(compiled, "_flat_losses", None)
     if entries is None:
         raise RuntimeError(
-            "bigbatch.keras could not find the compiled loss's terms (model._compile_loss."
-            "_flat_losses); this Keras version is not supported: pip install "
-            '"bigbatch[keras]" for a tested one.'
+            "bigbatch.keras found no model._compile_loss._flat_losses: this Keras version is "
+            'not supported; pip install "bigbatch[keras]" for a tested one.'
         )
     original = list(entries)
     entries[:] = [

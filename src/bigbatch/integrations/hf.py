@@ -142,9 +142,8 @@ def _check_class(trainer_class: Any) -> None:
     if _named(trainer_class, GENERATING):  # Note [generating trainers]
         raise TypeError(
             f"exact() does not take {trainer_class.__name__}, which generates inside "
-            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact "
-            "under accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over "
-            "the window) and check a step with bigbatch.hf.audit(trainer)."
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
         )
 
 

@@ -259,9 +259,8 @@ def _check_own_train_step(model: Any) -> None:
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
     if not owner.__module__.startswith("keras."):
         raise ValueError(
-            f"{owner.__name__} defines its own train_step, which accumulate would replace: keep "
-            "Keras' train_step and put custom loss terms in compute_loss (bigbatch.keras honours "
-            "it), or accumulate in your own loop with bigbatch.Accumulator."
+            f"{owner.__name__} defines its own train_step, which accumulate would replace: put "
+            "custom loss terms in compute_loss (honoured), or use bigbatch.Accumulator instead."
         )
 
 
@@ -290,9 +289,8 @@ def _warn_batch_norm(model: Any) -> None:
     if found:
         _warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
-            "statistics, so a step is not exactly the full batch's: freeze them "
-            "(layer.trainable = False) or use keras.layers.GroupNormalization / "
-            "LayerNormalization for exact accumulation."
+            "statistics, so a step is not exactly the full batch's: freeze them (layer.trainable "
+            "= False) or use keras.layers.GroupNormalization / LayerNormalization."
         )
 
 
@@ -307,9 +305,8 @@ def _warn_float32_matmuls(model: Any) -> None:
     if wide and _keras.backend.result_type("float64", "float64") != "float64":
         _warn(
             "the model's weights are float64, but Keras computes float64 layers in float32 "
-            "(keras.backend.result_type('float64', 'float64') is 'float32', as in JAX), its own "
-            "full-batch fit included: fit with accumulate agrees with it to float32 rounding "
-            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64')."
+            "(keras.backend.result_type('float64', 'float64') is 'float32'), its own full-batch "
+            "fit too: fit with accumulate agrees with it to ~1e-7, not 1e-16 (docs/keras.md)."
         )
 
 

@@ -321,8 +321,7 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
     elif not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError(
             f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over "
-            "the batch's samples), a pair (loss_sum, count) or named terms "
-            "{name: (loss_sum, count)}."
+            "the batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
         )
     loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
     return loss_sum.reshape(()), count
@@ -394,9 +393,8 @@ def _gather(
     dist.all_gather_object(everyone, (len(rows[0][1]), shapes), group=ranks.group)
     for r, (_, theirs) in enumerate(everyone):
         if theirs != shapes:
-            path, dtype, shape = next(
-                (a for a, b in zip(shapes, theirs, strict=False) if a != b), shapes[-1]
-            )
+            differ = [a for a, b in zip(shapes, theirs, strict=False) if a != b] or shapes[-1:]
+            path, dtype, shape = differ[0]  # the first that differs (else: one rank has more)
             raise ValueError(
                 f"gather=True: {path} is {dtype} of shape [n, {str(shape)[1:-1]}] on rank "
                 f"{ranks.rank}, not on rank {r}: every rank's tensors must agree past the sample "
