@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._stepping import params_of, scale_grads_
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
@@ -107,9 +108,7 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
         loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
+        scale_grads_(params_of(optimizer), factor)
         self.seen, self.scale = [], None
 
 
