@@ -136,8 +136,7 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
         raise ValueError(
             f"environment variable WORLD_SIZE={world_size} asks for {world_size} processes, and "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch with "
-            f"`torchrun --nproc_per_node {world_size} ...`, which sets them, or unset WORLD_SIZE "
-            "for one process."
+            f"`torchrun --nproc_per_node {world_size} ...`, which sets them, or unset WORLD_SIZE."
         )
     return rank, world_size, local_rank
 

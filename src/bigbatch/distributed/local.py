@@ -311,18 +311,13 @@ class LocalAccumulation:
         if not self.at_boundary:
             raise RuntimeError(
                 f"state_dict() in the middle of a round ({self._round.steps} of "
-                f"local_steps={self.local_steps} inner steps taken): the ranks hold different "
-                "parameters until the outer step, so rank 0's snapshot could not resume the "
-                "others. Take it when local.at_boundary is True, or call local.outer_step() first."
+                f"local_steps={self.local_steps} inner steps taken): the ranks' parameters differ "
+                "until the outer step; take it when local.at_boundary, or after local.outer_step()."
             )
-        return {
-            "format": STATE_FORMAT,
-            "local_steps": self.local_steps,
-            "outer_steps": self.outer_steps,
-            "round_step": self._round.steps,
-            "start": {n: s.clone() for n, s in zip(self._names, self._start, strict=True)},
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-        }
+        start = {n: s.clone() for n, s in zip(self._names, self._start, strict=True)}
+        return {"format": STATE_FORMAT, "local_steps": self.local_steps, "outer_steps":
+                self.outer_steps, "round_step": self._round.steps, "start": start,
+                "outer_optimizer": self.outer_optimizer.state_dict()}  # fmt: skip
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -334,10 +329,8 @@ class LocalAccumulation:
             ValueError: the snapshot is of another format, another ``local_steps`` or model.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"not a LocalAccumulation state of format {STATE_FORMAT}: pass what "
-                "LocalAccumulation.state_dict() returned."
-            )
+            raise ValueError(f"not a LocalAccumulation state of format {STATE_FORMAT}: pass "
+                             "what LocalAccumulation.state_dict() returned.")  # fmt: skip
         saved = {n: tuple(t.shape) for n, t in state["start"].items()}
         mine = {n: tuple(s.shape) for n, s in zip(self._names, self._start, strict=True)}
         for wrong, message in (
@@ -373,11 +366,11 @@ def _check(
     """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
     refused and why: docs/local_accumulation.md); returns the number of ranks."""
     _check_local_steps(local_steps)
-    for name, value, use in (("outer_lr", outer_lr, "a number"),
-                             ("outer_momentum", outer_momentum, "a number"),
-                             ("nesterov", nesterov, "True or False")):  # fmt: skip
-        if isinstance(value, bool) != (name == "nesterov") or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}={value!r} is not allowed: use {use}.")
+    for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}={value!r} is not allowed: use a number.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov={nesterov!r} is not allowed: use True or False.")
     kind = wrapper_kind(accumulator.model)
     held = {id(p) for g in accumulator.optimizer.param_groups for p in g["params"]}
     foreign = len(held - {id(p) for p in accumulator.model.parameters()})
@@ -390,19 +383,16 @@ def _check(
         (nesterov and outer_momentum == 0, ValueError, "nesterov=True needs momentum: pass "
          "outer_momentum > 0 (e.g. 0.9), or nesterov=False."),
         (kind == "ddp", TypeError, "LocalAccumulation needs the plain module, not a "
-         "DistributedDataParallel: DDP all-reduces the gradients in every backward, so the inner "
-         "steps would not be local (the ranks' parameters would never differ). Pass ddp.module; "
-         "LocalAccumulation averages the updates itself, once per local_steps steps."),
+         "DistributedDataParallel, whose every backward all-reduces (the inner steps would not be "
+         "local). Pass ddp.module: LocalAccumulation averages the updates itself."),
         (kind == "fsdp", TypeError, "LocalAccumulation does not support FSDP: a sharded model "
-         "all-gathers its parameters in every forward (the inner steps would talk to the other "
-         "ranks) and a rank must hold a whole replica to step alone. Pass the plain module if it "
-         "fits on one device, else use Accumulator on the FSDP model (one reduce-scatter a step)."),
+         "all-gathers in every forward and cannot step alone. Pass the plain module if it fits on "
+         "one device, else use Accumulator on the FSDP model (one reduce-scatter a step)."),
         (foreign > 0, ValueError, f"the inner optimizer holds {foreign} tensor(s) that are not "
-         "parameters of the model: build it over model.parameters() (the plain module, not a "
-         "copy of it)."),
+         "parameters of the model: build it over model.parameters() (not a copy's)."),
         (world == 1, RuntimeError, f"LocalAccumulation(local_steps={local_steps}) needs several "
-         "ranks and this is one process, so there is nothing to average and local_steps has no "
-         "meaning: use bigbatch.Accumulator, or launch with `torchrun --nproc_per_node N`."),
+         "ranks and this is one process (nothing to average): use bigbatch.Accumulator, or "
+         "launch with `torchrun --nproc_per_node N`."),
     ):  # fmt: skip
         if wrong:
             raise error(message)

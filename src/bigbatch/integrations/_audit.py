@@ -42,13 +42,14 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
 from bigbatch.verifier._probes import ROUNDING, observe
 from bigbatch.verifier._runs import differences
 
 logger = logging.getLogger("bigbatch")
-Weights = Callable[[], tuple[list[float], list[float]]]
+Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
 Grads = dict[str, torch.Tensor]
 
 
@@ -138,8 +139,12 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
     value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
-    pads = [[p for d in reversed(range(1, t.dim())) for p in (0, shape[d] - t.shape[d])] for t in batches]  # fmt: skip
-    return torch.cat([torch.nn.functional.pad(t, p, value=value) for t, p in zip(batches, pads, strict=True)])  # fmt: skip
+
+    def pad(t: torch.Tensor) -> torch.Tensor:  # the last dimension first, as F.pad reads them
+        widths = [(0, want - n) for want, n in zip(shape[:0:-1], t.shape[:0:-1], strict=True)]
+        return torch.nn.functional.pad(t, [w for pair in widths for w in pair], value=value)
+
+    return torch.cat([pad(t) for t in batches])
 
 
 def count_items(batch: Any, shifts: bool) -> Any:
@@ -148,9 +153,9 @@ def count_items(batch: Any, shifts: bool) -> Any:
     (``completion_mask``: TRL's GRPO), else its rows."""
     if not isinstance(batch, Mapping):
         return batch_size(batch)
-    labels = batch.get("shift_labels")
-    if labels is None and batch.get("labels") is not None:
-        labels = batch["labels"][..., 1:] if shifts and batch["labels"].dim() >= 2 else batch["labels"]  # fmt: skip
+    labels, given = batch.get("shift_labels"), batch.get("labels")
+    if labels is None and given is not None:
+        labels = given[..., 1:] if shifts and given.dim() >= 2 else given
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return (labels != -100).sum()
     if isinstance(batch.get("completion_mask"), torch.Tensor):
@@ -166,7 +171,8 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
         return mean_of(terms)
     counts = torch.tensor([float(t.count) for t in terms.values()], dtype=torch.float64)
     torch.distributed.all_reduce(counts)
-    return world * sum(t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True))  # type: ignore[return-value]  # fmt: skip
+    each = [t.weight * t.loss_sum / c for t, c in zip(terms.values(), counts.tolist(), strict=True)]
+    return world * sum(each)  # type: ignore[return-value]
 
 
 def gradients(model: torch.nn.Module) -> Grads:
@@ -180,8 +186,7 @@ def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Itera
     """Within the block: no gradients, the window's first random state; afterwards the gradients,
     the buffers and the random state as they were (Note [audit])."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kept, now = [p.grad for p in params], _rng.capture(device)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    kept, backup = [p.grad for p in params], Backup(model, [], None, device)  # buffers, rng
     for p in params:
         p.grad = None
     _rng.restore(window.rng, device)
@@ -190,22 +195,20 @@ def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Itera
     finally:
         for p, g in zip(params, kept, strict=True):
             p.grad = g
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
-        _rng.restore(now, device)
+        backup.restore()
 
 
 def check(
     log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-    weights: Weights | None, average: bool, scope: Any,
+    own: Own | None, average: bool, scope: Any,
 ) -> None:  # fmt: skip
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
-    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult`` to ``log``.
+    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult``
+    to ``log``.
 
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
-    ``weights()``: each micro-batch's own one-batch loss and count, for the diagnosis (``None``
-    when the trainer weighs micro-batches right by construction: bigbatch's own).
+    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis (``None`` when the
+    trainer weighs micro-batches right by construction: bigbatch's own).
     """
     acc = gradients(model)
     with aside(model, window, next(model.parameters()).device), scope:
@@ -218,11 +221,11 @@ def check(
                 torch.distributed.all_reduce(g)
                 g /= torch.distributed.get_world_size()
         tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
-        log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, weights))
+        log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, own))
 
 
 def judge(
-    window: Window, acc: Grads, grads: Grads, loss: float, tolerance: float, weights: Weights | None
+    window: Window, acc: Grads, grads: Grads, loss: float, tolerance: float, own: Own | None
 ) -> AuditResult:
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
     ``loss``); diagnose a difference (Note [audit diagnosis])."""
@@ -230,10 +233,10 @@ def judge(
     returned, whole, disagree = sum(window.returns), loss, 0.0
     if _world() > 1:  # every rank takes the same path from here: agree on the worst difference
         norms = torch.stack([g.double().norm() for g in acc.values()])
-        spread = torch.stack([worst * torch.ones(()), *norms, *(-norms)]).double()
+        spread = torch.cat([torch.tensor([worst], dtype=torch.float64), norms, -norms])
         torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)
-        worst, half = float(spread[0]), (len(spread) - 1) // 2
-        disagree = float((spread[1 : 1 + half] + spread[1 + half :]).abs().max())
+        worst, (highest, lowest) = float(spread[0]), spread[1:].view(2, -1)  # lowest: negated
+        disagree = float((highest + lowest).abs().max())
         totals = torch.tensor([returned, loss], dtype=torch.float64)
         torch.distributed.all_reduce(totals)  # the loss ratio of the whole window
         returned, whole = totals.tolist()
@@ -242,21 +245,22 @@ def judge(
         returned / whole if whole else math.nan, worst, tolerance,
     )  # fmt: skip
     if not result.exact:
-        result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), weights, tolerance)
+        result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), own, tolerance)
     (logger.info if result.exact else logger.warning)(str(result))
     return result
 
 
 def _diagnose(
-    window: Window, loss: float, ranks_differ: bool, weights: Weights | None, tolerance: float
+    window: Window, loss: float, ranks_differ: bool, own: Own | None, tolerance: float
 ) -> str:
     if ranks_differ:
         return "ranks did not synchronise"
-    if weights is None:
+    if own is None:
         return "loss couples samples across micro-batches"
-    own, counts = weights()
-    k, m, total = window.accumulation_steps, len(own), sum(counts)
-    a = [r / x if x else math.nan for r, x in zip(window.returns, own, strict=True)]
+    with torch.no_grad():
+        losses, counts = zip(*[own(b) for b in window.batches], strict=True)
+    k, m, total = window.accumulation_steps, len(losses), sum(counts)
+    a = [r / x if x else math.nan for r, x in zip(window.returns, losses, strict=True)]
 
     def close(inverse: list[float]) -> bool:  # a_i = 1 / inverse_i for every micro-batch
         return all(abs(ai * t - 1) < 1e-3 for ai, t in zip(a, inverse, strict=True))
@@ -269,7 +273,7 @@ def _diagnose(
         return "÷ accumulation steps applied twice"
     if not close([total / n if n else math.inf for n in counts]):  # not the right weights
         return "loss term normalised locally"
-    weighted = sum(x * n for x, n in zip(own, counts, strict=True)) / total
+    weighted = sum(x * n for x, n in zip(losses, counts, strict=True)) / total
     if abs(weighted - loss) > max(tolerance, 1e-6) * abs(loss):
         return "loss couples samples across micro-batches"
     return "gradients differ where the losses agree"

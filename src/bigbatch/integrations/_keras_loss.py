@@ -120,9 +120,10 @@ def divisor(loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any
     is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
     """
     ones = torch.ones(values.shape, dtype=values.dtype, device=values.device)
-    _carry_mask(values, ones)  # a loss may mask its own values
     stand_in = torch.zeros(1, dtype=values.dtype, device=values.device)
-    _carry_mask(y_pred, stand_in)
+    for source, target in ((values, ones), (y_pred, stand_in)):  # a loss may mask its own values
+        if _mask(source) is not None:
+            target._keras_mask = _mask(source)  # type: ignore[attr-defined]
     weight = sample_weight if loss.reduction == "mean_with_sample_weight" else None
     if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
         weight = weight.clone()
@@ -132,12 +133,6 @@ def divisor(loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any
 
 def _mask(tensor: Any) -> Any:
     return getattr(tensor, "_keras_mask", None)  # where Keras keeps a tensor's mask on torch
-
-
-def _carry_mask(source: Any, target: torch.Tensor) -> None:
-    mask = _mask(source)
-    if mask is not None:
-        target._keras_mask = mask  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -169,9 +164,8 @@ def recording(model: Any, record: Recording) -> Iterator[None]:
     entries = getattr(compiled, "_flat_losses", None)
     if entries is None:
         raise RuntimeError(
-            "bigbatch.keras could not find the compiled loss's terms (model._compile_loss."
-            "_flat_losses); this Keras version is not supported: pip install "
-            '"bigbatch[keras]" for a tested one.'
+            "bigbatch.keras found no model._compile_loss._flat_losses: this Keras version is "
+            'not supported; pip install "bigbatch[keras]" for a tested one.'
         )
     original = list(entries)
     entries[:] = [

@@ -62,8 +62,11 @@ __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
+SETTINGS = ("micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of")
+"""How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
-"""Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating trainers])."""
+"""Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
+trainers])."""
 
 
 def _transformers() -> Any:
@@ -118,10 +121,8 @@ def exact(trainer_class: type) -> type:
             super().__init__(*args, **kwargs)
             if micro_batch_size is None and micro_batch_tokens is None:
                 micro_batch_size = self.args.per_device_train_batch_size
-            settings = dict(
-                micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                memory_budget=memory_budget, pad_to_multiple_of=pad_to_multiple_of,
-            )  # fmt: skip
+            given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
+            settings = dict(zip(SETTINGS, given, strict=True))
             self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -141,9 +142,8 @@ def _check_class(trainer_class: Any) -> None:
     if _named(trainer_class, GENERATING):  # Note [generating trainers]
         raise TypeError(
             f"exact() does not take {trainer_class.__name__}, which generates inside "
-            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo' and 'dapo' are exact under "
-            "accumulation; 'bnpo' averages micro-batch means: 'dapo' is the token mean over the "
-            "window) and check a step with bigbatch.hf.audit(trainer)."
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
         )
 
 
@@ -151,9 +151,9 @@ class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
     def __init__(self, trainer: Any, settings: dict[str, Any], loss_fn: Any) -> None:
-        self.trainer, self.settings, self.loss_fn = trainer, settings, loss_fn
+        self.trainer, self.loss_fn, self.reader = trainer, loss_fn, Reader(trainer)
+        self.settings = {**settings, "nonfinite": "apply"}  # the Trainer's scaler and step decide
         self.pending: list[Any] = []  # the window's batches so far
-        self.reader = Reader(trainer)
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
         stock = loss_fn is None and stock_compute_loss(type(trainer))
@@ -184,10 +184,10 @@ class TrainerWindow:
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
             groups = t.optimizer.param_groups
-            held = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
+            held: Any = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
-            self.acc = Accumulator(model, held, precision=precision, nonfinite="apply", **self.settings)  # type: ignore[arg-type]  # an optimizer's stand-in  # fmt: skip
+            self.acc = Accumulator(model, held, precision=precision, **self.settings)
         return self.acc
 
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
@@ -226,7 +226,8 @@ class Reader:
         return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
 
     def count(self, batch: Any) -> Any:
-        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's ``count_fn``)."""
+        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's
+        ``count_fn``)."""
         return batch_size(batch) if self.paired else _audit.count_items(batch, self.shifts)
 
 
@@ -235,10 +236,9 @@ def one_step(trainer: Any) -> Iterator[None]:
     """Within the block the trainer's accumulation steps are 1, as in its one-batch run: a loss
     that divides by them (``current_gradient_accumulation_steps``, ``args``; GRPO's
     ``steps_per_generation``) sees one batch."""
-    args, names = trainer.args, ("gradient_accumulation_steps", "steps_per_generation")
-    held = [(args, n, getattr(args, n)) for n in names if hasattr(args, n)]
-    name = "current_gradient_accumulation_steps"
-    held.append((trainer, name, getattr(trainer, name)))
+    args, k = trainer.args, "gradient_accumulation_steps"
+    named = [(args, k), (args, "steps_per_generation"), (trainer, "current_" + k)]
+    held = [(owner, name, getattr(owner, name)) for owner, name in named if hasattr(owner, name)]
     for owner, name, _ in held:
         setattr(owner, name, 1)
     try:
@@ -365,7 +365,8 @@ class _Watch:
     def prepare_inputs(self, inputs: Any) -> Any:
         prepared = self.wrapped[1](inputs)
         if self.window is not None:  # a copy: compute_loss may pop the labels
-            self.window.batches.append({**prepared} if isinstance(prepared, Mapping) else prepared)
+            kept = {**prepared} if isinstance(prepared, Mapping) else prepared
+            self.window.batches.append(pairs(kept) if self.reader.paired else kept)
         return prepared
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -376,9 +377,10 @@ class _Watch:
             if len(w.returns) == self.size:
                 self.window = None
                 mine = getattr(self.trainer, "bigbatch_window", None) is not None
-                weights = None if mine else functools.partial(self._weights, model, w.batches)
-                joined = functools.partial(self._loss, model, self.reader.join(w.batches))
-                _audit.check(self.log, w, model, joined, weights, False, one_step(self.trainer))
+                own = None if mine else functools.partial(self._own, model)
+                joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
+                once = functools.partial(self._loss, model, joined)
+                _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
         return loss
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
@@ -393,12 +395,8 @@ class _Watch:
         n = None if n is None else window.window_count(batch)
         return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 
-    def _weights(self, model: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
-        r = self.reader
-        held = [pairs(b) if r.paired else b for b in batches]
-        with torch.no_grad():
-            own = [float(self._loss(model, b)) for b in held]
-        return own, [float(r.count(b)) for b in held]
+    def _own(self, model: Any, batch: Any) -> tuple[float, float]:
+        return float(self._loss(model, batch)), float(self.reader.count(batch))
 
 
 Trainer: type = exact(_transformers().Trainer)

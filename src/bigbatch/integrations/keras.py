@@ -27,7 +27,6 @@ Note [keras train step]
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._auto import AutoState
+from bigbatch.core._precision import Precision
 from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
@@ -47,28 +47,26 @@ __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
 def _import_keras() -> Any:
     """Keras 3 on the torch backend, or an ImportError saying in one line what to do."""
-    setting = f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch"
+    setting = (f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch before "
+               "keras is first imported")  # fmt: skip
     try:
         import keras
     except ModuleNotFoundError as exc:
         if exc.name == "keras":
-            raise ImportError(
-                'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
-                "KERAS_BACKEND=torch."
-            ) from None
+            raise ImportError('bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
+                              "KERAS_BACKEND=torch.") from None  # fmt: skip
         raise ImportError(  # Keras is there; the backend it was asked for is not
-            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start its backend "
-            f"({exc}; {setting} before keras is first imported)."
+            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start it ({exc}; "
+            f"{setting})."
         ) from exc
-    if not keras.__version__.startswith("3."):
-        raise ImportError(
-            f'bigbatch.keras needs Keras 3, found {keras.__version__}: pip install "bigbatch[keras]".'
-        )
-    if keras.backend.backend() != "torch":
-        raise ImportError(
-            f"bigbatch.keras needs Keras' torch backend, but Keras runs on "
-            f"{keras.backend.backend()!r} ({setting} before keras is first imported)."
-        )
+    for wrong, needs in (
+        (not keras.__version__.startswith("3."), f"Keras 3, found {keras.__version__}: pip "
+         'install "bigbatch[keras]".'),
+        (keras.backend.backend() != "torch", "Keras' torch backend, but Keras runs on "
+         f"{keras.backend.backend()!r} ({setting})."),
+    ):  # fmt: skip
+        if wrong:
+            raise ImportError(f"bigbatch.keras needs {needs}")
     return keras
 
 
@@ -114,34 +112,6 @@ class _Optimizer:
         self.model.zero_grad(set_to_none=True)
 
 
-class _Precision:
-    """Keras' own precision handling, as the engine's precision object (``Precision``'s methods).
-
-    Keras casts inside its layers, and a ``LossScaleOptimizer`` scales the loss and unscales and
-    checks the gradients in ``apply``: the engine only back-propagates through ``scale_loss``.
-    """
-
-    name, scaler, autocast_dtype = "keras", None, None
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def autocast(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.model.optimizer.scale_loss(loss).backward()
-
-    def step(self, optimizer: _Optimizer) -> bool:
-        optimizer.step()
-        return False  # whether Keras skipped it is the LossScaleOptimizer's own business
-
-    def unscale_(self, optimizer: Any) -> None: ...
-    def discard(self) -> None: ...
-    def state_dict(self) -> None: ...
-    def load_state_dict(self, state: Any) -> None: ...
-
-
 class Accumulation:
     """The ``train_step`` that ``accumulate`` puts on a Keras model (Note [keras train step]).
 
@@ -153,13 +123,12 @@ class Accumulation:
     """
 
     def __init__(self, model: Any, micro_batch_size: int | str) -> None:
-        self.model = model
-        self.micro_batch_size = micro_batch_size
+        self.model, self.micro_batch_size = model, micro_batch_size
         self.accumulator: Accumulator | None = None
         self.last: StepInfo | None = None
-        self._samples = 0  # N: samples in the fit step being computed
-        self._counted = False  # the engine ran a count pass in this step
-        self._warned = False  # about BatchNormalization, once
+        # N: samples in the fit step being computed; the engine ran a count pass in this step;
+        # warned about BatchNormalization (once)
+        self._samples, self._counted, self._warned = 0, False, False
 
     @property
     def auto_state(self) -> AutoState | None:
@@ -175,8 +144,7 @@ class Accumulation:
         _check_compiled(model)
         if not model.trainable_weights:  # nothing to accumulate: Keras' own step (it warns)
             return type(model).train_step(model, data)
-        x, y, sample_weight = _keras.utils.unpack_x_y_sample_weight(data)
-        batch = (x, y, sample_weight)
+        batch = tuple(_keras.utils.unpack_x_y_sample_weight(data))  # (x, y, sample_weight)
         self._samples, self._counted = batch_size(batch), False
         if self.accumulator is None:
             self.accumulator = self._build()
@@ -194,10 +162,15 @@ class Accumulation:
     def _build(self) -> Accumulator:
         model = self.model
         _warn_float32_matmuls(model)
+        # Keras casts inside its layers, and a LossScaleOptimizer scales the loss and unscales
+        # and checks the gradients in apply: the engine only back-propagates through scale_loss.
+        precision: Any = Precision("fp32", "cpu")  # no autocast, no scaler: the device is moot
+        precision.name = "keras"
+        precision.backward = lambda loss: model.optimizer.scale_loss(loss).backward()
+        optimizer: Any = _Optimizer(model)  # duck-typed
         acc = Accumulator(
-            model, _Optimizer(model), self.micro_batch_size,  # type: ignore[arg-type]  # duck-typed
-            precision=_Precision(model), nonfinite="apply",  # type: ignore[arg-type]  # as Keras
-        )  # fmt: skip
+            model, optimizer, self.micro_batch_size, precision=precision, nonfinite="apply"
+        )
         acc.track(self._state)
         return acc
 
@@ -208,13 +181,8 @@ class Accumulation:
 
     def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
         """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
-        if not torch.is_grad_enabled():  # the engine's count pass (it puts the state back)
-            self._counted = True
-        return self._terms(batch, update_metrics=torch.is_grad_enabled())
-
-    def _terms(self, batch: Any, update_metrics: bool) -> dict[str, Any]:
-        model, (x, y, sample_weight) = self.model, batch
-        n = batch_size(batch)
+        (x, y, sample_weight), n, counting = batch, batch_size(batch), not torch.is_grad_enabled()
+        self._counted |= counting  # the engine's count pass (it puts the state back)
         if n < self._samples and not self._warned:  # cut in several pieces: see BatchNorm
             _warn_batch_norm(model)
             self._warned = True
@@ -223,12 +191,11 @@ class Accumulation:
         record = Recording(n, self._samples)
         with recording(model, record):
             total = model._compute_loss(x, y, y_pred, sample_weight, training=True)
-        if update_metrics:
+        if not counting:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
         terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
-        terms.update({f"loss_{k}": term for k, term in record.data.items()})
-        return terms
+        return terms | {f"loss_{k}": term for k, term in record.data.items()}
 
 
 def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulation | None:
@@ -274,7 +241,10 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
         if isinstance(vars(model).get("train_step"), Accumulation):
             del model.train_step
         return None
-    _check_micro_batch_size(micro_batch_size)
+    try:
+        make_sizing(micro_batch_size)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
     _check_own_train_step(model)
     if getattr(model, "optimizer", None) is not None:
         _check_compiled(model)
@@ -284,59 +254,43 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
     return step
 
 
-def _check_micro_batch_size(value: object) -> None:
-    try:
-        make_sizing(value)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{exc} Or None to undo accumulate.") from None
-
-
 def _check_own_train_step(model: Any) -> None:
     """Refuse a model class with its own ``train_step``: accumulate would silently replace it."""
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
     if not owner.__module__.startswith("keras."):
         raise ValueError(
-            f"{owner.__name__} defines its own train_step, which accumulate would replace: keep "
-            "Keras' train_step and put custom loss terms in compute_loss (bigbatch.keras honours "
-            "it), or accumulate in your own loop with bigbatch.Accumulator."
+            f"{owner.__name__} defines its own train_step, which accumulate would replace: put "
+            "custom loss terms in compute_loss (honoured), or use bigbatch.Accumulator instead."
         )
 
 
 def _check_compiled(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        raise RuntimeError(
-            "the model has no optimizer: call model.compile(optimizer=..., loss=...) before fit."
-        )
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(
-            f"the optimizer has gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}; bigbatch.keras.accumulate already makes "
-            "each fit step one step over the whole batch: compile without "
-            "gradient_accumulation_steps and pass the whole batch as fit's batch_size."
-        )
-    if getattr(model, "jit_compile", False) is True:
-        raise ValueError(
-            "jit_compile=True is not supported with bigbatch.keras.accumulate (the step loops "
-            "over micro-batches in Python): model.compile(..., jit_compile=False)."
-        )
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    for wrong, error, message in (
+        (optimizer is None, RuntimeError, "the model has no optimizer: call "
+         "model.compile(optimizer=..., loss=...) before fit."),
+        (bool(steps), ValueError, f"the optimizer has gradient_accumulation_steps={steps}; "
+         "bigbatch.keras.accumulate already makes each fit step one step over the whole batch: "
+         "compile without gradient_accumulation_steps; pass the whole batch as fit's batch_size."),
+        (getattr(model, "jit_compile", False) is True, ValueError, "jit_compile=True is not "
+         "supported with bigbatch.keras.accumulate (the step loops over micro-batches in Python): "
+         "model.compile(..., jit_compile=False)."),
+    ):  # fmt: skip
+        if wrong:
+            raise error(message)
 
 
 def _warn_batch_norm(model: Any) -> None:
     """One BigBatchWarning naming the trainable BatchNormalization layers, if there are any."""
-    found = [
-        layer.name
-        for layer in model._flatten_layers(include_self=False)  # nested models too
-        if isinstance(layer, _keras.layers.BatchNormalization) and layer.trainable
-    ]
+    norms = _keras.layers.BatchNormalization
+    layers = model._flatten_layers(include_self=False)  # nested models too
+    found = [layer.name for layer in layers if isinstance(layer, norms) and layer.trainable]
     if found:
-        warnings.warn(
+        _warn(
             f"BatchNormalization layers {found} normalise each micro-batch with its own batch "
-            "statistics, so a step is not exactly the full batch's: freeze them "
-            "(layer.trainable = False) or use keras.layers.GroupNormalization / "
-            "LayerNormalization for exact accumulation.",
-            BigBatchWarning,
-            stacklevel=2,
+            "statistics, so a step is not exactly the full batch's: freeze them (layer.trainable "
+            "= False) or use keras.layers.GroupNormalization / LayerNormalization."
         )
 
 
@@ -347,14 +301,14 @@ def _overrides_compute_loss(model: Any) -> bool:
 
 def _warn_float32_matmuls(model: Any) -> None:
     """Say that float64 weights do not make Keras compute in float64 (issue 21, 4b)."""
-    if _keras.backend.result_type("float64", "float64") != "float64" and any(
-        w.dtype == "float64" for w in model.weights
-    ):
-        warnings.warn(
+    wide = any(w.dtype == "float64" for w in model.weights)
+    if wide and _keras.backend.result_type("float64", "float64") != "float64":
+        _warn(
             "the model's weights are float64, but Keras computes float64 layers in float32 "
-            "(keras.backend.result_type('float64', 'float64') is 'float32', as in JAX), its own "
-            "full-batch fit included: fit with accumulate agrees with it to float32 rounding "
-            "(~1e-7), not 1e-16 (docs/keras.md, 'Testing in float64').",
-            BigBatchWarning,
-            stacklevel=2,
+            "(keras.backend.result_type('float64', 'float64') is 'float32'), its own full-batch "
+            "fit too: fit with accumulate agrees with it to ~1e-7, not 1e-16 (docs/keras.md)."
         )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, BigBatchWarning, stacklevel=3)  # where the step asked for it

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._stepping import params_of, scale_grads_
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
@@ -37,7 +38,7 @@ def _lightning() -> Any:
     try:
         import lightning.pytorch as pl
     except ModuleNotFoundError as exc:
-        raise ImportError('bigbatch.lightning needs Lightning: pip install "bigbatch[lightning]"') from exc  # fmt: skip
+        raise ImportError('Lightning is missing: pip install "bigbatch[lightning]"') from exc
     return pl
 
 
@@ -107,9 +108,7 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
         loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
+        scale_grads_(params_of(optimizer), factor)
         self.seen, self.scale = [], None
 
 
@@ -162,10 +161,10 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
             return
         if self.exact is not None:
             w.returns = [float(self.exact.window_loss)]
-        weights = functools.partial(self._weights, pl_module, w.batches) if self.exact is None else None  # fmt: skip
+        own = None if self.exact else functools.partial(self._own, pl_module)
         loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
         scope = trainer.precision_plugin.train_step_context()
-        _audit.check(self.report, w, pl_module, loss, weights, trainer.world_size > 1, scope)
+        _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope)
 
     def _loss(self, pl_module: Any, batch: Any) -> torch.Tensor:
         """The module's own ``training_step`` (not a callback's wrapper) on ``batch``: with
@@ -173,10 +172,10 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
         loss_sum, count = _sum_and_count(type(pl_module).training_step(pl_module, batch, 0), batch)
         return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
-    def _weights(self, pl_module: Any, batches: list[Any]) -> Any:
-        """Each micro-batch's own loss and count (a mean's: its labels, else its samples)."""
-        items = functools.partial(_audit.count_items, shifts=False)
-        with torch.no_grad():
-            outs = [type(pl_module).training_step(pl_module, b, 0) for b in batches]
-        pairs = [_sum_and_count(o, b, items) for o, b in zip(outs, batches, strict=True)]
-        return [float(s / c) for s, c in pairs], [float(c) for _, c in pairs]
+    def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
+        """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        out = type(pl_module).training_step(pl_module, batch, 0)
+        loss_sum, count = _sum_and_count(
+            out, batch, functools.partial(_audit.count_items, shifts=False)
+        )
+        return float(loss_sum / count), float(count)

@@ -66,7 +66,7 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
-from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss, mean_of
+from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, check_scalar_loss, mean_of
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -189,18 +189,15 @@ class CachedLoss:
             everyone, whole, offset = _gather(ranks, encoded, batch if self.takes_batch else None)
         reps = [t.detach().requires_grad_() for t in everyone]
         scalars = [t.detach().requires_grad_(t.is_floating_point()) for _, t in per_batch]
+        row_it, scalar_it = iter(reps), iter(scalars)
+        tree = map_tensors(lambda t: next(scalar_it if t.dim() == 0 else row_it), template)
         with torch.enable_grad():
-            row_it, scalar_it = iter(reps), iter(scalars)
-            tree = map_tensors(
-                lambda t: next(scalar_it) if t.dim() == 0 else next(row_it), template
-            )
             loss_sum, count = self._loss(tree, whole, len(reps[0]))
-        sizes = [batch_size(p) for p in pieces]
-        end_state = _rng.capture(device)  # after pass 1 and the batch loss
+        sizes, states = [batch_size(p) for p in pieces], [*states, _rng.capture(device)]
         grads = _gradients(loss_sum, reps, scalars, offset, sum(sizes), order)
         counts = [count * (n / len(reps[0])) for n in sizes]
         paths = [path for path, _ in encoded + per_batch]
-        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, end_state, *grads,
+        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, *grads,
                           loss_sum.detach() / count, counts, 1.0 / ranks.size)  # fmt: skip
 
     def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -216,8 +213,7 @@ class _PieceLoss:
     pieces: list[Batch]
     paths: list[str]  # the representations, as pass 1 saw them
     sizes: list[int]  # samples per micro-batch
-    states: list[_rng.RngState]  # random state before each micro-batch's encode
-    end_state: _rng.RngState  # random state to leave behind
+    states: list[_rng.RngState]  # random state before each micro-batch's encode, then after
     grads: Grads  # ∂S/∂r of this rank's samples; None: the loss ignores r
     per_batch: Grads  # ∂S/∂(0-dim output)
     params: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter used directly, ∂S/∂p)
@@ -235,7 +231,7 @@ class _PieceLoss:
         device, start, n = _device_of(model), sum(self.sizes[:j]), self.sizes[j]
         _rng.restore(self.states[j], device)  # the dropout masks of pass 1
         reps = self.encode_fn(model, piece)
-        _rng.restore(self.end_state, device)
+        _rng.restore(self.states[-1], device)  # as after pass 1 and the batch loss
         needs = attrgetter("requires_grad")
         rows, per_batch = _split_leaves(reps, n, f"micro-batch {j}", self.paths, needs)
         mine = zip([r for _, r in rows], self.grads, strict=True)
@@ -284,22 +280,19 @@ def _split_leaves(
     for wrong, error, message in (
         (column is not None, TypeError, f"encode_fn returned per-sample values that are not "
          f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
-         "tensors from encode_fn and take ids or strings from batch_loss_fn's batch argument (it "
-         "sees the whole batch)."),
+         "tensors; take ids or strings from batch_loss_fn's batch (it sees the whole batch)."),
         (not rows, TypeError, f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
-         f"for {where}: return a tensor, or a tuple / dict of tensors whose first dimension is the "
-         "sample dimension."),
+         f"for {where}: return a tensor, or a tuple / dict of tensors, one row per sample."),
         (any(t.shape[0] != n for _, t in rows), ValueError, "encode_fn's outputs disagree on the "
          f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
-         "one row per sample. Return one value for the whole batch (e.g. a temperature) as a "
-         "0-dim tensor."),
+         "one row per sample. Return one value for the batch (e.g. a temperature) as 0-dim."),
         (paths is not None and names != paths, ValueError, f"encode_fn returned {names} for "
          f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch."),
         (bad is not None, ValueError, "encode_fn's {} (shape {}) does not require grad, so no "
-         "gradient reaches the model through it: every per-sample representation must be computed "
-         "from trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, "
-         "not an input passed through). Take per-sample inputs such as labels from batch_loss_fn's "
-         "batch argument.".format(*(bad or ("", ())))),
+         "gradient reaches the model through it: compute every per-sample representation from "
+         "trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, not "
+         "an input passed through); take labels and such from batch_loss_fn's batch."
+         .format(*(bad or ("", ())))),
     ):  # fmt: skip
         if wrong:
             raise error(message)
@@ -325,14 +318,13 @@ def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float
         out = mean_of(as_terms(out, n))
     if isinstance(out, torch.Tensor):
         check_scalar_loss(out, "batch_loss_fn's return value")
-        return out.reshape(()) * n, float(n)
-    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        check_scalar_loss(out[0], "batch_loss_fn's loss_sum")
-        return out[0].reshape(()), check_count(out[1], "batch_loss_fn's count")
-    raise TypeError(
-        f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over the "
-        "batch's samples), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
-    )
+    elif not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(
+            f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over "
+            "the batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
+        )
+    loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
+    return loss_sum.reshape(()), count
 
 
 def _gradients(
@@ -401,9 +393,8 @@ def _gather(
     dist.all_gather_object(everyone, (len(rows[0][1]), shapes), group=ranks.group)
     for r, (_, theirs) in enumerate(everyone):
         if theirs != shapes:
-            path, dtype, shape = next(
-                (a for a, b in zip(shapes, theirs, strict=False) if a != b), shapes[-1]
-            )
+            differ = [a for a, b in zip(shapes, theirs, strict=False) if a != b] or shapes[-1:]
+            path, dtype, shape = differ[0]  # the first that differs (else: one rank has more)
             raise ValueError(
                 f"gather=True: {path} is {dtype} of shape [n, {str(shape)[1:-1]}] on rank "
                 f"{ranks.rank}, not on rank {r}: every rank's tensors must agree past the sample "
@@ -430,9 +421,8 @@ def _takes_batch(fn: Callable[..., Any]) -> bool:
         kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
     except (TypeError, ValueError):  # a builtin without a signature: pass the batch
         return True
-    P = inspect.Parameter
-    positional = sum(k in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for k in kinds)
-    return P.VAR_POSITIONAL in kinds or positional >= 2
+    P = inspect.Parameter  # kinds are ordered: POSITIONAL_ONLY < POSITIONAL_OR_KEYWORD < ...
+    return P.VAR_POSITIONAL in kinds or sum(k <= P.POSITIONAL_OR_KEYWORD for k in kinds) >= 2
 
 
 def _device_of(model: nn.Module) -> torch.device:

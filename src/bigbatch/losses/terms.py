@@ -39,18 +39,17 @@ import torch.nn.functional as F
 from bigbatch.core.loss import Term
 
 Terms = dict[str, Term]
-UNITS = ("token", "sequence", "constant")
 
 
 def _shifted(
-    logits: torch.Tensor, labels: torch.Tensor, shift: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[tokens, vocab]`` logits (half precision upcast) and ``[tokens]`` labels."""
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[tokens, vocab]`` logits (half precision upcast), ``[tokens]`` labels, the labelled."""
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     flat = logits.reshape(-1, logits.shape[-1])
     flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-    return flat, labels.reshape(-1)
+    return flat, labels.reshape(-1), labels.reshape(-1) != ignore_index
 
 
 def token_nll(
@@ -58,11 +57,11 @@ def token_nll(
     shift: bool = True, label_smoothing: float = 0.0, ignore_index: int = -100,
 ) -> Terms:  # fmt: skip
     """Cross-entropy per labelled token (``labels != ignore_index``), summed; counted in tokens."""
-    flat, target = _shifted(logits, labels, shift)
+    flat, target, kept = _shifted(logits, labels, shift, ignore_index)
     total = F.cross_entropy(
         flat, target, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
     )
-    return {name: Term(total, (target != ignore_index).sum(), weight)}
+    return {name: Term(total, kept.sum(), weight)}
 
 
 def z_loss(
@@ -70,8 +69,7 @@ def z_loss(
     shift: bool = True, ignore_index: int = -100,
 ) -> Terms:  # fmt: skip
     """``logsumexp(logits)²`` per labelled token (keeps the softmax normaliser near 1)."""
-    flat, target = _shifted(logits, labels, shift)
-    kept = target != ignore_index
+    flat, _, kept = _shifted(logits, labels, shift, ignore_index)
     return {name: Term((flat.logsumexp(-1)[kept] ** 2).sum(), kept.sum(), weight)}
 
 
@@ -113,7 +111,7 @@ def policy_gradient(
     Raises:
         ValueError: an unknown ``unit``, or ``"constant"`` without ``max_len``.
     """
-    if unit not in UNITS or (unit == "constant" and not max_len):
+    if unit not in ("token", "sequence", "constant") or (unit == "constant" and not max_len):
         raise ValueError(
             f"unit={unit!r}, max_len={max_len!r} is not allowed: use unit='token', 'sequence', "
             "or 'constant' with max_len, the fixed length (not a micro-batch's, which varies)."
