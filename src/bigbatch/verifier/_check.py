@@ -29,7 +29,13 @@ from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
 from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
-from bigbatch.verifier._runs import Case, accumulated_grads, differences, full_run
+from bigbatch.verifier._runs import (
+    Case,
+    accumulated_grads,
+    differences,
+    full_run,
+    term_differences,
+)
 
 __all__ = ["CheckReport", "Diagnosis", "NotExactError", "check"]
 
@@ -46,6 +52,8 @@ class CheckReport:
         tolerance: the relative difference counted as rounding: the ``tolerance`` asked for,
             raised to the rounding of ``compute_dtype`` when that is below float64.
         diagnoses: why it is not exact (empty when exact).
+        term_differences: when not exact and ``loss_fn`` returns named terms, per term the
+            largest relative difference of the gradient accumulated from that term alone.
         compute_dtype: the lowest precision the float64 copy really computed in: float64, or
             float32 (or a half type) where the model or loss casts down (Note [float32 islands]).
         low_precision_in: where it computed in ``compute_dtype`` (modules, or ``loss_fn``);
@@ -61,6 +69,7 @@ class CheckReport:
     micro_batch_size: int
     tolerance: float
     diagnoses: list[Diagnosis] = field(default_factory=list)
+    term_differences: dict[str, float] = field(default_factory=dict)
     compute_dtype: torch.dtype = torch.float64
     low_precision_in: tuple[str, ...] = ()
     dropout_off: tuple[str, ...] = ()
@@ -170,12 +179,13 @@ def check(
     diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     found = nonfinite(case, full, acc, acc_loss)
     within = all(d <= tolerance for d in diffs.values())
-    diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads)
+    terms = {} if within or found else term_differences(case, full.terms)
+    diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads, terms)
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
     report = CheckReport(
         exact=within and not diagnoses, differences=diffs, batch_size=n, micro_batch_size=size,
-        tolerance=tolerance, diagnoses=diagnoses, compute_dtype=observed.dtype,
+        tolerance=tolerance, diagnoses=diagnoses, term_differences=terms, compute_dtype=observed.dtype,
         low_precision_in=_labels(model, observed.where), dropout_off=_labels(model, observed.dropout),
     )  # fmt: skip
     if raise_on_failure and not report.exact:

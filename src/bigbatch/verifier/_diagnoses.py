@@ -24,9 +24,11 @@ class Diagnosis:
 
     Attributes:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
-            ``"batch-coupled-loss"``, ``"non-deterministic"``, ``"unprobed"`` (no cause found,
+            ``"batch-coupled-loss"``, ``"term-mean"`` (a named term normalised inside the
+            micro-batch), ``"term-batch-statistic"`` (a named term that depends on the other
+            samples of its micro-batch), ``"non-deterministic"``, ``"unprobed"`` (no cause found,
             and these modules could not be probed) or ``"checkpointing"``.
-        modules: the modules (names in the model) or parameters responsible, if any.
+        modules: the modules (names in the model), parameters or named terms responsible.
         message: what happens and what to do.
     """
 
@@ -62,13 +64,25 @@ MESSAGES = {  # what happens and what to do, by kind; {} is where the modules ar
     "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
     "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
     "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
+    "term-mean": "term {!r} is normalised inside each micro-batch (a mean returned as its "
+    "loss_sum, e.g. (x.mean(), 1) or (x.sum() / len(micro_batch), 1)), so micro-batch means are "
+    "added up: return its sum and count, (x.sum(), count), and bigbatch divides by the total.",
+    "term-batch-statistic": "term {!r} of a sample depends on the other samples of its "
+    "micro-batch: a batch statistic computed per micro-batch (advantages normalised by its mean "
+    "and std, a MoE balance over its routing fractions). Compute the statistic in stats_fn, "
+    "train_step(batch, loss_fn, stats_fn=stats_fn): its additive parts are totalled over the "
+    "window before loss_fn(model, micro_batch, stats) (docs/compound_losses.md). In-batch "
+    "negatives instead: bigbatch.cached_loss.",
 }
 
 
-def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> list[Diagnosis]:
+def diagnose(
+    case: Case, tolerance: float, full: dict[str, torch.Tensor], terms: dict[str, float]
+) -> list[Diagnosis]:
     """Why the accumulated gradient differs from ``full``: every cause found, most specific
     first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
-    ``tolerance`` is the relative difference counted as rounding (Note [float32 islands])."""
+    ``tolerance`` is the relative difference counted as rounding (Note [float32 islands]);
+    ``terms`` holds each named term's difference (``term_differences``; empty: a plain loss)."""
     found = []
     if _rerun(case, full) > tolerance:
         found.append(Diagnosis("non-deterministic", (), MESSAGES["non-deterministic"]))
@@ -79,7 +93,8 @@ def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> lis
     )  # fmt: skip
     if coupled:
         found.append(_naming("batch-statistics", case.model, coupled))
-    found += _loss_diagnoses(case, rtol, suspect=bool(coupled or unprobed))
+    differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
+    found += _loss_diagnoses(case, rtol, bool(coupled or unprobed), differ)
     if not found and unprobed:
         found.append(_naming("unprobed", case.model, unprobed))
     return found
@@ -103,8 +118,11 @@ def _naming(kind: str, model: nn.Module, names: list[str]) -> Diagnosis:
     return Diagnosis(kind, tuple(names), MESSAGES[kind].format(labels))
 
 
-def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
-    """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
+def _loss_diagnoses(
+    case: Case, rtol: float, suspect: bool, terms: list[str] | None
+) -> list[Diagnosis]:
+    """Is the loss, or each named term in ``terms`` (those that differ; ``None``: a plain loss),
+    additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
 
     When modules of the model couple the samples or change state with every call (``suspect``;
     BatchNorm does not count, the eval() copy runs it on running statistics), halves do not add
@@ -117,10 +135,17 @@ def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
     half = (n + 1) // 2
     per_sample = [torch.ones(n), *labelled_tokens(case.batch)]
     weights = [[float(k.sum()) for k in split(items, half)] for items in per_sample]
-    kind = loss_kind(case.sums(work, n)[0], case.sums(work, half), weights, rtol)
-    if kind is None or (suspect and kind == "batch-coupled-loss"):
-        return []
-    return [Diagnosis(kind, (), MESSAGES[kind])]
+    whole, parts, found = case.sums(work, n)[0], case.sums(work, half), []
+    for name in whole if terms is None else terms:
+        kind = loss_kind(whole[name], [p[name] for p in parts], weights, rtol)
+        if kind is None or (suspect and kind == "batch-coupled-loss"):
+            continue
+        if terms is None:
+            found.append(Diagnosis(kind, (), MESSAGES[kind]))
+        else:
+            kind = "term-batch-statistic" if kind == "batch-coupled-loss" else "term-mean"
+            found.append(Diagnosis(kind, (name,), MESSAGES[kind].format(name)))
+    return found
 
 
 def loss_kind(
@@ -256,11 +281,13 @@ def _count_nonfinite(path: str, t: torch.Tensor) -> str:
 
 def _nonfinite_micro_batch(case: Case) -> Diagnosis:
     """The first micro-batch whose loss is not finite when the full batch's is."""
-    for i, (loss_sum, count) in enumerate(case.sums(copy_float64(case.model), case.size)):
+    pieces = case.sums(copy_float64(case.model), case.size)
+    for i, name, (loss_sum, count) in ((i, *t) for i, p in enumerate(pieces) for t in p.items()):
         if not (math.isfinite(loss_sum) and math.isfinite(count)):
             start, end = i * case.size, min((i + 1) * case.size, batch_size(case.batch))
+            term = "" if name == "loss" else f"term {name!r}: "
             return _nonfinite(
-                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: loss_sum "
+                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: {term}loss_sum "
                 f"{loss_sum}, count {count}) although the whole batch's is finite: a mean over "
                 "zero items (all padding?) is NaN. Return (loss_sum, count) with a sum, which is "
                 "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels)."
