@@ -48,7 +48,7 @@ def test_a_term_normalised_inside_the_micro_batch_is_named(gen):
     assert not report.exact
     assert [(d.kind, d.modules) for d in report.diagnoses] == [("term-mean", ("z_loss",))]
     assert "term 'z_loss' is normalised inside each micro-batch" in report.summary()
-    assert "return its sum and count" in report.summary()
+    assert "Return its sum and count" in report.summary()
     assert report.term_differences["nll"] < 1e-10 < 1e-3 < report.term_differences["z_loss"]
 
 

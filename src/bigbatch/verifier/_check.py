@@ -27,15 +27,9 @@ from bigbatch.core._tree import map_tensors
 from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
+from bigbatch.verifier import _runs
 from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
-from bigbatch.verifier._runs import (
-    Case,
-    accumulated_grads,
-    differences,
-    full_run,
-    term_differences,
-)
 
 __all__ = ["CheckReport", "Diagnosis", "NotExactError", "check"]
 
@@ -77,14 +71,11 @@ class CheckReport:
     @property
     def max_difference(self) -> float:
         """The largest per-parameter relative difference (NaN if any is NaN)."""
-        values = list(self.differences.values())
-        return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+        return max(self.differences.values(), key=_nan_largest, default=0.0)
 
     def worst(self, k: int = 10) -> list[tuple[str, float]]:
         """The ``k`` parameters with the largest relative difference, largest (or NaN) first."""
-        return sorted(
-            self.differences.items(), key=lambda kv: -math.inf if math.isnan(kv[1]) else -kv[1]
-        )[:k]
+        return sorted(self.differences.items(), key=lambda kv: -_nan_largest(kv[1]))[:k]
 
     def summary(self) -> str:
         """One paragraph: the verdict, the precision it holds to, dropout, each diagnosis."""
@@ -98,8 +89,7 @@ class CheckReport:
         if self.dropout_off:
             lines.append(
                 f"- dropout off in {_by_class(self.dropout_off)} (dropout_off names them): "
-                "micro-batches draw other masks than the full batch, from the same distribution, "
-                "so check compares the rest with dropout off"
+                "micro-batches draw other masks from the same distribution; the rest is compared"
             )
         if self.compute_dtype != torch.float64:
             dtype = str(self.compute_dtype).removeprefix("torch.")
@@ -109,6 +99,10 @@ class CheckReport:
                 f"differences up to {dtype} rounding are not counted"
             )
         return "\n".join([*lines, *(f"- {d.kind}: {d.message}" for d in self.diagnoses)])
+
+
+def _nan_largest(value: float) -> float:
+    return math.inf if math.isnan(value) else value
 
 
 def _by_class(labels: tuple[str, ...]) -> str:
@@ -171,22 +165,23 @@ def check(
     """
     n, size = _check_arguments(model, batch, micro_batch_size, tolerance)
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
-    case = Case(model, batch, loss_fn, size, seed)
-    full = full_run(case)
+    case = _runs.Case(model, batch, loss_fn, size, seed)
+    full = _runs.full_run(case)
     observed = full.observed
     tolerance = max(tolerance, ROUNDING.get(observed.dtype, 0.0))
-    acc, acc_loss = accumulated_grads(case) if full.finite else ({}, math.nan)
-    diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
+    acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
+    diffs = (
+        _runs.differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
+    )
     found = nonfinite(case, full, acc, acc_loss)
     within = all(d <= tolerance for d in diffs.values())
-    terms = {} if within or found else term_differences(case, full.terms)
+    terms = {} if within or found else _runs.term_differences(case, full.terms)
     diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads, terms)
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
-    report = CheckReport(
-        exact=within and not diagnoses, differences=diffs, batch_size=n, micro_batch_size=size,
-        tolerance=tolerance, diagnoses=diagnoses, term_differences=terms, compute_dtype=observed.dtype,
-        low_precision_in=_labels(model, observed.where), dropout_off=_labels(model, observed.dropout),
+    report = CheckReport(  # the fields in order
+        within and not diagnoses, diffs, n, size, tolerance, diagnoses, terms, observed.dtype,
+        _labels(model, observed.where), _labels(model, observed.dropout),
     )  # fmt: skip
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
@@ -214,13 +209,11 @@ def _check_arguments(
         raise ValueError(f"tolerance={tolerance!r} is not allowed: {allowed}")
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
-        held = f"all {len(params)} of its parameters have requires_grad=False" if params else (
-            "it has no parameters"
-        )  # fmt: skip
+        held = f"all {len(params)} of its parameters have requires_grad=False"
         raise ValueError(
             f"check needs a model with trainable parameters, and {type(model).__name__} has none "
-            f"({held}): pass the module that holds the weights you train, or call "
-            "requires_grad_(True) on the ones to train."
+            f"({held if params else 'it has no parameters'}): pass the module holding the weights "
+            "you train, or requires_grad_(True) them."
         )
     return n, m
 

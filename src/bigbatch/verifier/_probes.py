@@ -137,13 +137,10 @@ def _dropout_off(func: Any, args: list[Any], kwargs: dict[str, Any]) -> bool:
     (i, name, default), flag = _DROPOUT[func]
     p = args[i] if len(args) > i else kwargs.get(name, default)
     on = flag is None or (args[flag[0]] if len(args) > flag[0] else kwargs.get(*flag[1:]))
-    if not (on and p):
-        return False
-    if len(args) > i:
-        args[i] = 0.0
-    else:
-        kwargs[name] = 0.0
-    return True
+    if on and p:
+        place: Any = args if len(args) > i else kwargs
+        place[i if place is args else name] = 0.0
+    return bool(on and p)
 
 
 def finite(t: torch.Tensor) -> bool:

@@ -87,17 +87,15 @@ def full_run(case: Case, checkpointing: bool = True) -> FullRun:
         loss = mean_of(as_terms(out, batch_size(case.batch)))
         if not loss.requires_grad:
             raise ValueError(
-                "loss_fn's loss does not depend on the model's parameters (it carries no "
-                "gradient): compute it from the model's outputs, without torch.no_grad(), "
-                ".detach() or .item()."
+                "loss_fn's loss does not depend on the model's parameters (no gradient): compute "
+                "it from the model's outputs, without torch.no_grad(), .detach() or .item()."
             )
         loss.backward()
     grads = {n: p.grad.detach() for n, p in work.named_parameters() if p.grad is not None}
     if not grads:
         raise ValueError(
             "no gradient reaches any of the model's trainable parameters from loss_fn's loss: "
-            "compute it from the outputs of the model passed to check (does loss_fn call another "
-            "model?)."
+            "compute it from the outputs of the model passed to check, not another model's."
         )
     named = isinstance(out, Mapping) and not isinstance(case.loss_fn, WindowLoss)
     return FullRun(grads, float(loss.detach()), observed, tuple(out) if named else ())
@@ -110,12 +108,10 @@ def term_differences(case: Case, names: tuple[str, ...]) -> dict[str, float]:
     found = {}
     for name in names:
         one = dataclasses.replace(case, loss_fn=functools.partial(_only, case.loss_fn, name))
-        try:
+        found[name] = 0.0  # unless a gradient reaches the parameters from this term
+        with contextlib.suppress(ValueError):
             full = full_run(one).grads
-        except ValueError:  # no gradient from this term: it cannot make a difference
-            found[name] = 0.0
-            continue
-        found[name] = max(differences(accumulated_grads(one)[0], full).values(), default=0.0)
+            found[name] = max(differences(accumulated_grads(one)[0], full).values(), default=0.0)
     return found
 
 
