@@ -9,7 +9,9 @@ islands] in ``_probes``). When they differ it diagnoses why: non-finite inputs, 
 or losses; modules whose output for one sample depends on the other samples (found by replaying
 every module, not by class name: Note [replay without caches]); a loss that returns a mean as if
 it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
-(in-batch negatives); or non-determinism. When blocks of the model are checkpointed
+(in-batch negatives); a named term normalised inside the micro-batch, or one that depends on
+a statistic of its micro-batch where a statistics pass (``stats_fn``) is needed (each named term
+is compared alone: ``CheckReport.term_differences``); or non-determinism. When blocks of the model are checkpointed
 (``enable_checkpointing``) it also checks that the gradient is the same without.
 """
 
@@ -31,8 +33,6 @@ from bigbatch.verifier import _runs
 from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
 
-__all__ = ["CheckReport", "Diagnosis", "NotExactError", "check"]
-
 
 @dataclass
 class CheckReport:
@@ -46,8 +46,6 @@ class CheckReport:
         tolerance: the relative difference counted as rounding: the ``tolerance`` asked for,
             raised to the rounding of ``compute_dtype`` when that is below float64.
         diagnoses: why it is not exact (empty when exact).
-        term_differences: when not exact and ``loss_fn`` returns named terms, per term the
-            largest relative difference of the gradient accumulated from that term alone.
         compute_dtype: the lowest precision the float64 copy really computed in: float64, or
             float32 (or a half type) where the model or loss casts down (Note [float32 islands]).
         low_precision_in: where it computed in ``compute_dtype`` (modules, or ``loss_fn``);
@@ -55,6 +53,8 @@ class CheckReport:
         dropout_off: the modules whose dropout ``check`` turned off (Note [dropout in check]);
             with dropout on, the accumulated gradient is equal to the full batch's in
             distribution, not in value.
+        term_differences: when not exact and ``loss_fn`` returns named terms, per term the
+            largest relative difference of the gradient accumulated from that term alone.
     """
 
     exact: bool
@@ -63,10 +63,10 @@ class CheckReport:
     micro_batch_size: int
     tolerance: float
     diagnoses: list[Diagnosis] = field(default_factory=list)
-    term_differences: dict[str, float] = field(default_factory=dict)
     compute_dtype: torch.dtype = torch.float64
     low_precision_in: tuple[str, ...] = ()
     dropout_off: tuple[str, ...] = ()
+    term_differences: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_difference(self) -> float:
@@ -82,23 +82,18 @@ class CheckReport:
         verdict = "exact" if self.exact else "NOT exact"
         if self.dropout_off:
             verdict += " (dropout off)" + ("; with dropout on, equal in distribution" * self.exact)
-        lines = [
-            f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
-            f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
-        ]
-        if self.dropout_off:
-            lines.append(
-                f"- dropout off in {_by_class(self.dropout_off)} (dropout_off names them): "
-                "micro-batches draw other masks from the same distribution; the rest is compared"
-            )
-        if self.compute_dtype != torch.float64:
-            dtype = str(self.compute_dtype).removeprefix("torch.")
-            lines.append(
-                f"- tolerance {self.tolerance:.0e}: the float64 copy computes partly in {dtype} "
-                f"(in {_by_class(self.low_precision_in)}: low_precision_in names them), so "
-                f"differences up to {dtype} rounding are not counted"
-            )
-        return "\n".join([*lines, *(f"- {d.kind}: {d.message}" for d in self.diagnoses)])
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        notes = [  # (shown, line)
+            (self.dropout_off, f"dropout off in {_by_class(self.dropout_off)} (dropout_off names "
+             "them): micro-batches draw other masks, from the same distribution"),
+            (dtype != "float64", f"tolerance {self.tolerance:.0e}: the float64 copy computes "
+             f"partly in {dtype} (in {_by_class(self.low_precision_in)}: low_precision_in names "
+             f"them), so differences up to {dtype} rounding are not counted"),
+            *((True, f"{d.kind}: {d.message}") for d in self.diagnoses),
+        ]  # fmt: skip
+        head = f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
+        head += f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
+        return "\n".join([head, *(f"- {line}" for shown, line in notes if shown)])
 
 
 def _nan_largest(value: float) -> float:
@@ -139,7 +134,8 @@ def check(
     Args:
         model: the model, in the mode (train / eval) it trains in; it is not changed.
         batch: one logical batch (at least 2 samples).
-        loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator``.
+        loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator`` (a mean, a
+            ``(loss_sum, count)`` pair or named terms).
         micro_batch_size: samples per micro-batch; default about a third of the batch
             (uneven: 10 samples give 4 + 4 + 2).
         tolerance: relative difference counted as rounding in float64, a number >= 0; raised to
@@ -167,21 +163,20 @@ def check(
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     case = _runs.Case(model, batch, loss_fn, size, seed)
     full = _runs.full_run(case)
-    observed = full.observed
-    tolerance = max(tolerance, ROUNDING.get(observed.dtype, 0.0))
+    tolerance = max(tolerance, ROUNDING.get(full.observed.dtype, 0.0))
     acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
     diffs = (
         _runs.differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     )
     found = nonfinite(case, full, acc, acc_loss)
     within = all(d <= tolerance for d in diffs.values())
-    terms = {} if within or found else _runs.term_differences(case, full.terms)
+    terms = {} if within or found else {k: _runs.term_difference(case, k) for k in full.terms}
     diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads, terms)
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
     report = CheckReport(  # the fields in order
-        within and not diagnoses, diffs, n, size, tolerance, diagnoses, terms, observed.dtype,
-        _labels(model, observed.where), _labels(model, observed.dropout),
+        within and not diagnoses, diffs, n, size, tolerance, diagnoses, full.observed.dtype,
+        _labels(model, full.observed.where), _labels(model, full.observed.dropout), terms,
     )  # fmt: skip
     if raise_on_failure and not report.exact:
         raise NotExactError(report)

@@ -55,18 +55,16 @@ MESSAGES = {  # what happens and what to do, by kind; {} is where the modules ar
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
     "sequences weigh as much as long ones. Return (loss_sum, token_count): bigbatch."
     "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
-    "batch-coupled-loss": "each sample's loss depends on the other samples (e.g. in-batch "
-    "negatives): a micro-batch sees fewer. If only through per-sample representations, write it "
-    "as bigbatch.cached_loss(encode, batch_loss) (encode(model, micro_batch) gives them, "
-    "batch_loss(reps, batch) the batch's loss): exact (docs/contrastive.md); else accept the "
-    "smaller pool.",
-    "term-mean": "term {!r} is normalised inside each micro-batch ((x.mean(), 1), (x.sum() / "
-    "len(micro_batch), 1)): micro-batch means are added up. Return its sum and count, (x.sum(), "
-    "count).",
-    "term-batch-statistic": "term {!r} of a sample depends on the other samples of its "
-    "micro-batch: a batch statistic computed per micro-batch (advantages normalised by its mean "
-    "and std, a MoE balance over its routing). Compute it in stats_fn (train_step(batch, loss_fn, "
-    "stats_fn=stats_fn), docs/compound_losses.md); in-batch negatives: bigbatch.cached_loss.",
+    "batch-coupled-loss": "each sample's loss depends on the other samples (in-batch negatives): a "
+    "micro-batch sees fewer. If only through per-sample representations, bigbatch.cached_loss("
+    "encode, batch_loss) (encode(model, micro_batch) gives them, batch_loss(reps, batch) the "
+    "batch's loss) is exact (docs/contrastive.md); else accept the smaller pool.",
+    "term-mean": "term {!r} is normalised inside each micro-batch ((x.mean(), 1), (x.sum() / len("
+    "micro_batch), 1)): micro-batch means are added up. Return its sum and count, (x.sum(), n).",
+    "term-batch-statistic": "term {!r} of a sample depends on the other samples of its micro-batch"
+    ": a statistic computed per micro-batch (advantages normalised by its mean and std, a MoE "
+    "balance over its routing). Compute it in stats_fn (train_step(batch, loss_fn, stats_fn="
+    "stats_fn), docs/compound_losses.md); in-batch negatives: bigbatch.cached_loss.",
 }
 
 
@@ -76,22 +74,17 @@ def diagnose(
     """Why the accumulated gradient differs from ``full``: every cause found, most specific
     first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
     ``tolerance`` is the relative difference counted as rounding (Note [float32 islands]);
-    ``terms`` holds each named term's difference (``term_differences``; empty: a plain loss)."""
-    found = []
-    if _rerun(case, full) > tolerance:
-        found.append(Diagnosis("non-deterministic", (), MESSAGES["non-deterministic"]))
+    ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
+    found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
     coupled, unprobed = probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
         lambda: seeded(case.seed), rtol,
     )  # fmt: skip
-    if coupled:
-        found.append(_naming("batch-statistics", case.model, coupled))
+    found += [_naming("batch-statistics", case.model, coupled)] * bool(coupled)
     differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
     found += _loss_diagnoses(case, rtol, bool(coupled or unprobed), differ)
-    if not found and unprobed:
-        found.append(_naming("unprobed", case.model, unprobed))
-    return found
+    return found or [_naming("unprobed", case.model, unprobed)] * bool(unprobed)
 
 
 def checkpointing(case: Case, full: dict[str, torch.Tensor], tolerance: float) -> list[Diagnosis]:
@@ -205,11 +198,9 @@ def nonfinite(
     ``acc_loss``) is not finite, the first micro-batch whose loss is not."""
     if full.finite and math.isfinite(acc_loss) and all(finite(g) for g in acc.values()):
         return None
-    found = _nonfinite_data(case.model, case.batch)
-    if found is not None or full.finite:
+    if (found := _nonfinite_data(case.model, case.batch)) is not None or full.finite:
         return found or _nonfinite_micro_batch(case)
-    first = full.observed.nonfinite
-    if first is not None:
+    if (first := full.observed.nonfinite) is not None:
         return _nonfinite(
             f"non-finite outputs: {label(first, case.model.get_submodule(first))} is the first "
             "module whose output holds NaN or inf, from finite inputs and weights (an overflow, a "
@@ -253,8 +244,7 @@ def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
 
 def _count_nonfinite(path: str, t: torch.Tensor) -> str:
     """``batch[0] holds 2 NaN and 1 inf in samples 3, 7``."""
-    bad = ~torch.isfinite(t)
-    samples = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist() if t.dim() else []
+    samples = torch.where(~t.isfinite().reshape(len(t), -1).all(1))[0].tolist() if t.dim() else []
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     kinds = " and ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "inf")) if k)
     shown = ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else "")

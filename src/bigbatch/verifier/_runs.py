@@ -15,14 +15,13 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
-from bigbatch.core.loss import LossFn, WindowLoss, as_terms, mean_of
+from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, mean_of
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import disable_checkpointing
 from bigbatch.verifier._probes import Observed, dropout_off, finite, observe
@@ -101,21 +100,18 @@ def full_run(case: Case, checkpointing: bool = True) -> FullRun:
     return FullRun(grads, float(loss.detach()), observed, tuple(out) if named else ())
 
 
-def term_differences(case: Case, names: tuple[str, ...]) -> dict[str, float]:
-    """Per named term, the largest relative difference (``differences``) between the gradient
-    ``train_step`` accumulates from that term alone and the full batch's; 0 for a term that no
-    gradient reaches."""
-    found = {}
-    for name in names:
-        one = dataclasses.replace(case, loss_fn=functools.partial(_only, case.loss_fn, name))
-        found[name] = 0.0  # unless a gradient reaches the parameters from this term
-        with contextlib.suppress(ValueError):
-            full = full_run(one).grads
-            found[name] = max(differences(accumulated_grads(one)[0], full).values(), default=0.0)
-    return found
+def term_difference(case: Case, name: str) -> float:
+    """The largest relative difference (``differences``) between the gradient ``train_step``
+    accumulates from the named term ``name`` alone and the full batch's; 0 for a term that no
+    gradient reaches (``full_run`` raises ``ValueError``)."""
+    one = dataclasses.replace(case, loss_fn=functools.partial(_only, case.loss_fn, name))
+    with contextlib.suppress(ValueError):
+        full = full_run(one).grads
+        return max(differences(accumulated_grads(one)[0], full).values(), default=0.0)
+    return 0.0
 
 
-def _only(loss_fn: LossFn, name: str, model: nn.Module, micro_batch: Batch) -> Any:
+def _only(loss_fn: LossFn, name: str, model: nn.Module, micro_batch: Batch) -> dict[str, Term]:
     """Term ``name`` of ``loss_fn``'s output alone, at weight 1."""
     term = as_terms(loss_fn(model, micro_batch), batch_size(micro_batch))[name]
     return {name: term._replace(weight=1.0)}
@@ -158,8 +154,7 @@ def differences(got: Grads, want: Grads) -> dict[str, float]:
     from turning rounding noise into a relative difference of 1.
     """
     norm = torch.linalg.vector_norm
-    total = float(norm(torch.stack([norm(g) for g in want.values()])))
-    floor = max(1e-6 * total, torch.finfo(torch.float64).tiny)
+    floor = max(1e-6 * float(norm(torch.stack([norm(g) for g in want.values()]))), 1e-300)
     return {
         name: float(norm(got.get(name, torch.zeros_like(g)) - g)) / max(float(norm(g)), floor)
         for name, g in want.items()
