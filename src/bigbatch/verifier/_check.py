@@ -11,8 +11,9 @@ every module, not by class name: Note [replay without caches]); a loss that retu
 it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
 (in-batch negatives); a named term normalised inside the micro-batch, or one that depends on
 a statistic of its micro-batch where a statistics pass (``stats_fn``) is needed (each named term
-is compared alone: ``CheckReport.term_differences``); or non-determinism. When blocks of the model are checkpointed
-(``enable_checkpointing``) it also checks that the gradient is the same without.
+is compared alone: ``CheckReport.term_differences``); or non-determinism. When blocks of the
+model are checkpointed (``enable_checkpointing``) it also checks that the gradient is the same
+without.
 """
 
 from __future__ import annotations

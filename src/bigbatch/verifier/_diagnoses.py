@@ -53,7 +53,7 @@ MESSAGES = {  # what happens and what to do, by kind; {} is where the modules ar
     "are added up. Return (losses.sum(), count) (tokens: bigbatch.token_cross_entropy(logits, "
     "labels), or a transformers model's out.loss * count), or a mean over samples alone.",
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
-    "sequences weigh as much as long ones. Return (loss_sum, token_count): bigbatch."
+    "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
     "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
     "batch-coupled-loss": "each sample's loss depends on the other samples (in-batch negatives): a "
     "micro-batch sees fewer. If only through per-sample representations, bigbatch.cached_loss("
