@@ -95,7 +95,11 @@ def _largest(size: int) -> str:
 
 
 def print_check(report: CheckReport, title: str) -> None:
-    """The parameters that differ most, then the verdict and each diagnosis."""
-    rows = [(name, f"{diff:.2e}") for name, diff in report.worst(10)]
-    console = print_table(title, ["parameter", "relative difference"], rows)
+    """Each named term's difference (when not exact), the parameters that differ most, then the
+    verdict and each diagnosis."""
+    terms = [(f"term {name!r}", diff) for name, diff in report.term_differences.items()]
+    rows = [(name, f"{diff:.2e}") for name, diff in [*terms, *report.worst(10)]]
+    console = print_table(
+        title, ["term / parameter" * bool(terms) or "parameter", "relative difference"], rows
+    )
     console.print(report.summary(), markup=False)

@@ -9,8 +9,11 @@ islands] in ``_probes``). When they differ it diagnoses why: non-finite inputs, 
 or losses; modules whose output for one sample depends on the other samples (found by replaying
 every module, not by class name: Note [replay without caches]); a loss that returns a mean as if
 it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
-(in-batch negatives); or non-determinism. When blocks of the model are checkpointed
-(``enable_checkpointing``) it also checks that the gradient is the same without.
+(in-batch negatives); a named term normalised inside the micro-batch, or one that depends on
+a statistic of its micro-batch where a statistics pass (``stats_fn``) is needed (each named term
+is compared alone: ``CheckReport.term_differences``); or non-determinism. When blocks of the
+model are checkpointed (``enable_checkpointing``) it also checks that the gradient is the same
+without.
 """
 
 from __future__ import annotations
@@ -27,11 +30,9 @@ from bigbatch.core._tree import map_tensors
 from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
+from bigbatch.verifier import _runs
 from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
-from bigbatch.verifier._runs import Case, accumulated_grads, differences, full_run
-
-__all__ = ["CheckReport", "Diagnosis", "NotExactError", "check"]
 
 
 @dataclass
@@ -53,6 +54,8 @@ class CheckReport:
         dropout_off: the modules whose dropout ``check`` turned off (Note [dropout in check]);
             with dropout on, the accumulated gradient is equal to the full batch's in
             distribution, not in value.
+        term_differences: when not exact and ``loss_fn`` returns named terms, per term the
+            largest relative difference of the gradient accumulated from that term alone.
     """
 
     exact: bool
@@ -64,42 +67,38 @@ class CheckReport:
     compute_dtype: torch.dtype = torch.float64
     low_precision_in: tuple[str, ...] = ()
     dropout_off: tuple[str, ...] = ()
+    term_differences: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_difference(self) -> float:
         """The largest per-parameter relative difference (NaN if any is NaN)."""
-        values = list(self.differences.values())
-        return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+        return max(self.differences.values(), key=_nan_largest, default=0.0)
 
     def worst(self, k: int = 10) -> list[tuple[str, float]]:
         """The ``k`` parameters with the largest relative difference, largest (or NaN) first."""
-        return sorted(
-            self.differences.items(), key=lambda kv: -math.inf if math.isnan(kv[1]) else -kv[1]
-        )[:k]
+        return sorted(self.differences.items(), key=lambda kv: -_nan_largest(kv[1]))[:k]
 
     def summary(self) -> str:
         """One paragraph: the verdict, the precision it holds to, dropout, each diagnosis."""
         verdict = "exact" if self.exact else "NOT exact"
         if self.dropout_off:
             verdict += " (dropout off)" + ("; with dropout on, equal in distribution" * self.exact)
-        lines = [
-            f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
-            f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
-        ]
-        if self.dropout_off:
-            lines.append(
-                f"- dropout off in {_by_class(self.dropout_off)} (dropout_off names them): "
-                "micro-batches draw other masks than the full batch, from the same distribution, "
-                "so check compares the rest with dropout off"
-            )
-        if self.compute_dtype != torch.float64:
-            dtype = str(self.compute_dtype).removeprefix("torch.")
-            lines.append(
-                f"- tolerance {self.tolerance:.0e}: the float64 copy computes partly in {dtype} "
-                f"(in {_by_class(self.low_precision_in)}: low_precision_in names them), so "
-                f"differences up to {dtype} rounding are not counted"
-            )
-        return "\n".join([*lines, *(f"- {d.kind}: {d.message}" for d in self.diagnoses)])
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        notes = [  # (shown, line)
+            (self.dropout_off, f"dropout off in {_by_class(self.dropout_off)} (dropout_off names "
+             "them): micro-batches draw other masks, from the same distribution"),
+            (dtype != "float64", f"tolerance {self.tolerance:.0e}: the float64 copy computes "
+             f"partly in {dtype} (in {_by_class(self.low_precision_in)}: low_precision_in names "
+             f"them), so differences up to {dtype} rounding are not counted"),
+            *((True, f"{d.kind}: {d.message}") for d in self.diagnoses),
+        ]  # fmt: skip
+        head = f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
+        head += f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
+        return "\n".join([head, *(f"- {line}" for shown, line in notes if shown)])
+
+
+def _nan_largest(value: float) -> float:
+    return math.inf if math.isnan(value) else value
 
 
 def _by_class(labels: tuple[str, ...]) -> str:
@@ -136,7 +135,8 @@ def check(
     Args:
         model: the model, in the mode (train / eval) it trains in; it is not changed.
         batch: one logical batch (at least 2 samples).
-        loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator``.
+        loss_fn: ``loss_fn(model, micro_batch)`` as given to the ``Accumulator`` (a mean, a
+            ``(loss_sum, count)`` pair or named terms).
         micro_batch_size: samples per micro-batch; default about a third of the batch
             (uneven: 10 samples give 4 + 4 + 2).
         tolerance: relative difference counted as rounding in float64, a number >= 0; raised to
@@ -162,21 +162,22 @@ def check(
     """
     n, size = _check_arguments(model, batch, micro_batch_size, tolerance)
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
-    case = Case(model, batch, loss_fn, size, seed)
-    full = full_run(case)
-    observed = full.observed
-    tolerance = max(tolerance, ROUNDING.get(observed.dtype, 0.0))
-    acc, acc_loss = accumulated_grads(case) if full.finite else ({}, math.nan)
-    diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
+    case = _runs.Case(model, batch, loss_fn, size, seed)
+    full = _runs.full_run(case)
+    tolerance = max(tolerance, ROUNDING.get(full.observed.dtype, 0.0))
+    acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
+    diffs = (
+        _runs.differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
+    )
     found = nonfinite(case, full, acc, acc_loss)
     within = all(d <= tolerance for d in diffs.values())
-    diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads)
+    terms = {} if within or found else {k: _runs.term_difference(case, k) for k in full.terms}
+    diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads, terms)
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
-    report = CheckReport(
-        exact=within and not diagnoses, differences=diffs, batch_size=n, micro_batch_size=size,
-        tolerance=tolerance, diagnoses=diagnoses, compute_dtype=observed.dtype,
-        low_precision_in=_labels(model, observed.where), dropout_off=_labels(model, observed.dropout),
+    report = CheckReport(  # the fields in order
+        within and not diagnoses, diffs, n, size, tolerance, diagnoses, full.observed.dtype,
+        _labels(model, full.observed.where), _labels(model, full.observed.dropout), terms,
     )  # fmt: skip
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
@@ -204,13 +205,11 @@ def _check_arguments(
         raise ValueError(f"tolerance={tolerance!r} is not allowed: {allowed}")
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
-        held = f"all {len(params)} of its parameters have requires_grad=False" if params else (
-            "it has no parameters"
-        )  # fmt: skip
+        held = f"all {len(params)} of its parameters have requires_grad=False"
         raise ValueError(
             f"check needs a model with trainable parameters, and {type(model).__name__} has none "
-            f"({held}): pass the module that holds the weights you train, or call "
-            "requires_grad_(True) on the ones to train."
+            f"({held if params else 'it has no parameters'}): pass the module holding the weights "
+            "you train, or requires_grad_(True) them."
         )
     return n, m
 

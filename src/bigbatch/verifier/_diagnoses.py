@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 from torch import nn
@@ -24,9 +23,11 @@ class Diagnosis:
 
     Attributes:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
-            ``"batch-coupled-loss"``, ``"non-deterministic"``, ``"unprobed"`` (no cause found,
+            ``"batch-coupled-loss"``, ``"term-mean"`` (a named term normalised inside the
+            micro-batch), ``"term-batch-statistic"`` (a named term that depends on the other
+            samples of its micro-batch), ``"non-deterministic"``, ``"unprobed"`` (no cause found,
             and these modules could not be probed) or ``"checkpointing"``.
-        modules: the modules (names in the model) or parameters responsible, if any.
+        modules: the modules (names in the model), parameters or named terms responsible.
         message: what happens and what to do.
     """
 
@@ -35,54 +36,55 @@ class Diagnosis:
     message: str
 
 
+Pair = tuple[float, float]
+"""A ``(loss_sum, count)`` as floats."""
+
 MESSAGES = {  # what happens and what to do, by kind; {} is where the modules are named
     "non-deterministic": "two full-batch runs from the same seed give different gradients: the "
     "model or loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
     "batch-statistics": "{} change one sample's output when other samples change (batch "
     "statistics in training mode): each micro-batch sees its own statistics. Use "
     'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
-    "unprobed": "no cause found, and {} could not be probed for batch statistics: called again on "
-    "their recorded inputs they raised or gave another result (state that each call changes). "
-    "Look for such state in them.",
-    "checkpointing": "gradients with and without checkpointing differ (relative {}): the "
-    "recomputed forward of these blocks is not the first one (state changed by the forward, or "
-    "randomness outside torch's RNG).",
-    "mean-as-sum": "loss_fn returns a mean as the loss_sum of its (loss_sum, count) pair, so "
-    "micro-batch means are added up: return the sum over the items it counts, (losses.sum(), "
-    "count) (for tokens: bigbatch.token_cross_entropy(logits, labels), or a transformers "
-    "model's out.loss * count), or a mean over samples alone.",
-    "token-mean": "loss_fn returns a mean over tokens (the labelled positions of the labels), "
-    "and a scalar is read as a mean over samples, so a micro-batch of short sequences weighs as "
-    "much as one of long ones: return (loss_sum, token_count), e.g. "
-    "bigbatch.token_cross_entropy(logits, labels), or (out.loss * count, count) for a "
-    "transformers model's labels= loss.",
-    "batch-coupled-loss": "each sample's loss depends on the other samples in the batch (e.g. "
-    "in-batch negatives of a contrastive loss): a micro-batch sees fewer of them. If it depends "
-    "on them only through per-sample representations (embeddings), write it as "
-    "bigbatch.cached_loss(encode, batch_loss) -- encode(model, micro_batch) returns the "
-    "representations, batch_loss(reps, batch) the whole batch's loss from them -- and "
-    "accumulation is exact (docs/contrastive.md); otherwise accept the smaller pool.",
+    "unprobed": "no cause found, and {} could not be probed: replayed on their recorded inputs "
+    "they raised or gave another result (state each call changes): look for such state in them.",
+    "checkpointing": "gradients with and without checkpointing differ (relative {}): these blocks' "
+    "recomputed forward is not the first (state the forward changes, or randomness outside torch).",
+    "mean-as-sum": "loss_fn returns a mean as the loss_sum of (loss_sum, count): micro-batch means "
+    "are added up. Return (losses.sum(), count) (tokens: bigbatch.token_cross_entropy(logits, "
+    "labels), or a transformers model's out.loss * count), or a mean over samples alone.",
+    "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
+    "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
+    "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
+    "batch-coupled-loss": "each sample's loss depends on the other samples (in-batch negatives): a "
+    "micro-batch sees fewer. If only through per-sample representations, bigbatch.cached_loss("
+    "encode, batch_loss) (encode(model, micro_batch) gives them, batch_loss(reps, batch) the "
+    "batch's loss) is exact (docs/contrastive.md); else accept the smaller pool.",
+    "term-mean": "term {!r} is normalised inside each micro-batch ((x.mean(), 1), (x.sum() / len("
+    "micro_batch), 1)): micro-batch means are added up. Return its sum and count, (x.sum(), n).",
+    "term-batch-statistic": "term {!r} of a sample depends on the other samples of its micro-batch"
+    ": a statistic computed per micro-batch (advantages normalised by its mean and std, a MoE "
+    "balance over its routing). Compute it in stats_fn (train_step(batch, loss_fn, stats_fn="
+    "stats_fn), docs/compound_losses.md); in-batch negatives: bigbatch.cached_loss.",
 }
 
 
-def diagnose(case: Case, tolerance: float, full: dict[str, torch.Tensor]) -> list[Diagnosis]:
+def diagnose(
+    case: Case, tolerance: float, full: dict[str, torch.Tensor], terms: dict[str, float]
+) -> list[Diagnosis]:
     """Why the accumulated gradient differs from ``full``: every cause found, most specific
     first (empty when none is found). Every probe works on a float64 copy of ``case.model``;
-    ``tolerance`` is the relative difference counted as rounding (Note [float32 islands])."""
-    found = []
-    if _rerun(case, full) > tolerance:
-        found.append(Diagnosis("non-deterministic", (), MESSAGES["non-deterministic"]))
+    ``tolerance`` is the relative difference counted as rounding (Note [float32 islands]);
+    ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
+    found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
     coupled, unprobed = probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
         lambda: seeded(case.seed), rtol,
     )  # fmt: skip
-    if coupled:
-        found.append(_naming("batch-statistics", case.model, coupled))
-    found += _loss_diagnoses(case, rtol, suspect=bool(coupled or unprobed))
-    if not found and unprobed:
-        found.append(_naming("unprobed", case.model, unprobed))
-    return found
+    found += [_naming("batch-statistics", case.model, coupled)] * bool(coupled)
+    differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
+    found += _loss_diagnoses(case, rtol, bool(coupled or unprobed), differ)
+    return found or [_naming("unprobed", case.model, unprobed)] * bool(unprobed)
 
 
 def checkpointing(case: Case, full: dict[str, torch.Tensor], tolerance: float) -> list[Diagnosis]:
@@ -103,8 +105,11 @@ def _naming(kind: str, model: nn.Module, names: list[str]) -> Diagnosis:
     return Diagnosis(kind, tuple(names), MESSAGES[kind].format(labels))
 
 
-def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
-    """Is the loss additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
+def _loss_diagnoses(
+    case: Case, rtol: float, suspect: bool, terms: list[str] | None
+) -> list[Diagnosis]:
+    """Is the loss, or each named term in ``terms`` (those that differ; ``None``: a plain loss),
+    additive over samples (as (loss_sum, count) must be)? See ``loss_kind``.
 
     When modules of the model couple the samples or change state with every call (``suspect``;
     BatchNorm does not count, the eval() copy runs it on running statistics), halves do not add
@@ -117,17 +122,19 @@ def _loss_diagnoses(case: Case, rtol: float, suspect: bool) -> list[Diagnosis]:
     half = (n + 1) // 2
     per_sample = [torch.ones(n), *labelled_tokens(case.batch)]
     weights = [[float(k.sum()) for k in split(items, half)] for items in per_sample]
-    kind = loss_kind(case.sums(work, n)[0], case.sums(work, half), weights, rtol)
-    if kind is None or (suspect and kind == "batch-coupled-loss"):
-        return []
-    return [Diagnosis(kind, (), MESSAGES[kind])]
+    whole, parts, found = case.sums(work, n)[0], case.sums(work, half), []
+    for name in whole if terms is None else terms:
+        kind = loss_kind(whole[name], [p[name] for p in parts], weights, rtol)
+        if kind is None or (suspect and kind == "batch-coupled-loss"):
+            continue
+        if terms is not None:  # a named term: name it
+            kind = "term-batch-statistic" if kind == "batch-coupled-loss" else "term-mean"
+        found.append(Diagnosis(kind, () if terms is None else (name,), MESSAGES[kind].format(name)))
+    return found
 
 
 def loss_kind(
-    whole: tuple[float, float],
-    parts: list[tuple[float, float]],
-    weights: list[list[float]],
-    rtol: float,
+    whole: Pair, parts: list[Pair], weights: list[list[float]], rtol: float
 ) -> str | None:
     """What is wrong with a loss, from its ``(loss_sum, count)`` on a batch and on its parts.
 
@@ -191,17 +198,14 @@ def nonfinite(
     ``acc_loss``) is not finite, the first micro-batch whose loss is not."""
     if full.finite and math.isfinite(acc_loss) and all(finite(g) for g in acc.values()):
         return None
-    found = _nonfinite_data(case.model, case.batch)
-    if found is not None or full.finite:
+    if (found := _nonfinite_data(case.model, case.batch)) is not None or full.finite:
         return found or _nonfinite_micro_batch(case)
-    first = full.observed.nonfinite
-    if first is not None:
+    if (first := full.observed.nonfinite) is not None:
         return _nonfinite(
             f"non-finite outputs: {label(first, case.model.get_submodule(first))} is the first "
-            "module whose output holds NaN or inf, from finite inputs and weights (an overflow, "
-            "a log or division by zero, ...): fix that computation.",
-            first,
-        )
+            "module whose output holds NaN or inf, from finite inputs and weights (an overflow, a "
+            "log or division by zero...): fix that computation.", first,
+        )  # fmt: skip
     if not math.isfinite(full.loss):
         return _nonfinite(
             f"non-finite loss: loss_fn returns a loss of {full.loss} from finite model outputs "
@@ -219,9 +223,8 @@ def _nonfinite_backward(bad: list[str]) -> Diagnosis:
     where = "a finite loss" if bad else "finite losses on every micro-batch"
     return _nonfinite(
         f"non-finite gradients{shown} from {where}: a backward that divides by zero (the square "
-        "root or norm of 0, ...): add an epsilon there.",
-        *bad,
-    )
+        "root or norm of 0...): add an epsilon there.", *bad,
+    )  # fmt: skip
 
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
@@ -232,37 +235,34 @@ def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
             f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
             "clean the data (drop those samples, or torch.nan_to_num) before training."
         )
-    state = chain(model.named_parameters(), model.named_buffers())
-    weights = [name for name, t in state if not finite(t)]
-    if not weights:
-        return None
-    return _nonfinite(
-        f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights "
-        "or initialise them again.",
-        *weights,
-    )
+    weights = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if not finite(t)]
+    return None if not weights else _nonfinite(
+        f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights or "
+        "initialise them again.", *weights,
+    )  # fmt: skip
 
 
 def _count_nonfinite(path: str, t: torch.Tensor) -> str:
     """``batch[0] holds 2 NaN and 1 inf in samples 3, 7``."""
-    bad = ~torch.isfinite(t)
-    samples = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten().tolist() if t.dim() else []
+    samples = torch.where(~t.isfinite().reshape(len(t), -1).all(1))[0].tolist() if t.dim() else []
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     kinds = " and ".join(f"{k} {w}" for k, w in ((nan, "NaN"), (inf, "inf")) if k)
     shown = ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else "")
-    noun = "sample" if len(samples) == 1 else "samples"
+    noun = "sample" + "s" * (len(samples) > 1)
     return f"{path} holds {kinds}" + (f" in {noun} {shown}" if samples else "")
 
 
 def _nonfinite_micro_batch(case: Case) -> Diagnosis:
     """The first micro-batch whose loss is not finite when the full batch's is."""
-    for i, (loss_sum, count) in enumerate(case.sums(copy_float64(case.model), case.size)):
+    pieces = case.sums(copy_float64(case.model), case.size)
+    for i, name, (loss_sum, count) in ((i, *t) for i, p in enumerate(pieces) for t in p.items()):
         if not (math.isfinite(loss_sum) and math.isfinite(count)):
             start, end = i * case.size, min((i + 1) * case.size, batch_size(case.batch))
+            term = "" if name == "loss" else f"term {name!r}: "
             return _nonfinite(
-                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: loss_sum "
-                f"{loss_sum}, count {count}) although the whole batch's is finite: a mean over "
-                "zero items (all padding?) is NaN. Return (loss_sum, count) with a sum, which is "
-                "0 over no items, e.g. bigbatch.token_cross_entropy(logits, labels)."
+                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: {term}"
+                f"loss_sum {loss_sum}, count {count}) while the whole batch's is finite: a mean "
+                "over zero items (all padding?) is NaN. Return (loss_sum, count) with a sum (0 "
+                "over no items), e.g. bigbatch.token_cross_entropy(logits, labels)."
             )
     return _nonfinite_backward([])

@@ -70,13 +70,13 @@ LOSS_FN = "loss_fn"
 
 # Dropout calls: (position, keyword, default) of the probability, then of the training flag
 # (``None``: no flag). Setting the probability to 0 turns each into the identity.
+_P = (1, "p", 0.5)
 _DROPOUT: dict[Any, tuple[tuple[int, str, Any], tuple[int, str, bool] | None]] = {
-    **{
-        f: ((1, "p", 0.5), (2, "training", True))
-        for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout)
-    },
-    F.alpha_dropout: ((1, "p", 0.5), (2, "training", False)),
-    F.feature_alpha_dropout: ((1, "p", 0.5), (2, "training", False)),
+    **dict.fromkeys(
+        [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d], (_P, (2, "training", True))
+    ),
+    torch.dropout: (_P, (2, "train", True)),
+    **dict.fromkeys([F.alpha_dropout, F.feature_alpha_dropout], (_P, (2, "training", False))),
     F.scaled_dot_product_attention: ((4, "dropout_p", 0.0), None),
     F.multi_head_attention_forward: ((10, "dropout_p", 0.0), (13, "training", True)),
 }
@@ -137,13 +137,10 @@ def _dropout_off(func: Any, args: list[Any], kwargs: dict[str, Any]) -> bool:
     (i, name, default), flag = _DROPOUT[func]
     p = args[i] if len(args) > i else kwargs.get(name, default)
     on = flag is None or (args[flag[0]] if len(args) > flag[0] else kwargs.get(*flag[1:]))
-    if not (on and p):
-        return False
-    if len(args) > i:
-        args[i] = 0.0
-    else:
-        kwargs[name] = 0.0
-    return True
+    if on and p:
+        place: Any = args if len(args) > i else kwargs
+        place[i if place is args else name] = 0.0
+    return bool(on and p)
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -177,14 +174,11 @@ def observe(model: nn.Module) -> Iterator[Observed]:
         if observed.nonfinite is None and not all(finite(t) for _, t in tensor_leaves(out)):
             observed.nonfinite = names[module]
 
-    hooks = [m.register_forward_pre_hook(lambda m, _: stack.append(names[m])) for m in names]
-    hooks += [m.register_forward_hook(leave, always_call=True) for m in names]
-    try:
-        with _Watch(observed, stack):
-            yield observed
-    finally:
-        for h in hooks:
-            h.remove()
+    with contextlib.ExitStack() as hooks, _Watch(observed, stack):
+        for m in names:
+            hooks.enter_context(m.register_forward_pre_hook(lambda m, _: stack.append(names[m])))
+            hooks.enter_context(m.register_forward_hook(leave, always_call=True))
+        yield observed
 
 
 def probe_coupling(
@@ -210,13 +204,10 @@ def probe_coupling(
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         inputs.setdefault(module, {**dict(enumerate(args)), **kwargs})
 
-    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in names]
-    try:
-        with seeded(), torch.no_grad():
-            run()
-    finally:
-        for h in hooks:
-            h.remove()
+    with contextlib.ExitStack() as hooks, seeded(), torch.no_grad():
+        for m in names:
+            hooks.enter_context(m.register_forward_pre_hook(record, with_kwargs=True))
+        run()
     found: dict[str | None, list[str]] = {"coupled": [], "unprobed": [], None: []}
     for module, recorded in inputs.items():
         found[_replay(module, recorded, n, seeded, rtol)].append(names[module])
@@ -225,9 +216,7 @@ def probe_coupling(
 
 def _innermost(names: list[str]) -> list[str]:
     """Leave out containers of other names (``""`` is the model, container of all)."""
-    return [
-        c for c in names if not any(o != c and (c == "" or o.startswith(c + ".")) for o in names)
-    ]
+    return [c for c in names if not any(o != c and (not c or o.startswith(c + ".")) for o in names)]
 
 
 def _replay(
@@ -241,13 +230,11 @@ def _replay(
     if where is None:
         return None
     x = recorded[where]
-    other = x.clone()
-    other[1:] = x[1:] * 1.7 + 0.3
+    other = torch.cat([x[:1], x[1:] * 1.7 + 0.3])
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
         call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
-                for k, v in recorded.items()}  # fmt: skip
-        call[where] = first.clone()
+                for k, v in {**recorded, where: first}.items()}  # fmt: skip
         args = [call.pop(i) for i in range(len(call)) if i in call]
         with seeded(), torch.no_grad():
             out = module(*args, **call)

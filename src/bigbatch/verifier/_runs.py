@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
-from bigbatch.core.loss import LossFn, as_sum_and_count
+from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, mean_of
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import disable_checkpointing
 from bigbatch.verifier._probes import Observed, dropout_off, finite, observe
@@ -38,24 +40,27 @@ class Case:
     size: int
     seed: int
 
-    def sums(self, model: nn.Module, size: int) -> list[tuple[float, float]]:
-        """``loss_fn``'s ``(loss_sum, count)`` on each piece of the batch cut at ``size`` (the
-        last may be smaller), as floats, without gradients, each from the seed."""
+    def sums(self, model: nn.Module, size: int) -> list[dict[str, tuple[float, float]]]:
+        """``loss_fn``'s ``(loss_sum, count)`` per term (one ``"loss"`` term for a plain loss) on
+        each piece of the batch cut at ``size`` (the last may be smaller), as floats, without
+        gradients, each from the seed."""
         out = []
         for piece in split(self.batch, size):
             with seeded(self.seed), torch.no_grad():
-                loss_sum, count = as_sum_and_count(self.loss_fn(model, piece), batch_size(piece))
-            out.append((float(loss_sum), float(count)))
+                terms = as_terms(self.loss_fn(model, piece), batch_size(piece))
+            out.append({k: (float(t.loss_sum), float(t.count)) for k, t in terms.items()})
         return out
 
 
 @dataclass
 class FullRun:
-    """A full-batch run: the gradient of the mean loss, the loss, and what was observed."""
+    """A full-batch run: the gradient of the mean loss, the loss, what was observed, and the
+    names of the loss's terms when it returns named terms (else empty)."""
 
     grads: Grads
     loss: float
     observed: Observed
+    terms: tuple[str, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -77,25 +82,39 @@ def full_run(case: Case, checkpointing: bool = True) -> FullRun:
         disable_checkpointing(work)
     with seeded(case.seed):
         with observe(work) as observed:
-            loss_sum, count = as_sum_and_count(
-                case.loss_fn(work, case.batch), batch_size(case.batch)
-            )
-        loss = loss_sum / count
+            out = case.loss_fn(work, case.batch)
+        loss = mean_of(as_terms(out, batch_size(case.batch)))
         if not loss.requires_grad:
             raise ValueError(
-                "loss_fn's loss does not depend on the model's parameters (it carries no "
-                "gradient): compute it from the model's outputs, without torch.no_grad(), "
-                ".detach() or .item()."
+                "loss_fn's loss does not depend on the model's parameters (no gradient): compute "
+                "it from the model's outputs, without torch.no_grad(), .detach() or .item()."
             )
         loss.backward()
     grads = {n: p.grad.detach() for n, p in work.named_parameters() if p.grad is not None}
     if not grads:
         raise ValueError(
             "no gradient reaches any of the model's trainable parameters from loss_fn's loss: "
-            "compute it from the outputs of the model passed to check (does loss_fn call another "
-            "model?)."
+            "compute it from the outputs of the model passed to check, not another model's."
         )
-    return FullRun(grads, float(loss.detach()), observed)
+    named = isinstance(out, Mapping) and not isinstance(case.loss_fn, WindowLoss)
+    return FullRun(grads, float(loss.detach()), observed, tuple(out) if named else ())
+
+
+def term_difference(case: Case, name: str) -> float:
+    """The largest relative difference (``differences``) between the gradient ``train_step``
+    accumulates from the named term ``name`` alone and the full batch's; 0 for a term that no
+    gradient reaches (``full_run`` raises ``ValueError``)."""
+    one = dataclasses.replace(case, loss_fn=functools.partial(_only, case.loss_fn, name))
+    with contextlib.suppress(ValueError):
+        full = full_run(one).grads
+        return max(differences(accumulated_grads(one)[0], full).values(), default=0.0)
+    return 0.0
+
+
+def _only(loss_fn: LossFn, name: str, model: nn.Module, micro_batch: Batch) -> dict[str, Term]:
+    """Term ``name`` of ``loss_fn``'s output alone, at weight 1."""
+    term = as_terms(loss_fn(model, micro_batch), batch_size(micro_batch))[name]
+    return {name: term._replace(weight=1.0)}
 
 
 def accumulated_grads(case: Case) -> tuple[Grads, float]:
@@ -135,8 +154,7 @@ def differences(got: Grads, want: Grads) -> dict[str, float]:
     from turning rounding noise into a relative difference of 1.
     """
     norm = torch.linalg.vector_norm
-    total = float(norm(torch.stack([norm(g) for g in want.values()])))
-    floor = max(1e-6 * total, torch.finfo(torch.float64).tiny)
+    floor = max(1e-6 * float(norm(torch.stack([norm(g) for g in want.values()]))), 1e-300)
     return {
         name: float(norm(got.get(name, torch.zeros_like(g)) - g)) / max(float(norm(g)), floor)
         for name, g in want.items()
