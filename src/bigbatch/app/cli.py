@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
-from bigbatch.app.signals import Stopped
+from bigbatch.app.stops import Stopped
 from bigbatch.core._warnings import BigBatchWarning
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 import math
 import re
@@ -50,15 +51,9 @@ DEFAULT_BATCH_SIZE = 32
 MAX_SEED = 2**63 - 1
 
 
-def setting(
-    default: Any,
-    *,
-    choices: tuple[Any, ...] | None = None,
-    low: int | None = None,
-    allowed: str | None = None,
-    aliases: tuple[str, ...] = (),
-    resumable: bool = False,
-) -> Any:
+def setting(default: Any, *, choices: tuple[Any, ...] | None = None, low: int | None = None,
+            allowed: str | None = None, aliases: tuple[str, ...] = (),
+            resumable: bool = False) -> Any:  # fmt: skip
     """A ``TrainConfig`` field with what the command line and the checks need to know about it
     (its help is its entry in ``TrainConfig``'s Attributes).
 
@@ -71,8 +66,7 @@ def setting(
             takes a value like ``--lr``; ``"--fp16=fp16"`` is a switch that sets the value.
         resumable: may differ between a run and its resume (it does not change the result).
     """
-    meta = {"choices": choices, "low": low, "allowed": allowed, "aliases": aliases,
-            "resumable": resumable}  # fmt: skip
+    meta = dict(choices=choices, low=low, allowed=allowed, aliases=aliases, resumable=resumable)
     return field(default=default, metadata=meta)
 
 
@@ -148,8 +142,7 @@ class TrainConfig:
     task: str | None = setting(None)
     batch_size: int | None = setting(None, low=1)
     micro_batch_size: int | Literal["auto"] | None = setting(
-        None, low=1, aliases=("--per-device-train-batch-size",)
-    )
+        None, low=1, aliases=("--per-device-train-batch-size",))  # fmt: skip
     gradient_accumulation_steps: int | None = setting(None, low=1)
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
@@ -212,9 +205,10 @@ def helps() -> dict[str, str]:
     return {name: " ".join(body.split()) for name, body in entries}
 
 
+@functools.cache
 def kinds(f: dataclasses.Field) -> tuple[Any, ...]:
     """The types setting ``f`` admits: ``(int, Literal["auto"], NoneType)``."""
-    hint = _hints()[f.name]
+    hint = typing.get_type_hints(TrainConfig)[f.name]
     return typing.get_args(hint) or (hint,)
 
 
@@ -395,10 +389,7 @@ def load_toml(path: str) -> dict[str, Any]:
         FileNotFoundError: the file does not exist.
         ValueError: the file is not valid TOML (the message names the file and the line).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
+    tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
     try:
         with open(path, "rb") as file:
             return tomllib.load(file)
@@ -411,11 +402,6 @@ def load_toml(path: str) -> dict[str, Any]:
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-@functools.cache
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
 
 
 def positive(value: float | None) -> bool:
