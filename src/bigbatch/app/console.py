@@ -18,14 +18,8 @@ if TYPE_CHECKING:
     from bigbatch.verifier._check import CheckReport
 
 
-def print_table(
-    title: str,
-    columns: Sequence[str],
-    rows: Iterable[Sequence[str]],
-    right: int = 1,
-    width: int = 100,
-    **options: Any,
-) -> Any:
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], right: int = 1,
+                width: int = 100, **options: Any) -> Any:  # fmt: skip
     """Print ``rows`` under ``columns`` (those from index ``right`` on right-justified and not
     wrapped) as a rich ``Table(title, **options)``, at least ``width`` columns wide; return the
     console, for the lines that follow the table."""
@@ -78,16 +72,12 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     fits = "OOM" if c.out_of_memory else "yes" if c.fits else over
     mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
     return (
-        str(c.micro_batch_size),
-        str(c.gradient_accumulation_steps),
-        c.label,
-        "-" if c.out_of_memory else peak,
-        saved + ("!" if c.saves_nothing else ""),
+        str(c.micro_batch_size), str(c.gradient_accumulation_steps), c.label,
+        "-" if c.out_of_memory else peak, saved + ("!" if c.saves_nothing else ""),
         f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
         "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",
-        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
-        fits + mark.get(id(c), ""),
-    )
+        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-", fits + mark.get(id(c), ""),
+    )  # fmt: skip
 
 
 def _largest(size: int) -> str:

@@ -101,10 +101,9 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
-        raise ImportError(
-            f"the demo's data come with scikit-learn ({exc}): run pip install "
-            'scikit-learn (or pip install -e ".[demo]" in a clone).'
-        ) from None
+        raise ImportError(f"the demo's data come with scikit-learn ({exc}): run pip install "
+                          'scikit-learn (or pip install -e ".[demo]" in a clone).'
+                          ) from None  # fmt: skip
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
@@ -123,13 +122,8 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def run_demo(
-    steps: int = 40,
-    batch_size: int = 512,
-    micro_batch_size: int = 64,
-    out: str = "bigbatch-demo.png",
-    hidden: int = 8192,
-) -> DemoResult:
+def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
+             out: str = "bigbatch-demo.png", hidden: int = 8192) -> DemoResult:  # fmt: skip
     """Train the digits MLP three ways, print the comparison table and write the plot.
 
     Args:
@@ -177,14 +171,8 @@ def run_demo(
     return result
 
 
-def _train(
-    name: str,
-    init: torch.nn.Module,
-    data: Digits,
-    order: list[torch.Tensor],
-    micro_batch_size: int | str | None = None,
-    budget: int | None = None,
-) -> Run:
+def _train(name: str, init: torch.nn.Module, data: Digits, order: list[torch.Tensor],
+           micro_batch_size: int | str | None = None, budget: int | None = None) -> Run:  # fmt: skip
     """One run: a plain full-batch loop (``micro_batch_size=None``) or an ``Accumulator``."""
     from rich.progress import track
 

@@ -26,13 +26,10 @@ def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
     if is_main:
         scaled = config.lr_scaling != "none"
         lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
-        warnings.warn(
-            f"--batch-size {batch_size} is larger than the task's {samples} training samples: "
-            f"every step trains on all {samples} (full-batch gradient descent){lr}. Give "
-            f"--batch-size {samples} or less to train on the batch you meant.",
-            BigBatchWarning,
-            stacklevel=5,
-        )
+        warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
+                      f"samples: every step trains on all {samples} (full-batch gradient descent)"
+                      f"{lr}. Give --batch-size {samples} or less to train on the batch you "
+                      "meant.", BigBatchWarning, stacklevel=5)  # fmt: skip
     return samples
 
 
@@ -48,17 +45,15 @@ def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> 
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
     largest = torch.finfo(dtype).max
     if not lr < largest / 1000:
-        raise ValueError(
-            f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch {batch_size}, and the "
-            f"model's {dtype} parameters hold at most {largest:.3g}: an optimizer step would "
-            f"overflow. Use a learning rate below {largest / 1000:.3g}, e.g. 1e-3."
-        )
+        raise ValueError(f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch {batch_size}, "
+                         f"and the model's {dtype} parameters hold at most {largest:.3g}: an "
+                         f"optimizer step would overflow. Use a learning rate below "
+                         f"{largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
     return lr
 
 
-def prepare_model(
-    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
-) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, config: TrainConfig,
+                  ranks: distributed.Ranks) -> torch.nn.Module:  # fmt: skip
     """Checkpointing and the BatchNorm policy on; DDP around it (not under local rounds)."""
     if config.gradient_checkpointing:
         from bigbatch.memory.checkpointing import enable_checkpointing
@@ -74,9 +69,8 @@ def prepare_model(
     return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
-def schedule(
-    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
+             total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
     """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
     warmup = config.warmup_steps
 

@@ -87,13 +87,8 @@ class Summary:
     compiled_graphs: int | None = None
 
 
-def summarize(
-    out: str,
-    time_s: float,
-    batch_size: int,
-    evaluation: tuple[float | None, float | None],
-    write: bool = True,
-) -> Summary:
+def summarize(out: str, time_s: float, batch_size: int,
+              evaluation: tuple[float | None, float | None], write: bool = True) -> Summary:  # fmt: skip
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
     (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
@@ -157,10 +152,9 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
     try:
         rows = read_csv(os.path.join(out, METRICS_CSV))
         if not rows:
-            raise FileNotFoundError(
-                f"{os.path.join(out, METRICS_CSV)} is missing or empty: give the --out folder of "
-                "a `bigbatch train` run that took a step."
-            )
+            raise FileNotFoundError(f"{os.path.join(out, METRICS_CSV)} is missing or empty: give "
+                                    "the --out folder of a `bigbatch train` run that took a "
+                                    "step.")  # fmt: skip
         summary, partial = _summary_so_far(out, rows)
         return summary, partial, plot_run(out, path, rows, partial)
     except BaseException:
@@ -180,10 +174,8 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
     summary = summarize(out, sum(col("time_s")), _whole(col("samples")) or 0, evaluation, False)
     if holder is not None:
         return summary, f"the run is still running (process {holder}), at step {len(rows)}"
-    return summary, (
-        f"the run stopped at step {len(rows)} before its end (a crash, a kill or Ctrl-C): "
-        "`bigbatch train ... --resume` continues it"
-    )
+    return summary, (f"the run stopped at step {len(rows)} before its end (a crash, a kill or "
+                     "Ctrl-C): `bigbatch train ... --resume` continues it")  # fmt: skip
 
 
 def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
@@ -228,9 +220,8 @@ def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | Non
         points = [(int(r["step"]), v / scale) for r in rows if (v := _number(r, key)) is not None]
         if points:
             axes.plot(*zip(*points, strict=True), style, color=color, label=label)
-    state = "" if not partial else " (partial: still running)" if "running" in partial else (
-        " (partial: stopped before its end)"
-    )  # fmt: skip
+    state = partial and ("still running" if "running" in partial else "stopped before its end")
+    state = f" (partial: {state})" if state else ""
     name = os.path.basename(os.path.abspath(out))
     top.set(ylabel="loss", title=f"bigbatch run {name}{state}: loss per optimizer step")
     bottom.set(ylabel="memory (MiB)", xlabel="optimizer step", ylim=(0, None))
