@@ -104,12 +104,9 @@ def shown_default(action: argparse.Action) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``bigbatch`` argument parser (also used to render ``--help`` and docs/cli.md)."""
-    parser = _Parser(
-        prog="bigbatch",
-        description="Train with the batch size you want on the memory you have: exact gradient "
-        "accumulation for PyTorch.",
-        epilog="Errors print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.",
-    )
+    parser = _Parser(prog="bigbatch", description="Train with the batch size you want on the memory "
+                     "you have: exact gradient accumulation for PyTorch.", epilog="Errors print "
+                     "one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for run, help, flags, options in _COMMANDS:
         name, doc = run.__name__.removeprefix("_run_"), inspect.cleandoc(run.__doc__ or "")
@@ -118,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.epilog = command.epilog or (f"example{epilog}" if example else None)
         for names, settings_ in flags:
             command.add_argument(*names.split(), **settings_)
-        if name == "train":
-            for f in config.settings():
-                _add_setting(command, f)
+        for f in config.settings() if name == "train" else []:
+            _add_setting(command, f)
         command.set_defaults(run=run)
     return parser
 
@@ -292,10 +288,8 @@ def _run_train(args: argparse.Namespace) -> None:
     from bigbatch.core import _rng
 
     names = {f.name for f in config.settings()}
-    file_settings = config.load_toml(args.config) if args.config else {}
-    chosen = config.make_config(
-        file_settings, **{k: v for k, v in vars(args).items() if k in names}
-    )
+    given = {k: v for k, v in vars(args).items() if k in names}
+    chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
                          "--config.")  # fmt: skip
@@ -355,12 +349,10 @@ def _run_plan(args: argparse.Namespace) -> None:
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    print_plan(plan(
-        task.model, first_batch(task, args.batch_size), task.loss_fn,
-        memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
-        checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
-        margin=args.margin,
-    ))  # fmt: skip
+    options = ("memory_budget", "micro_batch_sizes", "checkpointing", "steps", "margin")
+    batch = first_batch(task, args.batch_size)
+    print_plan(plan(task.model, batch, task.loss_fn, optimizer=optimizer,
+                    **{k: getattr(args, k) for k in options}))  # fmt: skip
 
 
 def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:

@@ -46,9 +46,7 @@ from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
 from bigbatch.distributed.launch import DEVICES
 
 BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
-OUTER = ("outer_lr", "outer_momentum", "outer_nesterov")  # used only with local_steps > 1
 DEFAULT_BATCH_SIZE = 32
-MAX_SEED = 2**63 - 1
 
 
 def setting(default: Any, *, choices: tuple[Any, ...] | None = None, low: int | None = None,
@@ -265,7 +263,7 @@ def _check_numbers(c: TrainConfig) -> None:
         ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
         ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
          "leave it out for no clipping"),
-        ("seed", c.seed <= MAX_SEED, "an integer from 0 to 2**63 - 1"),
+        ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
         ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper's normalised "
          "update; the value of --local-steps: average the ranks' models)"),
         ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1) (0: the plain outer "
@@ -280,8 +278,8 @@ def _check_numbers(c: TrainConfig) -> None:
     if c.outer_nesterov and c.outer_momentum == 0:
         raise ValueError("outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 "
                          "(DiLoCo's), or drop --outer-nesterov.")  # fmt: skip
-    defaults = {f.name: f.default for f in fields(c)}
-    outer = [f"{k}={getattr(c, k)!r}" for k in OUTER if getattr(c, k) != defaults[k]]
+    outer = [f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)  # used only with local_steps > 1
+             if f.name.startswith("outer_") and getattr(c, f.name) != f.default]  # fmt: skip
     if c.local_steps == 1 and outer:
         raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
                          "data-parallel step (one all-reduce per step, no outer step): add "

@@ -52,9 +52,8 @@ class RunLog:
         every: a progress line every N steps (0: about ``LINES_PER_RUN`` in the run).
     """
 
-    def __init__(
-        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False, every: int = 0
-    ) -> None:
+    def __init__(self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False,
+                 every: int = 0) -> None:  # fmt: skip
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
         new = not os.path.exists(path)
@@ -137,10 +136,9 @@ def read_csv(path: str) -> list[dict[str, str]]:
         fields = reader.fieldnames or []
         missing = [c for c in ("step", "loss", "samples", "count") if c not in fields]
         if missing:
-            raise ValueError(
-                f"{path} lacks the column(s) {', '.join(missing)}: it is not the metrics.csv of a "
-                "`bigbatch train` run (or it was written by another version)."
-            )
+            raise ValueError(f"{path} lacks the column(s) {', '.join(missing)}: it is not the "
+                             "metrics.csv of a `bigbatch train` run (or it was written by another "
+                             "version).")  # fmt: skip
         return [row for row in reader if _whole(row)]
 
 
