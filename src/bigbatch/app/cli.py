@@ -318,7 +318,7 @@ def _run_check(args: argparse.Namespace) -> int:
     distribution, not the same numbers), and the verdict says so. The model runs in the mode
     TASK builds it in (a transformers model built from a config: train); --eval checks it in
     eval mode."""
-    from bigbatch.app.console import print_check
+    from bigbatch.app.report import print_check
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.verifier._check import check
 
@@ -342,7 +342,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
     the runner-up and why it lost."""
-    from bigbatch.app.console import print_plan
+    from bigbatch.app.report import print_plan
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.memory.planner import plan
 

@@ -36,8 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bigbatch.app.console import print_table
-from bigbatch.app.report import save_png
+from bigbatch.app.report import print_table, save_png
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.peak import measure_peak, small_mmap_threshold
 

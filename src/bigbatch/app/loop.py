@@ -126,9 +126,8 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     run = _prepare(task, config, ranks)  # in memory: refused before mkdir
     with run.folder, run.stop:
         progress = _start(run)
-        log = None  # rank 0 alone writes the run folder
-        if ranks.is_main:
-            log = RunLog(config.out, run.total_steps, progress.step, config.quiet, config.log_every)
+        log = RunLog(config.out, run.total_steps, progress.step, config.quiet,
+                     config.log_every) if ranks.is_main else None  # rank 0 alone writes  # fmt: skip
         try:
             _train(run, progress, log)
         finally:
@@ -220,10 +219,9 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    local = rounds.make_local(acc, config)
-    identity = prepare.identity(task, config, optimizer)
-    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
-                StopSignals(ranks.device), identity, batch_size, steps_per_epoch,
+    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc,
+                rounds.make_local(acc, config), StopSignals(ranks.device),
+                prepare.identity(task, config, optimizer), batch_size, steps_per_epoch,
                 total_steps)  # fmt: skip
 
 
@@ -309,9 +307,8 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
         epoch, position = epoch + 1, 0
 
 
-def _row(
-    run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int, counted: int
-) -> dict[str, Any]:
+def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int,
+         counted: int) -> dict[str, Any]:  # fmt: skip
     """The step's row of ``metrics.csv`` (``log.COLUMNS``); ``counted``: the samples ``r.count``
     saw, which differ from it when the loss counts tokens."""
     tokens = r.count != counted or r.tokens is not None
@@ -363,13 +360,11 @@ def _save(run: _Run, progress: _Progress) -> None:
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
-    model = distributed.unwrap(run.acc.model)
-    if all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point()):
-        return
-    raise stops.NonFiniteRun(
-        f"step {progress.step}: the weights hold NaN / inf (nonfinite={run.config.nonfinite!r}); "
-        f"{what} was not written. {_last_good(run, progress)}"
-    )
+    params = distributed.unwrap(run.acc.model).parameters()
+    if not all(bool(torch.isfinite(p).all()) for p in params if p.is_floating_point()):
+        raise stops.NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
+                                 f"{run.config.nonfinite!r}); {what} was not written. "
+                                 f"{_last_good(run, progress)}")  # fmt: skip
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
