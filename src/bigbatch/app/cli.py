@@ -104,9 +104,9 @@ def shown_default(action: argparse.Action) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``bigbatch`` argument parser (also used to render ``--help`` and docs/cli.md)."""
-    parser = _Parser(prog="bigbatch", description="Train with the batch size you want on the memory "
-                     "you have: exact gradient accumulation for PyTorch.", epilog="Errors print "
-                     "one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.")  # fmt: skip
+    parser = _Parser(prog="bigbatch", description="Train with the batch size you want on the "
+                     "memory you have: exact gradient accumulation for PyTorch.", epilog="Errors "
+                     "print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for run, help, flags, options in _COMMANDS:
         name, doc = run.__name__.removeprefix("_run_"), inspect.cleandoc(run.__doc__ or "")

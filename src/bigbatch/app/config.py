@@ -257,8 +257,7 @@ def _check_numbers(c: TrainConfig) -> None:
     """What one field's type and range do not say."""
     if c.steps is not None and c.epochs is not None:
         raise ValueError(f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
-                         "(--steps N runs N optimizer steps; --epochs N runs N passes over the "
-                         "data).")  # fmt: skip
+                         "(--steps N: N optimizer steps; --epochs N: N passes over the data).")  # fmt: skip
     for name, right, allowed in [
         ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
         ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
@@ -302,28 +301,25 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
     k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
     tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
     if k is not None and tokens:
-        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with "
-                         "micro_batch_tokens: the tokens decide how many micro-batches a batch "
-                         "takes. Drop one of the two.")  # fmt: skip
+        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: "
+                         "the tokens decide the number of micro-batches. Drop one of the two.")  # fmt: skip
     if k is not None and given_m == "auto":
         raise ValueError(f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
-                         f"gradient_accumulation_steps={k}, or give an integer "
-                         "micro_batch_size.")  # fmt: skip
+                         f"gradient_accumulation_steps={k}, or give an integer micro_batch_size.")  # fmt: skip
     if tokens or given_m == "auto":
         return (config.batch_size or DEFAULT_BATCH_SIZE), given_m, None  # type: ignore[return-value]
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     steps = math.ceil(b / m)
     if k is not None and steps != k and given_m is not None and config.batch_size is not None:
-        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and "
-                         f"gradient_accumulation_steps={k} contradict each other: {b} samples at "
-                         f"{m} per micro-batch take {steps} micro-batches. Give only two of the "
-                         "three.")  # fmt: skip
+        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_"
+                         f"steps={k} contradict each other: {b} samples at {m} per micro-batch "
+                         f"take {steps} micro-batches. Give only two of the three.")  # fmt: skip
     if k is not None and steps != k:
-        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} "
-                         f"micro-batches: at {m} samples per micro-batch it takes {steps} (only "
-                         f"the last may be smaller). Use gradient_accumulation_steps={steps}, or "
-                         "give micro_batch_size instead.")  # fmt: skip
+        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-"
+                         f"batches: at {m} samples per micro-batch it takes {steps} (only the last "
+                         f"may be smaller). Use gradient_accumulation_steps={steps}, or give "
+                         "micro_batch_size instead.")  # fmt: skip
     return b, m, steps
 
 

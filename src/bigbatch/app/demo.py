@@ -227,15 +227,12 @@ def print_demo(result: DemoResult) -> None:
 def _verdict(result: DemoResult) -> str:
     full, accumulated, auto = (r.peak_bytes() for r in result.runs)
     accuracies = ", ".join(sorted({f"{a:.2%}" for a in result.accuracies}))
-    head = "[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
-    if not result.exact():
-        head = "[bold red]NOT as expected[/]: the weights differ (max relative "
-    return (
-        f"{head}difference {max(result.differences):.0e}), test accuracy {accuracies}; peak "
-        f"memory {_mib(full)} -> {_mib(accumulated)} accumulated ({full / max(accumulated, 1):.1f}x"
-        f" less) and {_mib(auto)} auto, under a {_mib(result.budget_bytes)} budget the full batch "
-        "exceeds."
-    )
+    head = ("[bold green]Same result[/]: the weights agree to float64 rounding" if result.exact()
+            else "[bold red]NOT as expected[/]: the weights differ")  # fmt: skip
+    return (f"{head} (max relative difference {max(result.differences):.0e}), test accuracy "
+            f"{accuracies}; peak memory {_mib(full)} -> {_mib(accumulated)} accumulated ("
+            f"{full / max(accumulated, 1):.1f}x less) and {_mib(auto)} auto, under a "
+            f"{_mib(result.budget_bytes)} budget the full batch exceeds.")  # fmt: skip
 
 
 def _mib(n: int) -> str:

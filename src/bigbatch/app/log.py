@@ -56,11 +56,8 @@ class RunLog:
                  every: int = 0) -> None:  # fmt: skip
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
-        new = not os.path.exists(path)
         self._file = open(path, "a", newline="", opener=no_follow)
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
-        if new:
-            self._csv.writeheader()
         self._text = open(os.path.join(out, "train.log"), "a", opener=no_follow)
         self._write(f"{'resumed after' if start_step else 'started at'} step {start_step}")
         self._tensorboard = _tensorboard_writer(out)
@@ -151,16 +148,14 @@ def _whole(row: dict[str, Any]) -> bool:
 
 
 def truncate_csv(path: str, last_step: int) -> None:
-    """Keep exactly the rows of steps 1..``last_step``: a resumed run redoes the steps its
-    snapshot did not hold (a torn last row, left by a kill mid-write, goes too)."""
-    if last_step == 0:
-        if os.path.lexists(path):
-            os.remove(path)
-        return
+    """Keep exactly the header and the rows of steps 1..``last_step``: a resumed run redoes the
+    steps its snapshot did not hold (a torn last row, left by a kill mid-write, goes too); a run
+    from step 0 starts a new file."""
     text = io.StringIO()
     writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(r for r in read_csv(path) if int(r["step"]) <= last_step)
+    rows = read_csv(path) if last_step else []  # from step 0: whatever the file held goes
+    writer.writerows(r for r in rows if int(r["step"]) <= last_step)
     replace_file(path, text.getvalue().encode())  # a kill leaves the old file or the new one
 
 

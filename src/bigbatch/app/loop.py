@@ -197,8 +197,8 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.tally.add(result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN / "
-                                 f"inf values (skipped or applied); stopping. "
+        raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
+                                 f"/ inf values (skipped or applied); stopping. "
                                  f"{_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}

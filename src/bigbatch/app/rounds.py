@@ -179,6 +179,5 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     if n != ranks.world_size:
         raise RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, and "
                                f"each rank keeps its own optimizer state: resume on {n} ranks "
-                               f"(torchrun --nproc_per_node {n}), not "
-                               f"{ranks.world_size}.")  # fmt: skip
+                               f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
     return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]

@@ -41,8 +41,6 @@ from bigbatch.core._units import format_bytes
 from bigbatch.core.oom import MemoryBudgetExceeded
 from bigbatch.distributed import launch as distributed
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 class Stopped(Exception):
     """The run stopped on a signal after writing a snapshot; ``exit_code`` is 128 + signal."""
@@ -67,7 +65,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
-            for sig in SIGNALS:
+            for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 
