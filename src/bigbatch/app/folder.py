@@ -203,10 +203,8 @@ def replace_file(path: str, content: Any, kept: str = "nothing was changed") -> 
 def bytes_needed(obj: Any) -> int:
     """What ``torch.save(obj)`` writes, at most: each tensor storage once, and a margin for the
     archive's records and the pickled structure."""
-    storages = {
-        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-        for _, t in tensor_leaves(obj)
-    }
+    storages = {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+                for _, t in tensor_leaves(obj)}  # fmt: skip
     return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
 
 

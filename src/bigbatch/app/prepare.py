@@ -62,10 +62,8 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig,
     if config.batchnorm != "keep":
         apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
-    if config.local_steps > 1:  # each rank steps its own replica (Note [local rounds])
-        model = model.to(ranks.device)
-    else:
-        model = distributed.wrap(model, ranks)
+    # under local rounds each rank steps its own replica (Note [local rounds])
+    model = model.to(ranks.device) if config.local_steps > 1 else distributed.wrap(model, ranks)
     return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
@@ -90,6 +88,5 @@ def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) 
     settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
     settings["task"] = canonical_path(config.task) if config.task else None
     shapes = {k: list(p.shape) for k, p in distributed.unwrap(task.model).state_dict().items()}
-    optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    samples = len(task.train_data)
-    return {**settings, "model": shapes, "train_samples": samples, "optimizer": optimizer_class}
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return {**settings, "model": shapes, "train_samples": len(task.train_data), "optimizer": kind}
