@@ -101,12 +101,10 @@ class Snapshot:
 
     def environment_changes(self) -> list[str]:
         """How this process differs from the one that wrote the snapshot (for a warning)."""
-        changes = []
-        if self.torch_version != str(torch.__version__):
-            changes.append(f"torch {self.torch_version} -> {torch.__version__}")
-        if self.num_threads != torch.get_num_threads():
-            changes.append(f"{self.num_threads} -> {torch.get_num_threads()} threads")
-        return changes
+        version, threads = str(torch.__version__), torch.get_num_threads()
+        return [text for differs, text in [
+            (self.torch_version != version, f"torch {self.torch_version} -> {version}"),
+            (self.num_threads != threads, f"{self.num_threads} -> {threads} threads")] if differs]  # fmt: skip
 
 
 def write_snapshot(out: str, snapshot: Snapshot, keep: int = 2,
