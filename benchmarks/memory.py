@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import device_name, median_seconds, print_table, synchronize  # noqa: E402
 
 import bigbatch  # noqa: E402
-from bigbatch.app.console import print_plan  # noqa: E402
+from bigbatch.app.report import print_plan  # noqa: E402
 from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
 from bigbatch.core.split import batch_size as count_samples  # noqa: E402
 from bigbatch.memory._candidates import ranked, ties  # noqa: E402

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
-from bigbatch.app.signals import Stopped
+from bigbatch.app.stops import Stopped
 from bigbatch.core._warnings import BigBatchWarning
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
@@ -104,12 +104,9 @@ def shown_default(action: argparse.Action) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``bigbatch`` argument parser (also used to render ``--help`` and docs/cli.md)."""
-    parser = _Parser(
-        prog="bigbatch",
-        description="Train with the batch size you want on the memory you have: exact gradient "
-        "accumulation for PyTorch.",
-        epilog="Errors print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.",
-    )
+    parser = _Parser(prog="bigbatch", description="Train with the batch size you want on the "
+                     "memory you have: exact gradient accumulation for PyTorch.", epilog="Errors "
+                     "print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for run, help, flags, options in _COMMANDS:
         name, doc = run.__name__.removeprefix("_run_"), inspect.cleandoc(run.__doc__ or "")
@@ -118,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.epilog = command.epilog or (f"example{epilog}" if example else None)
         for names, settings_ in flags:
             command.add_argument(*names.split(), **settings_)
-        if name == "train":
-            for f in config.settings():
-                _add_setting(command, f)
+        for f in config.settings() if name == "train" else []:
+            _add_setting(command, f)
         command.set_defaults(run=run)
     return parser
 
@@ -292,10 +288,8 @@ def _run_train(args: argparse.Namespace) -> None:
     from bigbatch.core import _rng
 
     names = {f.name for f in config.settings()}
-    file_settings = config.load_toml(args.config) if args.config else {}
-    chosen = config.make_config(
-        file_settings, **{k: v for k, v in vars(args).items() if k in names}
-    )
+    given = {k: v for k, v in vars(args).items() if k in names}
+    chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
                          "--config.")  # fmt: skip
@@ -324,7 +318,7 @@ def _run_check(args: argparse.Namespace) -> int:
     distribution, not the same numbers), and the verdict says so. The model runs in the mode
     TASK builds it in (a transformers model built from a config: train); --eval checks it in
     eval mode."""
-    from bigbatch.app.console import print_check
+    from bigbatch.app.report import print_check
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.verifier._check import check
 
@@ -348,19 +342,17 @@ def _run_plan(args: argparse.Namespace) -> None:
     per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
     the runner-up and why it lost."""
-    from bigbatch.app.console import print_plan
+    from bigbatch.app.report import print_plan
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.memory.planner import plan
 
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    print_plan(plan(
-        task.model, first_batch(task, args.batch_size), task.loss_fn,
-        memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
-        checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
-        margin=args.margin,
-    ))  # fmt: skip
+    options = ("memory_budget", "micro_batch_sizes", "checkpointing", "steps", "margin")
+    batch = first_batch(task, args.batch_size)
+    print_plan(plan(task.model, batch, task.loss_fn, optimizer=optimizer,
+                    **{k: getattr(args, k) for k in options}))  # fmt: skip
 
 
 def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 import math
 import re
@@ -45,20 +46,12 @@ from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
 from bigbatch.distributed.launch import DEVICES
 
 BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
-OUTER = ("outer_lr", "outer_momentum", "outer_nesterov")  # used only with local_steps > 1
 DEFAULT_BATCH_SIZE = 32
-MAX_SEED = 2**63 - 1
 
 
-def setting(
-    default: Any,
-    *,
-    choices: tuple[Any, ...] | None = None,
-    low: int | None = None,
-    allowed: str | None = None,
-    aliases: tuple[str, ...] = (),
-    resumable: bool = False,
-) -> Any:
+def setting(default: Any, *, choices: tuple[Any, ...] | None = None, low: int | None = None,
+            allowed: str | None = None, aliases: tuple[str, ...] = (),
+            resumable: bool = False) -> Any:  # fmt: skip
     """A ``TrainConfig`` field with what the command line and the checks need to know about it
     (its help is its entry in ``TrainConfig``'s Attributes).
 
@@ -71,8 +64,7 @@ def setting(
             takes a value like ``--lr``; ``"--fp16=fp16"`` is a switch that sets the value.
         resumable: may differ between a run and its resume (it does not change the result).
     """
-    meta = {"choices": choices, "low": low, "allowed": allowed, "aliases": aliases,
-            "resumable": resumable}  # fmt: skip
+    meta = dict(choices=choices, low=low, allowed=allowed, aliases=aliases, resumable=resumable)
     return field(default=default, metadata=meta)
 
 
@@ -148,8 +140,7 @@ class TrainConfig:
     task: str | None = setting(None)
     batch_size: int | None = setting(None, low=1)
     micro_batch_size: int | Literal["auto"] | None = setting(
-        None, low=1, aliases=("--per-device-train-batch-size",)
-    )
+        None, low=1, aliases=("--per-device-train-batch-size",))  # fmt: skip
     gradient_accumulation_steps: int | None = setting(None, low=1)
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
@@ -212,9 +203,10 @@ def helps() -> dict[str, str]:
     return {name: " ".join(body.split()) for name, body in entries}
 
 
+@functools.cache
 def kinds(f: dataclasses.Field) -> tuple[Any, ...]:
     """The types setting ``f`` admits: ``(int, Literal["auto"], NoneType)``."""
-    hint = _hints()[f.name]
+    hint = typing.get_type_hints(TrainConfig)[f.name]
     return typing.get_args(hint) or (hint,)
 
 
@@ -265,13 +257,12 @@ def _check_numbers(c: TrainConfig) -> None:
     """What one field's type and range do not say."""
     if c.steps is not None and c.epochs is not None:
         raise ValueError(f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
-                         "(--steps N runs N optimizer steps; --epochs N runs N passes over the "
-                         "data).")  # fmt: skip
+                         "(--steps N: N optimizer steps; --epochs N: N passes over the data).")  # fmt: skip
     for name, right, allowed in [
         ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
         ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
          "leave it out for no clipping"),
-        ("seed", c.seed <= MAX_SEED, "an integer from 0 to 2**63 - 1"),
+        ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
         ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper's normalised "
          "update; the value of --local-steps: average the ranks' models)"),
         ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1) (0: the plain outer "
@@ -286,8 +277,8 @@ def _check_numbers(c: TrainConfig) -> None:
     if c.outer_nesterov and c.outer_momentum == 0:
         raise ValueError("outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 "
                          "(DiLoCo's), or drop --outer-nesterov.")  # fmt: skip
-    defaults = {f.name: f.default for f in fields(c)}
-    outer = [f"{k}={getattr(c, k)!r}" for k in OUTER if getattr(c, k) != defaults[k]]
+    outer = [f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)  # used only with local_steps > 1
+             if f.name.startswith("outer_") and getattr(c, f.name) != f.default]  # fmt: skip
     if c.local_steps == 1 and outer:
         raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
                          "data-parallel step (one all-reduce per step, no outer step): add "
@@ -310,28 +301,25 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
     k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
     tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
     if k is not None and tokens:
-        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with "
-                         "micro_batch_tokens: the tokens decide how many micro-batches a batch "
-                         "takes. Drop one of the two.")  # fmt: skip
+        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: "
+                         "the tokens decide the number of micro-batches. Drop one of the two.")  # fmt: skip
     if k is not None and given_m == "auto":
         raise ValueError(f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
-                         f"gradient_accumulation_steps={k}, or give an integer "
-                         "micro_batch_size.")  # fmt: skip
+                         f"gradient_accumulation_steps={k}, or give an integer micro_batch_size.")  # fmt: skip
     if tokens or given_m == "auto":
         return (config.batch_size or DEFAULT_BATCH_SIZE), given_m, None  # type: ignore[return-value]
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     steps = math.ceil(b / m)
     if k is not None and steps != k and given_m is not None and config.batch_size is not None:
-        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and "
-                         f"gradient_accumulation_steps={k} contradict each other: {b} samples at "
-                         f"{m} per micro-batch take {steps} micro-batches. Give only two of the "
-                         "three.")  # fmt: skip
+        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_"
+                         f"steps={k} contradict each other: {b} samples at {m} per micro-batch "
+                         f"take {steps} micro-batches. Give only two of the three.")  # fmt: skip
     if k is not None and steps != k:
-        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} "
-                         f"micro-batches: at {m} samples per micro-batch it takes {steps} (only "
-                         f"the last may be smaller). Use gradient_accumulation_steps={steps}, or "
-                         "give micro_batch_size instead.")  # fmt: skip
+        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-"
+                         f"batches: at {m} samples per micro-batch it takes {steps} (only the last "
+                         f"may be smaller). Use gradient_accumulation_steps={steps}, or give "
+                         "micro_batch_size instead.")  # fmt: skip
     return b, m, steps
 
 
@@ -395,10 +383,7 @@ def load_toml(path: str) -> dict[str, Any]:
         FileNotFoundError: the file does not exist.
         ValueError: the file is not valid TOML (the message names the file and the line).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
+    tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
     try:
         with open(path, "rb") as file:
             return tomllib.load(file)
@@ -411,11 +396,6 @@ def load_toml(path: str) -> dict[str, Any]:
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-@functools.cache
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
 
 
 def positive(value: float | None) -> bool:

@@ -36,8 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bigbatch.app.console import print_table
-from bigbatch.app.report import save_png
+from bigbatch.app.report import print_table, save_png
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.peak import measure_peak, small_mmap_threshold
 
@@ -101,10 +100,9 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
-        raise ImportError(
-            f"the demo's data come with scikit-learn ({exc}): run pip install "
-            'scikit-learn (or pip install -e ".[demo]" in a clone).'
-        ) from None
+        raise ImportError(f"the demo's data come with scikit-learn ({exc}): run pip install "
+                          'scikit-learn (or pip install -e ".[demo]" in a clone).'
+                          ) from None  # fmt: skip
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
@@ -123,13 +121,8 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def run_demo(
-    steps: int = 40,
-    batch_size: int = 512,
-    micro_batch_size: int = 64,
-    out: str = "bigbatch-demo.png",
-    hidden: int = 8192,
-) -> DemoResult:
+def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
+             out: str = "bigbatch-demo.png", hidden: int = 8192) -> DemoResult:  # fmt: skip
     """Train the digits MLP three ways, print the comparison table and write the plot.
 
     Args:
@@ -177,14 +170,8 @@ def run_demo(
     return result
 
 
-def _train(
-    name: str,
-    init: torch.nn.Module,
-    data: Digits,
-    order: list[torch.Tensor],
-    micro_batch_size: int | str | None = None,
-    budget: int | None = None,
-) -> Run:
+def _train(name: str, init: torch.nn.Module, data: Digits, order: list[torch.Tensor],
+           micro_batch_size: int | str | None = None, budget: int | None = None) -> Run:  # fmt: skip
     """One run: a plain full-batch loop (``micro_batch_size=None``) or an ``Accumulator``."""
     from rich.progress import track
 
@@ -240,15 +227,12 @@ def print_demo(result: DemoResult) -> None:
 def _verdict(result: DemoResult) -> str:
     full, accumulated, auto = (r.peak_bytes() for r in result.runs)
     accuracies = ", ".join(sorted({f"{a:.2%}" for a in result.accuracies}))
-    head = "[bold green]Same result[/]: the weights agree to float64 rounding (max relative "
-    if not result.exact():
-        head = "[bold red]NOT as expected[/]: the weights differ (max relative "
-    return (
-        f"{head}difference {max(result.differences):.0e}), test accuracy {accuracies}; peak "
-        f"memory {_mib(full)} -> {_mib(accumulated)} accumulated ({full / max(accumulated, 1):.1f}x"
-        f" less) and {_mib(auto)} auto, under a {_mib(result.budget_bytes)} budget the full batch "
-        "exceeds."
-    )
+    head = ("[bold green]Same result[/]: the weights agree to float64 rounding" if result.exact()
+            else "[bold red]NOT as expected[/]: the weights differ")  # fmt: skip
+    return (f"{head} (max relative difference {max(result.differences):.0e}), test accuracy "
+            f"{accuracies}; peak memory {_mib(full)} -> {_mib(accumulated)} accumulated ("
+            f"{full / max(accumulated, 1):.1f}x less) and {_mib(auto)} auto, under a "
+            f"{_mib(result.budget_bytes)} budget the full batch exceeds.")  # fmt: skip
 
 
 def _mib(n: int) -> str:

@@ -105,10 +105,9 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(fd)
-            raise RunFolderBusy(
-                f"run folder {self.out!r} is in use by another bigbatch run (process {holder}): "
-                "wait for it to end, or choose another --out."
-            ) from None
+            raise RunFolderBusy(f"run folder {self.out!r} is in use by another bigbatch run "
+                                f"(process {holder}): wait for it to end, or choose another "
+                                "--out.") from None  # fmt: skip
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -204,10 +203,8 @@ def replace_file(path: str, content: Any, kept: str = "nothing was changed") -> 
 def bytes_needed(obj: Any) -> int:
     """What ``torch.save(obj)`` writes, at most: each tensor storage once, and a margin for the
     archive's records and the pickled structure."""
-    storages = {
-        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-        for _, t in tensor_leaves(obj)
-    }
+    storages = {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+                for _, t in tensor_leaves(obj)}  # fmt: skip
     return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
 
 

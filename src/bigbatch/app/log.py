@@ -52,16 +52,12 @@ class RunLog:
         every: a progress line every N steps (0: about ``LINES_PER_RUN`` in the run).
     """
 
-    def __init__(
-        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False, every: int = 0
-    ) -> None:
+    def __init__(self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False,
+                 every: int = 0) -> None:  # fmt: skip
         path = os.path.join(out, METRICS_CSV)
         truncate_csv(path, start_step)
-        new = not os.path.exists(path)
         self._file = open(path, "a", newline="", opener=no_follow)
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
-        if new:
-            self._csv.writeheader()
         self._text = open(os.path.join(out, "train.log"), "a", opener=no_follow)
         self._write(f"{'resumed after' if start_step else 'started at'} step {start_step}")
         self._tensorboard = _tensorboard_writer(out)
@@ -137,10 +133,9 @@ def read_csv(path: str) -> list[dict[str, str]]:
         fields = reader.fieldnames or []
         missing = [c for c in ("step", "loss", "samples", "count") if c not in fields]
         if missing:
-            raise ValueError(
-                f"{path} lacks the column(s) {', '.join(missing)}: it is not the metrics.csv of a "
-                "`bigbatch train` run (or it was written by another version)."
-            )
+            raise ValueError(f"{path} lacks the column(s) {', '.join(missing)}: it is not the "
+                             "metrics.csv of a `bigbatch train` run (or it was written by another "
+                             "version).")  # fmt: skip
         return [row for row in reader if _whole(row)]
 
 
@@ -153,16 +148,14 @@ def _whole(row: dict[str, Any]) -> bool:
 
 
 def truncate_csv(path: str, last_step: int) -> None:
-    """Keep exactly the rows of steps 1..``last_step``: a resumed run redoes the steps its
-    snapshot did not hold (a torn last row, left by a kill mid-write, goes too)."""
-    if last_step == 0:
-        if os.path.lexists(path):
-            os.remove(path)
-        return
+    """Keep exactly the header and the rows of steps 1..``last_step``: a resumed run redoes the
+    steps its snapshot did not hold (a torn last row, left by a kill mid-write, goes too); a run
+    from step 0 starts a new file."""
     text = io.StringIO()
     writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(r for r in read_csv(path) if int(r["step"]) <= last_step)
+    rows = read_csv(path) if last_step else []  # from step 0: whatever the file held goes
+    writer.writerows(r for r in rows if int(r["step"]) <= last_step)
     replace_file(path, text.getvalue().encode())  # a kill leaves the old file or the new one
 
 

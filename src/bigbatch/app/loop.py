@@ -6,11 +6,11 @@ the data (``_batches``: the order is a pure function of ``seed`` and the epoch, 
 run finds its place by the step number alone), the log (``RunLog.step``, once per optimizer
 step) and the snapshot (``_save``, at step boundaries only: a run killed mid-window redoes that
 window from the same data and random state). The run folder is locked for the run's life
-(Note [one writer] in ``train.folder``); SIGINT / SIGTERM stop it cleanly (Note [clean stop] in
-``train.signals``); a step with NaN or inf stops it before anything is written
+(Note [one writer] in ``app.folder``); SIGINT / SIGTERM stop it cleanly (Note [clean stop] in
+``app.stops``); a step with NaN or inf stops it before anything is written
 (Note [non-finite runs]). With ``local_steps > 1`` each rank takes local steps and the ranks
 exchange once per round; snapshots, evaluation and signals wait for a round's end (Note [local
-rounds] in ``train.rounds``).
+rounds] in ``app.rounds``).
 
 Note [non-finite runs]
     With ``nonfinite="raise"`` (the default) the engine refuses a window whose loss or gradient
@@ -38,17 +38,17 @@ import torch
 
 from bigbatch.app import prepare, resume, rounds, stops
 from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_length
-from bigbatch.app.evaluation import evaluate
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
-from bigbatch.app.signals import Stopped, StopSignals
+from bigbatch.app.stops import Stopped, StopSignals
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._tree import map_tensors
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator, StepResult
+from bigbatch.core.loss import as_sum_and_count
 from bigbatch.core.oom import is_out_of_memory
 from bigbatch.core.peak import PeakProbe
 from bigbatch.core.split import batch_size as samples_in
@@ -56,14 +56,11 @@ from bigbatch.distributed import launch as distributed
 from bigbatch.distributed.local import LocalAccumulation
 
 MAX_SKIPPED_IN_A_ROW = 20
-_MODEL_KEPT = (
-    "model.pt was not written; the last snapshot holds the trained model: free space and run "
-    "again with --resume"
-)
-_NOTHING_TO_RESUME = (
-    "--resume: run folder {out!r} holds no run to resume: drop --resume to start a new run "
-    "there, or give --resume auto to start when there is nothing to resume."
-)
+_MODEL_KEPT = ("model.pt was not written; the last snapshot holds the trained model: free space "
+               "and run again with --resume")  # fmt: skip
+_NOTHING_TO_RESUME = ("--resume: run folder {out!r} holds no run to resume: drop --resume to start "
+                      "a new run there, or give --resume auto to start when there is nothing to "
+                      "resume.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,23 +123,17 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     rounds.check(config, ranks, task.model)
-    folder, stop = RunFolder(config.out, ranks), StopSignals(ranks.device)
-    run = _prepare(task, config, ranks, folder, stop)  # in memory: refused before mkdir
-    with folder, stop:
+    run = _prepare(task, config, ranks)  # in memory: refused before mkdir
+    with run.folder, run.stop:
         progress = _start(run)
-        log = None  # rank 0 alone writes the run folder
-        if ranks.is_main:
-            log = RunLog(folder.out, run.total_steps, progress.step, config.quiet, config.log_every)
+        log = RunLog(config.out, run.total_steps, progress.step, config.quiet,
+                     config.log_every) if ranks.is_main else None  # rank 0 alone writes  # fmt: skip
         try:
             _train(run, progress, log)
         finally:
             if log is not None:
                 log.close()
-        final = _finish(run, progress)
-        with stop.writing():  # the ranks agreed in _finish: metrics.csv is whole for all
-            summary = summarize(
-                config.out, progress.elapsed_s, run.batch_size, final, ranks.is_main
-            )
+        summary = _finish(run, progress)
     distributed.teardown() if joined else distributed.barrier()
     if ranks.is_main and not config.quiet:
         print_summary(summary)
@@ -170,18 +161,20 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
             raise _stopped(run, progress, signum)
 
 
-def _finish(run: _Run, progress: _Progress) -> tuple[float | None, float | None]:
-    """The final evaluation (a signal stops it: Note [clean stop]) and ``model.pt``."""
+def _finish(run: _Run, progress: _Progress) -> Summary:
+    """The final evaluation (a signal stops it: Note [clean stop]), ``model.pt`` and the
+    summary."""
     final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
     signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
     if signum:
         raise _stopped(run, progress, signum, final=True)
-    if run.ranks.is_main:
-        _check_finite(run, progress, "model.pt")
-        with run.stop.writing():
+    with run.stop.writing():  # the ranks agreed above: metrics.csv is whole for all
+        if run.ranks.is_main:
+            _check_finite(run, progress, "model.pt")
             model = distributed.unwrap(run.acc.model).state_dict()
             replace_file(run.folder.path("model.pt"), model, _MODEL_KEPT)
-    return final
+        return summarize(run.folder.out, progress.elapsed_s, run.batch_size, final,
+                         run.ranks.is_main)  # fmt: skip
 
 
 def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -> dict[str, Any]:
@@ -191,9 +184,8 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     record = probe.reset()
     started = time.perf_counter()
     try:
-        result, round_row = rounds.train_step(
-            run.local, run.acc, batch, run.task, step == run.total_steps
-        )
+        last = step == run.total_steps
+        result, round_row = rounds.train_step(run.local, run.acc, batch, run.task, last)
     except NonFiniteError as exc:
         raise stops.NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
     except Exception as exc:
@@ -205,17 +197,14 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.tally.add(result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise stops.NonFiniteRun(
-            f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN / inf values "
-            f"(skipped or applied); stopping. {_last_good(run, progress)}"
-        )
+        raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
+                                 f"/ inf values (skipped or applied); stopping. "
+                                 f"{_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
 
-def _prepare(
-    task: Task, config: TrainConfig, ranks: distributed.Ranks, folder: RunFolder, stop: StopSignals
-) -> _Run:
+def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
     batch_size = prepare.trained_batch(config, len(task.train_data), ranks.is_main)
     steps_per_epoch, total_steps = run_length(config, len(task.train_data))
     if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
@@ -230,10 +219,10 @@ def _prepare(
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    local = rounds.make_local(acc, config)
-    identity = prepare.identity(task, config, optimizer)
-    return _Run(task, config, ranks, folder, acc, local, stop, identity, batch_size,
-                steps_per_epoch, total_steps)  # fmt: skip
+    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc,
+                rounds.make_local(acc, config), StopSignals(ranks.device),
+                prepare.identity(task, config, optimizer), batch_size, steps_per_epoch,
+                total_steps)  # fmt: skip
 
 
 def _start(run: _Run) -> _Progress:
@@ -244,10 +233,9 @@ def _start(run: _Run) -> _Progress:
     path = resume.latest_path(out)
     snapshot = None if path is None else resume.read_snapshot(path)
     if snapshot is not None and not config.resume:
-        raise resume.RunMismatchError(
-            f"run folder {config.out!r} already holds a run (step {snapshot.step} of "
-            f"{snapshot.total_steps}): add --resume to continue it, or choose another --out."
-        )
+        raise resume.RunMismatchError(f"run folder {config.out!r} already holds a run (step "
+                                      f"{snapshot.step} of {snapshot.total_steps}): add --resume "
+                                      "to continue it, or choose another --out.")  # fmt: skip
     if path is None or snapshot is None:  # a run killed before its first snapshot starts again
         if config.resume is True and not os.path.exists(run.folder.path(METRICS_CSV)):
             raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
@@ -265,7 +253,7 @@ def _start(run: _Run) -> _Progress:
 
 def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
     """Every part of the run from ``snapshot``; a field that does not fit is named (Note
-    [snapshot fields] in ``train.resume``)."""
+    [snapshot fields] in ``app.resume``)."""
     resume.check_same_run(snapshot.identity, run.identity, run.config.out)
     if snapshot.total_steps != run.total_steps:
         raise resume.crafted(path, "total_steps", f"is {snapshot.total_steps}, and this run "
@@ -287,12 +275,9 @@ def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
             load(state)
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
-        warnings.warn(
-            f"resuming with {', '.join(changes)}: the last bits of the results may differ from "
-            "an uninterrupted run (other kernels, another summation order).",
-            BigBatchWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"resuming with {', '.join(changes)}: the last bits of the results may "
+                      "differ from an uninterrupted run (other kernels, another summation order).",
+                      BigBatchWarning, stacklevel=3)  # fmt: skip
 
 
 def _load_scheduler(scheduler: Any, state: dict[str, Any] | None) -> None:
@@ -322,9 +307,8 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
         epoch, position = epoch + 1, 0
 
 
-def _row(
-    run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int, counted: int
-) -> dict[str, Any]:
+def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int,
+         counted: int) -> dict[str, Any]:  # fmt: skip
     """The step's row of ``metrics.csv`` (``log.COLUMNS``); ``counted``: the samples ``r.count``
     saw, which differ from it when the loss counts tokens."""
     tokens = r.count != counted or r.tokens is not None
@@ -376,13 +360,11 @@ def _save(run: _Run, progress: _Progress) -> None:
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
-    model = distributed.unwrap(run.acc.model)
-    if all(bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point()):
-        return
-    raise stops.NonFiniteRun(
-        f"step {progress.step}: the weights hold NaN / inf (nonfinite={run.config.nonfinite!r}); "
-        f"{what} was not written. {_last_good(run, progress)}"
-    )
+    params = distributed.unwrap(run.acc.model).parameters()
+    if not all(bool(torch.isfinite(p).all()) for p in params if p.is_floating_point()):
+        raise stops.NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
+                                 f"{run.config.nonfinite!r}); {what} was not written. "
+                                 f"{_last_good(run, progress)}")  # fmt: skip
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
@@ -390,8 +372,7 @@ def _last_good(run: _Run, progress: _Progress) -> str:
 
 
 def _stopped(run: _Run, progress: _Progress, signum: int, final: bool = False) -> Stopped:
-    line = stops.stopped_line(signum, progress.step, run.total_steps, run.folder.out, final)
-    return Stopped(line, signum)
+    return stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -408,3 +389,36 @@ def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""
     return run.acc.current_micro_batch_size or run.batch_size
+
+
+def evaluate(
+    task: Task, model: torch.nn.Module, batch_size: int, stop: StopSignals | None = None
+) -> tuple[float | None, float | None]:
+    """``(eval_loss, metric)`` over the task's eval data, each ``Σ sum / Σ count``; Nones without.
+
+    Args:
+        task: the task (its ``eval_data``, ``loss_fn``, ``metric`` and ``collate_fn``).
+        model: the model to evaluate (in eval mode and without gradients here).
+        batch_size: samples per forward.
+        stop: the run's signals: a signal ends the evaluation at the next batch, and the
+            figures returned are then partial (the caller, who sees ``stop.signum``, drops them).
+    """
+    if task.eval_data is None:
+        return None, None
+    device = next(model.parameters()).device
+    loader = torch.utils.data.DataLoader(task.eval_data, batch_size, collate_fn=task.collate_fn)
+    fns = [task.loss_fn, *([task.metric] if task.metric is not None else [])]
+    sums = [[0.0, 0.0] for _ in fns]  # each function's Σ sum, Σ count
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in loader:
+            if stop is not None and stop.signum:
+                break
+            batch = map_tensors(lambda t: t.to(device), batch)
+            for total, fn in zip(sums, fns, strict=True):
+                value, count = as_sum_and_count(fn(model, batch), samples_in(batch))
+                total[0], total[1] = total[0] + float(value), total[1] + float(count)
+    model.train(was_training)
+    metric = sums[1][0] / sums[1][1] if len(sums) > 1 and sums[1][1] else None
+    return sums[0][0] / max(sums[0][1], 1e-30), metric

@@ -26,13 +26,10 @@ def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
     if is_main:
         scaled = config.lr_scaling != "none"
         lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
-        warnings.warn(
-            f"--batch-size {batch_size} is larger than the task's {samples} training samples: "
-            f"every step trains on all {samples} (full-batch gradient descent){lr}. Give "
-            f"--batch-size {samples} or less to train on the batch you meant.",
-            BigBatchWarning,
-            stacklevel=5,
-        )
+        warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
+                      f"samples: every step trains on all {samples} (full-batch gradient descent)"
+                      f"{lr}. Give --batch-size {samples} or less to train on the batch you "
+                      "meant.", BigBatchWarning, stacklevel=5)  # fmt: skip
     return samples
 
 
@@ -48,17 +45,15 @@ def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> 
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
     largest = torch.finfo(dtype).max
     if not lr < largest / 1000:
-        raise ValueError(
-            f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch {batch_size}, and the "
-            f"model's {dtype} parameters hold at most {largest:.3g}: an optimizer step would "
-            f"overflow. Use a learning rate below {largest / 1000:.3g}, e.g. 1e-3."
-        )
+        raise ValueError(f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch "
+                         f"{batch_size}, and the model's {dtype} parameters hold at most "
+                         f"{largest:.3g}: an optimizer step would overflow. Use a learning rate "
+                         f"below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
     return lr
 
 
-def prepare_model(
-    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
-) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, config: TrainConfig,
+                  ranks: distributed.Ranks) -> torch.nn.Module:  # fmt: skip
     """Checkpointing and the BatchNorm policy on; DDP around it (not under local rounds)."""
     if config.gradient_checkpointing:
         from bigbatch.memory.checkpointing import enable_checkpointing
@@ -67,16 +62,13 @@ def prepare_model(
     if config.batchnorm != "keep":
         apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
-    if config.local_steps > 1:  # each rank steps its own replica (Note [local rounds])
-        model = model.to(ranks.device)
-    else:
-        model = distributed.wrap(model, ranks)
+    # under local rounds each rank steps its own replica (Note [local rounds])
+    model = model.to(ranks.device) if config.local_steps > 1 else distributed.wrap(model, ranks)
     return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
-def schedule(
-    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
+             total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
     """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
     warmup = config.warmup_steps
 
@@ -96,6 +88,5 @@ def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) 
     settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
     settings["task"] = canonical_path(config.task) if config.task else None
     shapes = {k: list(p.shape) for k, p in distributed.unwrap(task.model).state_dict().items()}
-    optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    samples = len(task.train_data)
-    return {**settings, "model": shapes, "train_samples": samples, "optimizer": optimizer_class}
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return {**settings, "model": shapes, "train_samples": len(task.train_data), "optimizer": kind}

@@ -1,4 +1,8 @@
-"""The end of a run: the summary (a table on screen, ``summary.json``) and the PNG plot.
+"""What the command line shows: the end of a run (the summary, a table on screen and
+``summary.json``; the PNG plot), and the tables of ``bigbatch plan`` and ``bigbatch check``
+(``print_table``, the one table maker, which the demo uses too). The library returns values
+(``Plan``, ``CheckReport``); this module, part of the application on top, turns them into text
+with ``rich``.
 
 ``bigbatch report DIR`` reads ``DIR/metrics.csv`` (and ``DIR/summary.json`` when the run
 finished) and draws the loss curve and the peak memory over optimizer steps into
@@ -22,14 +26,18 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bigbatch.app.console import print_table
 from bigbatch.app.folder import lock_holder, replace_file
 from bigbatch.app.log import METRICS_CSV, read_csv
 from bigbatch.core._units import format_bytes
+
+if TYPE_CHECKING:
+    from bigbatch.memory._candidates import Candidate
+    from bigbatch.memory.planner import Plan
+    from bigbatch.verifier._check import CheckReport
 
 SUMMARY_JSON = "summary.json"
 REPORT_PNG = "report.png"
@@ -87,13 +95,8 @@ class Summary:
     compiled_graphs: int | None = None
 
 
-def summarize(
-    out: str,
-    time_s: float,
-    batch_size: int,
-    evaluation: tuple[float | None, float | None],
-    write: bool = True,
-) -> Summary:
+def summarize(out: str, time_s: float, batch_size: int,
+              evaluation: tuple[float | None, float | None], write: bool = True) -> Summary:  # fmt: skip
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
     (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
@@ -157,10 +160,9 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
     try:
         rows = read_csv(os.path.join(out, METRICS_CSV))
         if not rows:
-            raise FileNotFoundError(
-                f"{os.path.join(out, METRICS_CSV)} is missing or empty: give the --out folder of "
-                "a `bigbatch train` run that took a step."
-            )
+            raise FileNotFoundError(f"{os.path.join(out, METRICS_CSV)} is missing or empty: give "
+                                    "the --out folder of a `bigbatch train` run that took a "
+                                    "step.")  # fmt: skip
         summary, partial = _summary_so_far(out, rows)
         return summary, partial, plot_run(out, path, rows, partial)
     except BaseException:
@@ -180,10 +182,8 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
     summary = summarize(out, sum(col("time_s")), _whole(col("samples")) or 0, evaluation, False)
     if holder is not None:
         return summary, f"the run is still running (process {holder}), at step {len(rows)}"
-    return summary, (
-        f"the run stopped at step {len(rows)} before its end (a crash, a kill or Ctrl-C): "
-        "`bigbatch train ... --resume` continues it"
-    )
+    return summary, (f"the run stopped at step {len(rows)} before its end (a crash, a kill or "
+                     "Ctrl-C): `bigbatch train ... --resume` continues it")  # fmt: skip
 
 
 def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
@@ -228,9 +228,8 @@ def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | Non
         points = [(int(r["step"]), v / scale) for r in rows if (v := _number(r, key)) is not None]
         if points:
             axes.plot(*zip(*points, strict=True), style, color=color, label=label)
-    state = "" if not partial else " (partial: still running)" if "running" in partial else (
-        " (partial: stopped before its end)"
-    )  # fmt: skip
+    state = partial and ("still running" if "running" in partial else "stopped before its end")
+    state = f" (partial: {state})" if state else ""
     name = os.path.basename(os.path.abspath(out))
     top.set(ylabel="loss", title=f"bigbatch run {name}{state}: loss per optimizer step")
     bottom.set(ylabel="memory (MiB)", xlabel="optimizer step", ylim=(0, None))
@@ -263,3 +262,81 @@ def _column(rows: list[dict[str, str]]) -> Callable[[str], list[float]]:
 def _whole(values: list[float]) -> int | None:
     """The largest of ``values`` as an integer (``None`` when there is none)."""
     return int(max(values)) if values else None
+
+
+# ---------------------------------------------------------------------------- tables
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], right: int = 1,
+                width: int = 100, **options: Any) -> Any:  # fmt: skip
+    """Print ``rows`` under ``columns`` (those from index ``right`` on right-justified and not
+    wrapped) as a rich ``Table(title, **options)``, at least ``width`` columns wide; return the
+    console, for the lines that follow the table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, **options)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="right" if i >= right else "left", no_wrap=i >= right)
+    for row in rows:
+        table.add_row(*row)
+    console = Console(width=max(width, Console().width))
+    console.print(table)
+    return console
+
+
+def print_plan(result: Plan) -> None:
+    """Every configuration as a table, then the margin, the memory fits, the choice and why."""
+    budget, usable = format_bytes(result.memory_budget), format_bytes(result.usable_bytes)
+    title = f"bigbatch plan: batch {result.batch_size} on {result.device}, budget {budget}, "
+    columns = ["micro-batch", "steps", "checkpointing", "peak MiB", "saved MiB", "ms/step",
+               "spread (ms)", "samples/s", "fits"]  # fmt: skip
+    rows = [_plan_row(result, c) for c in result.candidates]
+    console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 132)
+    lines = [
+        "ms/step: the median of the timed steps, taken in alternating rounds; spread: their "
+        "interquartile range (a tie needs overlapping spreads and at most 5% between medians)",
+        "! saves nothing measurable: within 2% of the same micro-batch without checkpointing"
+        if any(c.saves_nothing for c in result.candidates) else "",
+        f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
+        f"{usable} of the {budget} budget",
+        *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
+          f"{format_bytes(fit.bytes_per_sample)} x micro-batch; largest that fits: "
+          f"{_largest(fit.largest_fitting(result.usable_bytes))}" for fit in result.fits),
+        *(f"not tried: {skipped}" for skipped in result.skipped),
+        f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
+        f"runner-up: {result.runner_up.describe()}" if result.runner_up is not None else "",
+        f"why: {result.reason}",
+    ]  # fmt: skip
+    for line in filter(None, lines):
+        console.print(line, markup=False)
+
+
+def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
+    """One table row: what was measured (or predicted) and how it compares."""
+    peak = f"{c.peak_bytes / 2**20:,.1f}" + ("" if c.measured else " (fit)")
+    saved = "-" if c.saved_bytes is None else f"{c.saved_bytes / 2**20:,.1f}"
+    spread = c.spread_seconds and tuple(t * 1000 for t in c.spread_seconds)
+    over = "no (margin)" if c.peak_bytes <= result.memory_budget else "no"
+    fits = "OOM" if c.out_of_memory else "yes" if c.fits else over
+    mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
+    return (
+        str(c.micro_batch_size), str(c.gradient_accumulation_steps), c.label,
+        "-" if c.out_of_memory else peak, saved + ("!" if c.saves_nothing else ""),
+        f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
+        "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",
+        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-", fits + mark.get(id(c), ""),
+    )  # fmt: skip
+
+
+def _largest(size: int) -> str:
+    return "any" if size >= 2**31 else str(size)
+
+
+def print_check(report: CheckReport, title: str) -> None:
+    """Each named term's difference (when not exact), the parameters that differ most, then the
+    verdict and each diagnosis."""
+    terms = [(f"term {name!r}", diff) for name, diff in report.term_differences.items()]
+    rows = [(name, f"{diff:.2e}") for name, diff in [*terms, *report.worst(10)]]
+    console = print_table(
+        title, ["term / parameter" * bool(terms) or "parameter", "relative difference"], rows
+    )
+    console.print(report.summary(), markup=False)

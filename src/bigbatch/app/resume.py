@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.app.config import described
 from bigbatch.app.folder import sync_folder, write_temp
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
@@ -100,17 +101,14 @@ class Snapshot:
 
     def environment_changes(self) -> list[str]:
         """How this process differs from the one that wrote the snapshot (for a warning)."""
-        changes = []
-        if self.torch_version != str(torch.__version__):
-            changes.append(f"torch {self.torch_version} -> {torch.__version__}")
-        if self.num_threads != torch.get_num_threads():
-            changes.append(f"{self.num_threads} -> {torch.get_num_threads()} threads")
-        return changes
+        version, threads = str(torch.__version__), torch.get_num_threads()
+        return [text for differs, text in [
+            (self.torch_version != version, f"torch {self.torch_version} -> {version}"),
+            (self.num_threads != threads, f"{self.num_threads} -> {threads} threads")] if differs]  # fmt: skip
 
 
-def write_snapshot(
-    out: str, snapshot: Snapshot, keep: int = 2, previous_step: int | None = None
-) -> str:
+def write_snapshot(out: str, snapshot: Snapshot, keep: int = 2,
+                   previous_step: int | None = None) -> str:  # fmt: skip
     """Write ``snapshot`` as ``out/snapshot.pt``, the newest ``keep`` kept (Note [atomic snapshot]).
 
     Args:
@@ -160,10 +158,9 @@ def read_snapshot(path: str) -> Snapshot:
                                "); move it away or choose another --out.") from None  # fmt: skip
     found = state.get("format") if isinstance(state, dict) else None
     if isinstance(found, str) and found.startswith("bigbatch-snapshot-") and found != FORMAT:
-        raise RunMismatchError(
-            f"{path} was written by another version of bigbatch ({found}; this one reads "
-            f"{FORMAT}): resume it with that version, or start again in another --out."
-        )
+        raise RunMismatchError(f"{path} was written by another version of bigbatch ({found}; this "
+                               f"one reads {FORMAT}): resume it with that version, or start again "
+                               "in another --out.")  # fmt: skip
     if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
     _check_fields(path, state)
@@ -184,7 +181,7 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
         if name not in state:
             raise crafted(path, name, "is missing")
         if isinstance(state[name], bool) or not isinstance(state[name], kinds):
-            raise crafted(path, name, f"is {_a(type(state[name]))}, not {_a(*kinds)}")
+            raise crafted(path, name, f"is {described(type(state[name]))}, not {described(*kinds)}")
     if not 1 <= state["total_steps"] or not 0 <= state["step"] <= state["total_steps"]:
         where = f"step={state['step']}, total_steps={state['total_steps']}"
         raise crafted(path, "step", f"is out of range ({where}; 0 <= step <= total_steps)")
@@ -194,19 +191,11 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
         raise crafted(path, "rng", "is not a list of every rank's random state")
 
 
-def _a(*kinds: type) -> str:
-    """``"an int or None"``: the types, as a sentence says them."""
-    names = [k.__name__.replace("NoneType", "None") for k in kinds]
-    return " or ".join(n if n == "None" else f"a{'n' * (n[0] in 'aeiou')} {n}" for n in names)
-
-
 def crafted(path: str, name: str, problem: str) -> RunMismatchError:
     """The error for a snapshot field that cannot be used (Note [snapshot fields])."""
-    return RunMismatchError(
-        f"{path}: the snapshot's field {name!r} {problem}: the file is damaged or was not "
-        "written by bigbatch; move it away (an older snapshot-*.pt is used then), or choose "
-        "another --out."
-    )
+    return RunMismatchError(f"{path}: the snapshot's field {name!r} {problem}: the file is damaged "
+                            "or was not written by bigbatch; move it away (an older snapshot-*.pt "
+                            "is used then), or choose another --out.")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -238,11 +227,8 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
 def restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
     """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
     if len(saved) != ranks.world_size and ranks.is_main:
-        warnings.warn(
-            f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every rank "
-            "takes rank 0's random state, so random draws (dropout) differ from the "
-            "uninterrupted run; resume on the same number of ranks for a bitwise-equal result.",
-            BigBatchWarning,
-            stacklevel=5,
-        )
+        warnings.warn(f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every "
+                      "rank takes rank 0's random state, so random draws (dropout) differ from the "
+                      "uninterrupted run; resume on the same number of ranks for a bitwise-equal "
+                      "result.", BigBatchWarning, stacklevel=5)  # fmt: skip
     _rng.restore_all(saved[ranks.rank if len(saved) == ranks.world_size else 0])

@@ -78,22 +78,20 @@ def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
                         f"1.{fsdp}")  # fmt: skip
 
 
-def make_local(acc: Accumulator, config: TrainConfig) -> LocalAccumulation | None:
+def make_local(acc: Accumulator, c: TrainConfig) -> LocalAccumulation | None:
     """The ``LocalAccumulation`` around ``acc`` (its plain model), or ``None`` when λ = 1.
 
     A collective: every rank takes rank 0's parameters and buffers (one broadcast).
     """
-    outer = {"outer_lr": config.outer_lr, "outer_momentum": config.outer_momentum}
-    if config.local_steps == 1:
+    if c.local_steps == 1:
         return None
-    return LocalAccumulation.from_accumulator(
-        acc, config.local_steps, **outer, nesterov=config.outer_nesterov
-    )
+    return LocalAccumulation.from_accumulator(acc, c.local_steps, outer_lr=c.outer_lr,
+                                              outer_momentum=c.outer_momentum,
+                                              nesterov=c.outer_nesterov)  # fmt: skip
 
 
-def train_step(
-    local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task, last: bool
-) -> tuple[StepResult, dict[str, Any]]:
+def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task,
+               last: bool) -> tuple[StepResult, dict[str, Any]]:  # fmt: skip
     """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
     the outer step after every λ-th, and after the run's ``last`` step. Returns the step's
     result and, at a round's end, ``round_count``."""
@@ -167,11 +165,8 @@ def capture(local: LocalAccumulation, acc: Accumulator, is_main: bool) -> dict[s
     # rank 0's own live tensors (not the gathered copy): torch.save stores tensors shared with
     # the snapshot's ``optimizer`` field once
     inner[0] = (acc.optimizer.state_dict(), acc.state_dict())
-    return {
-        "outer": local.state_dict(),
-        "optimizers": [optimizer for optimizer, _ in inner],
-        "engines": [engine for _, engine in inner],
-    }
+    optimizers, engines = zip(*inner, strict=True)
+    return {"outer": local.state_dict(), "optimizers": list(optimizers), "engines": list(engines)}
 
 
 def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, dict]:
@@ -184,6 +179,5 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     if n != ranks.world_size:
         raise RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, and "
                                f"each rank keeps its own optimizer state: resume on {n} ranks "
-                               f"(torchrun --nproc_per_node {n}), not "
-                               f"{ranks.world_size}.")  # fmt: skip
+                               f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
     return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]

@@ -1,23 +1,111 @@
-"""Why a run stopped, in one line each: NaN / inf values, no memory left, a signal.
+"""How a run stops: SIGINT / SIGTERM stop it cleanly (``StopSignals``), and why it stopped, in
+one line each: NaN / inf values, no memory left, a signal.
 
 Each line names the step, what is kept on disk and what to do next (the settings to change, or
 the command that continues); ``fit`` raises them, the CLI prints them (Note [error boundary]).
+
+Note [clean stop]
+    The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
+    finishes it, writes a snapshot, prints one line saying how to resume and exits with
+    128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the code a shell expects. A
+    second SIGINT (or SIGTERM) stops at once (``KeyboardInterrupt``), losing only the steps
+    since the last snapshot, except while a file of the run folder is being written
+    (``StopSignals.writing``): a write torn by an exception would lose the snapshot the first
+    signal asked for, so further signals wait for the write to end and the run then stops
+    with that snapshot (a ``kill -9`` is always safe: Note [atomic snapshot] in
+    ``app.resume``). A signal during the final evaluation stops it at the next batch; the
+    training is complete and snapshotted, and ``--resume`` evaluates and writes ``model.pt``.
+    Under torchrun the ranks agree after each step, with one small all-reduce, on whether any
+    of them was signalled, so they all stop after the same step. Under ``--local-steps`` λ > 1
+    they agree only at a round's end (the ranks hold the same model only there), so the run
+    finishes the round in flight, up to λ - 1 more steps, before its snapshot (Note [local
+    rounds] in ``app.rounds``); that all-reduce also carries the round's own sums.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+import torch
 
 from bigbatch.app import resume
 from bigbatch.app.config import TrainConfig, resolve_batch
 from bigbatch.core._units import format_bytes
 from bigbatch.core.oom import MemoryBudgetExceeded
+from bigbatch.distributed import launch as distributed
+
+
+class Stopped(Exception):
+    """The run stopped on a signal after writing a snapshot; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While the ``with`` block runs, the first SIGINT / SIGTERM is noted, not raised (Note above).
+
+    Attributes:
+        signum: the first signal received (0: none).
+        again: a second signal arrived while a file was being written (``writing``).
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")  # where the ranks' agreement runs (NCCL: cuda)
+        self.signum, self.again, self._writing = 0, False, False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if not self.signum:
+            self.signum = signum
+        elif self._writing:
+            self.again = True  # the write ends first (Note [clean stop])
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A file write that no signal interrupts: a second signal during it is kept for after."""
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+
+    def requested(self, sums: Sequence[float] = ()) -> tuple[int, list[float]]:
+        """The signal to stop on (0: none), the same on every rank, and ``sums`` summed over the
+        ranks, in the same all-reduce (one per agreement)."""
+        if not distributed.in_group():
+            return self.signum, [float(s) for s in sums]
+        flags = [float(self.signum == signal.SIGINT), float(self.signum == signal.SIGTERM)]
+        agreed = torch.tensor([*flags, *sums], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(agreed)
+        interrupted, terminated, *summed = agreed.tolist()
+        signum = signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0
+        return int(signum), summed
 
 
 class NonFiniteRun(FloatingPointError):
-    """The run stopped on NaN / inf values (Note [non-finite runs] in ``train.loop``)."""
+    """The run stopped on NaN / inf values (Note [non-finite runs] in ``app.loop``)."""
 
 
 class OutOfMemoryRun(MemoryError):
@@ -53,8 +141,8 @@ def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> st
             "--memory-budget.")  # fmt: skip
 
 
-def stopped_line(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> str:
-    """A run stopped by a signal after ``step`` (Note [clean stop] in ``train.signals``), or
+def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> Stopped:
+    """The error for a run stopped by a signal after ``step`` (Note [clean stop]), or
     during the ``final`` evaluation: what is on disk and the command that continues."""
     args = sys.argv[1:]
     command = "the same call with resume=True"
@@ -63,7 +151,8 @@ def stopped_line(signum: int, step: int, total_steps: int, out: str, final: bool
     name, path = signal.Signals(signum).name, resume.latest_path(out)
     where = f"after step {step} of {total_steps}"
     if final:
-        return (f"stopped by {name} during the final evaluation, {where}: the training is "
-                f"complete, in {path}; model.pt and summary.json were not written. Evaluate and "
-                f"write them with: {command}")  # fmt: skip
-    return f"stopped by {name} {where}; snapshot written to {path}. Resume with: {command}"
+        return Stopped(f"stopped by {name} during the final evaluation, {where}: the training is "
+                       f"complete, in {path}; model.pt and summary.json were not written. "
+                       f"Evaluate and write them with: {command}", signum)  # fmt: skip
+    return Stopped(f"stopped by {name} {where}; snapshot written to {path}. Resume with: {command}",
+                   signum)  # fmt: skip

@@ -113,9 +113,8 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """
     module_name, sep, func_name = path.partition(":")
     if not sep or not module_name or not func_name:
-        raise TaskError(
-            f"task {path!r} is not of the form module:function (e.g. my_project.tasks:mnist)."
-        )
+        raise TaskError(f"task {path!r} is not of the form module:function (e.g. "
+                        "my_project.tasks:mnist).")  # fmt: skip
     with _current_folder_importable():
         func = getattr(_import(module_name, path), func_name, None)
         if func is None or not callable(func):
@@ -188,9 +187,8 @@ def first_batch(task: Task, batch_size: int) -> Any:
     """
     samples = len(task.train_data)
     if batch_size > samples:
-        raise ValueError(
-            f"--batch-size {batch_size} is larger than the task's {samples} training samples: "
-            f"the batch measured would hold only {samples}. Give --batch-size {samples} or less."
-        )
+        raise ValueError(f"--batch-size {batch_size} is larger than the task's {samples} training "
+                         f"samples: the batch measured would hold only {samples}. Give "
+                         f"--batch-size {samples} or less.")  # fmt: skip
     collate = task.collate_fn or torch.utils.data.default_collate
     return collate([task.train_data[i] for i in range(batch_size)])
