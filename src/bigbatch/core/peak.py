@@ -162,13 +162,7 @@ def measure_peak(device: torch.device | str | None = None) -> Iterator[PeakMemor
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``None`` -> the current CUDA device if there is one, else the CPU."""
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else "cpu"
-        )
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
@@ -217,28 +211,17 @@ def fix_mmap_threshold() -> None:
     _mallopt_mmap_threshold(128 * 1024)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
 def _mallopt_mmap_threshold(value: int) -> None:
-    libc = _libc()
-    try:
-        libc.mallopt(_M_MMAP_THRESHOLD, value)  # type: ignore[union-attr]  # AttributeError below
-    except (OSError, AttributeError):  # not glibc
-        pass
+    _libc_call("mallopt", -3, value)  # -3: glibc's M_MMAP_THRESHOLD
 
 
 def _malloc_trim() -> None:
-    libc = _libc()
+    _libc_call("malloc_trim", 0)
+
+
+def _libc_call(name: str, *args: int) -> None:
+    """Call the C library's ``name(*args)``; nothing where it is not glibc."""
     try:
-        libc.malloc_trim(0)  # type: ignore[union-attr]  # AttributeError below
-    except (OSError, AttributeError):  # not glibc
+        getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)(*args)
+    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
         pass
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name is not None else None
-    except OSError:
-        return None
