@@ -175,9 +175,7 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
             "change nothing: build it over this model, e.g. torch.optim.AdamW(model.parameters())."
         )
     if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
         raise ValueError(
             f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
             "would grow step after step and never be used. Give them to the optimizer, or call "
@@ -214,11 +212,9 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
 
 def step_scheduler(scheduler: Any, loss: float) -> None:
     """Step ``scheduler`` once (``ReduceLROnPlateau`` with the window's mean loss)."""
-    if scheduler is None:
-        return
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         scheduler.step(loss)
-    else:
+    elif scheduler is not None:
         scheduler.step()
 
 
@@ -226,8 +222,11 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
     """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
     if max_grad_norm is None:
         return None
-    ok = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
-    if not ok or not (0 < float(max_grad_norm) < math.inf):  # type: ignore[arg-type]
+    if (
+        type(max_grad_norm) is bool
+        or not isinstance(max_grad_norm, numbers.Real)
+        or not (0 < float(max_grad_norm) < math.inf)
+    ):
         raise ValueError(
             f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
             "(finite, e.g. max_grad_norm=1.0)."
@@ -277,41 +276,30 @@ def params_of(optimizer: Any) -> list[torch.Tensor]:
 
 
 def _steppable_without_arguments(scheduler: Any) -> bool:
-    step = getattr(scheduler, "step", None)
-    if not callable(step):
-        return False
     try:
-        inspect.signature(step).bind()
-    except TypeError:
-        return False
+        return inspect.signature(scheduler.step).bind() is not None
     except ValueError:  # no signature (a builtin): trust it
         return True
-    return True
+    except (AttributeError, TypeError):  # no step, not callable, or it needs arguments
+        return False
 
 
+@dataclass
 class Stepper:
     """The optimizer-step half of a window: normalise, check, clip, step, schedule, zero.
 
-    Args:
+    Attributes:
         optimizer, scheduler, max_grad_norm, nonfinite: as the ``Accumulator``'s (checked there).
         precision: the ``Precision`` (unscale, step through the loss scaler).
         sync: the gradient-sync control (the totals' all-reduce, a deferred window's reduce).
-        device: where the window's totals live.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        scheduler: Any,
-        max_grad_norm: float | None,
-        nonfinite: str,
-        precision: Any,
-        sync: Any,
-        device: torch.device,
-    ) -> None:
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.max_grad_norm, self.nonfinite = max_grad_norm, nonfinite
-        self.precision, self.sync, self.device = precision, sync, device
+    optimizer: Any
+    scheduler: Any
+    max_grad_norm: float | None
+    nonfinite: str
+    precision: Any
+    sync: Any
 
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the

@@ -221,36 +221,28 @@ class Restart(Exception):
     loss turned out to have several terms and the window needs a count pass first."""
 
 
+@dataclass
 class Runner:
     """Runs windows: cut, size, back up, attempt, retry smaller after out-of-memory, restore.
 
-    Args:
+    Attributes:
         model: the module whose buffers a window may change.
         sizing: the micro-batch policy (``bigbatch.core._sizing.Sizing``).
         sync: the gradient-sync control (agrees on out-of-memory errors across ranks).
         meter: the window's memory meter (the budget; ``meter.check`` after each micro-batch).
         device: where the window runs.
         cut: how a window is cut (``SampleCut()`` by default).
-
-    Attributes:
         tracked: callables returning more tensors a window may change (``Accumulator.track``).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        sizing: Sizing,
-        sync: GradSync,
-        meter: WindowMeter,
-        device: torch.device,
-        cut: SampleCut | None = None,
-    ) -> None:
-        self.model, self.sizing, self.sync, self.meter, self.device = (
-            model, sizing, sync, meter, device
-        )  # fmt: skip
-        self.cut = cut or SampleCut()
-        self.tracked: list[Callable[[], list[torch.Tensor]]] = []
-        self._seen: set[int] | None = None  # ids of tensors seen changing (Note [window buffers])
+    model: torch.nn.Module
+    sizing: Sizing
+    sync: GradSync
+    meter: WindowMeter
+    device: torch.device
+    cut: SampleCut = field(default_factory=SampleCut)
+    tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
+    _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
 
     def state(self) -> list[torch.Tensor]:
         """The tensors a pass over the window may change: the buffers and the tracked tensors."""

@@ -125,19 +125,19 @@ class Accumulator:
         sizing, cut = make_cut(
             micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
         )
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.nonfinite = check_nonfinite(nonfinite)
+        clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
-        self.model, self.optimizer = model, optimizer
-        self.scheduler = check_scheduler(scheduler, optimizer)
-        self.micro_batch_size = micro_batch_size
+        scheduler = check_scheduler(scheduler, optimizer)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.max_grad_norm, self.nonfinite, self.micro_batch_size = (
+            clip,
+            nonfinite,
+            micro_batch_size,
+        )
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(
-            optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
-            self._sync, self.device,
-        )  # fmt: skip
+        self._stepper = Stepper(optimizer, scheduler, clip, nonfinite, self._precision, self._sync)
         budget = parse_bytes(memory_budget)
         meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
@@ -334,12 +334,8 @@ class Accumulator:
         self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
     ) -> tuple[list[Any], list[Any]]:
         """``fn`` on every piece under autocast without gradients, agreed across ranks."""
-
-        def run(piece: Piece) -> Any:
-            with self._precision.autocast():
-                return fn(piece)
-
-        return run_prepass(self._runner.state(), pieces, run, self.device, self._sync, states)
+        with self._precision.autocast():
+            return run_prepass(self._runner.state(), pieces, fn, self.device, self._sync, states)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager

@@ -99,7 +99,7 @@ class PeakProbe:
             )
         else:
             self._hand_peak_to_open_probes()
-            _malloc_trim()
+            _libc_call("malloc_trim", 0)
             exact = _reset_rss_high_water_mark()
             record = PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
         self._record = record
@@ -188,8 +188,7 @@ def _proc_status_bytes(field: str) -> int:
 def _reset_rss_high_water_mark() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
+            return clear_refs.write("5") == 1
     except OSError:
         return False
 
@@ -198,25 +197,20 @@ def _reset_rss_high_water_mark() -> bool:
 def small_mmap_threshold() -> Iterator[None]:
     """Inside the block, glibc maps every allocation over 64 KiB on its own (Note [honest CPU
     peaks]); a no-op where the C library is not glibc."""
-    _mallopt_mmap_threshold(64 * 1024)
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, 64 * 1024)
     try:
         yield
     finally:
-        _mallopt_mmap_threshold(128 * 1024)  # glibc's initial value
+        fix_mmap_threshold()  # back to glibc's initial value
 
 
 def fix_mmap_threshold() -> None:
     """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB (Note
     [honest CPU peaks]); a no-op where the C library is not glibc."""
-    _mallopt_mmap_threshold(128 * 1024)
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, 128 * 1024)
 
 
-def _mallopt_mmap_threshold(value: int) -> None:
-    _libc_call("mallopt", -3, value)  # -3: glibc's M_MMAP_THRESHOLD
-
-
-def _malloc_trim() -> None:
-    _libc_call("malloc_trim", 0)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def _libc_call(name: str, *args: int) -> None:

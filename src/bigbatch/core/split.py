@@ -74,13 +74,8 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     >>> [t.shape[0] for t in split(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
-    n = batch_size(batch)
-    pieces = []
-    start = 0
-    for size in micro_batch_sizes(n, micro_batch_size):
-        pieces.append(rows(batch, start, start + size, n))
-        start += size
-    return pieces
+    n, m = batch_size(batch), micro_batch_size
+    return [rows(batch, i * m, i * m + size, n) for i, size in enumerate(micro_batch_sizes(n, m))]
 
 
 def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
