@@ -67,16 +67,11 @@ def agree(
 
     Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
     """
-    if world_size == 1:
-        if failure is not None:
-            raise failure
-        return
-    flags = torch.tensor(
-        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))],
-        device=device,
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    failed, oom = flags.tolist()
+    failed, oom = failure is not None, failure is not None and is_out_of_memory(failure)
+    if world_size > 1:
+        flags = torch.tensor([float(failed), float(oom)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        failed, oom = map(bool, flags.tolist())
     if failure is not None:
         raise failure
     if failed:
@@ -94,14 +89,13 @@ def run_prepass(
 ) -> tuple[list[T], list[_rng.RngState]]:
     """``prepass`` whose outcome every rank agrees on (before the collective that follows it)."""
     failure: Exception | None = None
-    outputs: list[T] = []
-    recorded: list[_rng.RngState] = []
+    result: tuple[list[T], list[_rng.RngState]] = ([], [])  # what agree raises over, on failure
     try:
-        outputs, recorded = prepass(model, pieces, fn, device, states)
+        result = prepass(model, pieces, fn, device, states)
     except Exception as exc:  # the other ranks must not wait for us in the collective
         failure = exc
     agree(failure, getattr(sync, "group", None), sync.world_size, device)
-    return outputs, recorded
+    return result
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:

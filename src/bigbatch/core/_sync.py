@@ -165,11 +165,9 @@ class DDPSync(_RankSync):
         )
         if self.auto and self.equal_micro_batches:
             raise ValueError(
-                'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '
-                "its buffers in every forward: a rank out of memory mid-forward would leave the "
-                "others waiting in the broadcast. Wrap it with "
-                "DistributedDataParallel(model, broadcast_buffers=False), or use a fixed "
-                "micro_batch_size."
+                'micro_batch_size="auto" on several ranks cannot use DDP broadcasting buffers every '
+                "forward (a rank out of memory strands the rest): use DistributedDataParallel(model, "
+                "broadcast_buffers=False), or use a fixed micro_batch_size."
             )
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:

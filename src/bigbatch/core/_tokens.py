@@ -200,9 +200,7 @@ class TokenCut(SampleCut):
         n = batch_size(batch)
         if self.lengths is not None:
             found = self.lengths(batch)
-            values = [
-                int(v) for v in (found.tolist() if isinstance(found, torch.Tensor) else found)
-            ]
+            values = [int(v) for v in (found.tolist() if torch.is_tensor(found) else found)]
             if len(values) != n or any(v < 1 for v in values):
                 raise ValueError(
                     f"lengths(batch) returned {len(values)} lengths for {n} samples (or one below "
@@ -219,7 +217,7 @@ class TokenCut(SampleCut):
         ones = mask != 0
         counts = ones.sum(-1)
         if not bool(
-            (ones == (torch.arange(mask.shape[1], device=mask.device) < counts[:, None])).all()
+            (ones == (torch.arange(ones.shape[1], device=ones.device) < counts[:, None])).all()
         ):
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "

@@ -192,8 +192,9 @@ class Backup:
         self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
         self.versions = self._versions()
 
-    def restore(self) -> None:
-        """Put the generators and the tensors back."""
+    def restore(self, discard: Callable[[], None]) -> None:
+        """``discard()`` the attempt (its partial gradients), put the generators and tensors back."""
+        discard()
         _rng.restore(self.rng, self.device)
         with torch.no_grad():
             for buffer, value in self.saved:
@@ -278,16 +279,14 @@ class Runner:
             if failed is None:
                 break
             # Retried outside the except block: the live exception would keep its tensors alive.
-            discard()
-            backup.restore()
+            backup.restore(discard)
             release_memory(self.device)
             self.sizing.after_oom(failed, measured, floor)
             retries += 1
         try:
             value = finish(pieces, size, retries, self.meter.peak_bytes())
         except BaseException:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             raise
         self.sizing.after_success(size)
         self._seen = backup.changed() | (self._seen or set())
@@ -307,12 +306,10 @@ class Runner:
                 attempt(pieces, size)
             return None, False
         except Restart:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             return None
         except BaseException as exc:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             if not (self.sizing.retries and is_out_of_memory(exc)):
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors

@@ -23,7 +23,7 @@ and its ``state_dict`` exactly; nothing else is set on the user's layers.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ class _Swapped:
     """
 
     def __init__(self, original: _BatchNorm) -> None:
-        self.original, self.handle = original, None
+        self.original, self.handle = original, cast(Any, None)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         return None

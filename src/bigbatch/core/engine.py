@@ -443,8 +443,7 @@ class Accumulator:
         value = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
         check_scalar_loss(value, "loss_sum")
         w = self._window
-        if w.scales is None:
-            w.scales = {"loss": 1.0}
+        w.scales = w.scales or {"loss": 1.0}
         if set(w.scales) != {"loss"}:
             self._need_counts({"loss": Term(value, count)})
         add_grads_(pairs, w.scales["loss"])
@@ -491,9 +490,6 @@ class Accumulator:
 
 def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.Tensor:
     """``Σ_k w_k · loss_sum_k · s_k``, multiplying only by factors that are not exactly 1."""
-    parts = []
-    for name, term in terms.items():
-        factor = term.weight * scales[name]
-        one = isinstance(factor, float) and factor == 1.0
-        parts.append(term.loss_sum if one else term.loss_sum * factor)
+    factors = [(t.loss_sum, t.weight * scales[name]) for name, t in terms.items()]
+    parts = [s if isinstance(f, float) and f == 1.0 else s * f for s, f in factors]
     return sum(parts[1:], parts[0])

@@ -173,24 +173,17 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def _proc_status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
     import resource  # not Linux: ru_maxrss is the best available (never reset)
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _reset_rss_high_water_mark() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            return clear_refs.write("5") == 1
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
+        return clear_refs.write("5") == 1
+    return False
 
 
 @contextlib.contextmanager

@@ -47,10 +47,9 @@ def batch_size(batch: Batch) -> int:
             f"batch: tensors disagree on the first (sample) dimension ({listing}); every tensor "
             "must hold one row per sample."
         )
-    n = distinct[0]
-    if n == 0:
+    if distinct == [0]:
         raise ValueError("batch: the batch is empty (first dimension 0); pass at least one sample.")
-    return n
+    return distinct[0]
 
 
 def micro_batch_sizes(n: int, micro_batch_size: int) -> list[int]:
