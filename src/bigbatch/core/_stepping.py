@@ -103,7 +103,7 @@ def check_window_totals(count_total: float, bad_counts: float) -> None:
     if bad_counts:
         raise ValueError(
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
-            "number of items summed over. Nothing changed (the window was discarded)."
+            "number of items summed over. The window was discarded; nothing was changed."
         )
     if not count_total > 0:
         raise ValueError(
@@ -176,7 +176,8 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
         raise ValueError(
             f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
-            "would grow unused. Give them to the optimizer, or requires_grad_(False) them."
+            "would grow step after step and never be used. Give them to the optimizer, or call "
+            "requires_grad_(False) on the parameters you do not train."
         )
 
 
