@@ -190,7 +190,7 @@ def _reset_rss_high_water_mark() -> bool:
 def small_mmap_threshold() -> Iterator[None]:
     """Inside the block, glibc maps every allocation over 64 KiB on its own (Note [honest CPU
     peaks]); a no-op where the C library is not glibc."""
-    _libc_call("mallopt", _M_MMAP_THRESHOLD, 64 * 1024)
+    _mallopt_mmap_threshold(64 * 1024)
     try:
         yield
     finally:
@@ -200,10 +200,11 @@ def small_mmap_threshold() -> Iterator[None]:
 def fix_mmap_threshold() -> None:
     """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB (Note
     [honest CPU peaks]); a no-op where the C library is not glibc."""
-    _libc_call("mallopt", _M_MMAP_THRESHOLD, 128 * 1024)
+    _mallopt_mmap_threshold(128 * 1024)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+def _mallopt_mmap_threshold(value: int) -> None:
+    _libc_call("mallopt", -3, value)  # -3: glibc's M_MMAP_THRESHOLD
 
 
 def _libc_call(name: str, *args: int) -> None:
