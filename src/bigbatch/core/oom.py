@@ -39,9 +39,9 @@ class MemoryBudgetExceeded(RuntimeError):
         budget_bytes: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.micro_batch_size, self.used_bytes, self.budget_bytes = (
-            micro_batch_size, used_bytes, budget_bytes
-        )  # fmt: skip
+        self.micro_batch_size = micro_batch_size
+        self.used_bytes = used_bytes
+        self.budget_bytes = budget_bytes
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
