@@ -40,10 +40,9 @@ class BatchNormHook:
     """
 
     def __init__(self, layer: _BatchNorm, policy: str, momentum_correction: bool = True) -> None:
-        self.layer = layer
-        self.policy = policy
-        self.correct = momentum_correction
-        self.momentum = layer.momentum
+        self.layer, self.policy, self.correct, self.momentum = (
+            layer, policy, momentum_correction, layer.momentum
+        )  # fmt: skip
         self.window_samples: int | None = None
         self._was_training = False
         self._handles = [
@@ -59,7 +58,7 @@ class BatchNormHook:
             return
         n = self.window_samples
         base = self.momentum  # None: a cumulative average, which needs no correction
-        if n and base is not None and self.correct and bn.training and _is_tensor(args):
+        if n and base is not None and self.correct and bn.training and _first_tensor(args):
             bn.momentum = corrected_momentum(base, args[0].shape[0], n)
         else:
             bn.momentum = self.momentum
@@ -75,7 +74,7 @@ class BatchNormHook:
         self.layer.momentum = self.momentum
 
 
-def _is_tensor(args: tuple[Any, ...]) -> bool:
+def _first_tensor(args: tuple[Any, ...]) -> bool:
     return bool(args) and isinstance(args[0], torch.Tensor)
 
 

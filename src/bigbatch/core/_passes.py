@@ -6,8 +6,9 @@ Note [passes before the window]
     statistics (``stats_fn``), every sample's representation (``cached_loss``). ``prepass`` runs
     ``fn`` on every piece under ``torch.no_grad()`` (no activations kept), recording the random
     state before each piece and putting the buffers back afterwards, so the main pass starts
-    from the same state, moves BatchNorm statistics once, and ``replay(states[i])`` gives piece
-    ``i`` the dropout masks it drew in the pre-pass. On several ranks a pre-pass is followed by a
+    from the same state, moves BatchNorm statistics once, and restoring ``states[i]`` before piece
+    ``i`` gives it the dropout masks it drew in the pre-pass (a later pass, or the main pass, does
+    that). On several ranks a pre-pass is followed by a
     collective (the totals, the gathered representations), so its outcome is agreed first
     (``agree``): if one rank failed, every rank raises, an out-of-memory error when it was one, and
     the runner redoes the window everywhere instead of leaving ranks waiting.
@@ -15,8 +16,7 @@ Note [passes before the window]
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -35,33 +35,29 @@ def prepass(
     pieces: Sequence[Any],
     fn: Callable[[Any], T],
     device: torch.device,
+    states: Sequence[_rng.RngState] | None = None,
 ) -> tuple[list[T], list[_rng.RngState]]:
-    """``fn`` on every piece without gradients; the random state before each; the mutable
-    ``state`` (a module's buffers, or the tensors an ``Accumulator`` tracks) put back.
+    """``fn`` on every piece without gradients; the random state before each (with ``states``:
+    the one an earlier pass recorded, replayed); the mutable ``state`` (a module's buffers, or
+    the tensors an ``Accumulator`` tracks) put back.
 
     Note [passes before the window]. The random state afterwards is the one after the pass.
     """
     tensors = list(state.buffers()) if isinstance(state, torch.nn.Module) else list(state)
     saved = [b.detach().clone() for b in tensors]
-    states, outputs = [], []
+    recorded, outputs = [], []
     try:
         with torch.no_grad():
-            for piece in pieces:
-                states.append(_rng.capture(device))
+            for i, piece in enumerate(pieces):
+                if states is not None:
+                    _rng.restore(states[i], device)
+                recorded.append(_rng.capture(device))
                 outputs.append(fn(piece))
     finally:  # also after a failure: a redone window starts from the same buffers
         with torch.no_grad():
             for b, value in zip(tensors, saved, strict=True):
                 b.copy_(value)
-    return outputs, states
-
-
-@contextlib.contextmanager
-def replay(state: _rng.RngState | None, device: torch.device) -> Iterator[None]:
-    """Run a main-pass piece from the random state its pre-pass started from (``None``: as is)."""
-    if state is not None:
-        _rng.restore(state, device)
-    yield
+    return outputs, recorded
 
 
 def agree(
@@ -71,16 +67,11 @@ def agree(
 
     Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
     """
-    if world_size == 1:
-        if failure is not None:
-            raise failure
-        return
-    flags = torch.tensor(
-        [float(failure is not None), float(failure is not None and is_out_of_memory(failure))],
-        device=device,
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    failed, oom = flags.tolist()
+    failed, oom = failure is not None, failure is not None and is_out_of_memory(failure)
+    if world_size > 1:
+        flags = torch.tensor([float(failed), float(oom)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        failed, oom = map(bool, flags.tolist())
     if failure is not None:
         raise failure
     if failed:
@@ -94,29 +85,17 @@ def run_prepass(
     fn: Callable[[Any], T],
     device: torch.device,
     sync: GradSync,
-    states: list[_rng.RngState] | None = None,
+    states: Sequence[_rng.RngState] | None = None,
 ) -> tuple[list[T], list[_rng.RngState]]:
-    """``prepass`` whose outcome every rank agrees on (before the collective that follows it);
-    with ``states``, each piece replays the random state an earlier pass recorded for it."""
-    if states is not None:
-        fn = _replaying(fn, iter(states), device)
+    """``prepass`` whose outcome every rank agrees on (before the collective that follows it)."""
     failure: Exception | None = None
-    outputs: list[T] = []
-    recorded: list[_rng.RngState] = []
+    result: tuple[list[T], list[_rng.RngState]] = ([], [])  # what agree raises over, on failure
     try:
-        outputs, recorded = prepass(model, pieces, fn, device)
+        result = prepass(model, pieces, fn, device, states)
     except Exception as exc:  # the other ranks must not wait for us in the collective
         failure = exc
     agree(failure, getattr(sync, "group", None), sync.world_size, device)
-    return outputs, states if states is not None else recorded
-
-
-def _replaying(fn: Callable[[Any], T], states: Iterator[Any], device: torch.device) -> Callable:
-    def replayed(piece: Any) -> T:
-        _rng.restore(next(states), device)
-        return fn(piece)
-
-    return replayed
+    return result
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+_NULL = contextlib.nullcontext()  # reusable: it holds no state
 
 
 @dataclass
@@ -30,22 +31,18 @@ class Precision:
     autocast_dtype: torch.dtype | None = field(init=False)  # None: no autocast (fp32)
 
     def __post_init__(self) -> None:
-        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-        self.autocast_dtype = dtypes[self.name]
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Run the forward pass in this precision (no-op for fp32)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, self.autocast_dtype)
+        return (
+            torch.autocast(self.device_type, self.autocast_dtype) if self.autocast_dtype else _NULL
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for fp16), outside autocast as PyTorch recommends."""
-        if self.autocast_dtype is not None:
-            with torch.autocast(device_type=self.device_type, enabled=False):
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-        else:
-            loss.backward()
+        with torch.autocast(self.device_type, enabled=False) if self.autocast_dtype else _NULL:
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale, once per step (no-op without a scaler)."""

@@ -12,6 +12,7 @@ Two scopes:
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
@@ -38,16 +39,10 @@ def restore(state: RngState, device: torch.device) -> None:
 def capture_all() -> dict[str, Any]:
     """Every random generator's state: torch CPU and CUDA, numpy (if installed), Python."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": (version, list(internal), gauss),
-    }
+    state = {"torch": torch.get_rng_state(), "python": (version, list(internal), gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    numpy_state = _numpy_state()
-    if numpy_state is not None:
-        state["numpy"] = numpy_state
-    return state
+    return state | _numpy_state()
 
 
 def restore_all(state: dict[str, Any]) -> None:
@@ -68,18 +63,17 @@ def seed_all(seed: int) -> None:
     """Seed torch (CPU and CUDA), numpy's global generator (if installed) and Python's ``random``."""
     torch.manual_seed(seed)
     random.seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+def _numpy_state() -> dict[str, Any]:
     try:
         import numpy as np
     except ImportError:
-        return
-    np.random.seed(seed % 2**32)
-
-
-def _numpy_state() -> tuple[str, list[int], int, int, float] | None:
-    try:
-        import numpy as np
-    except ImportError:
-        return None
+        return {}
     kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]  # legacy tuple
     # Plain lists, not arrays: the snapshot then loads with torch.load(weights_only=True).
-    return str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)
+    return {"numpy": (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached))}

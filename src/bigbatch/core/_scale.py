@@ -36,7 +36,8 @@ import torch
 
 from bigbatch.core._stepping import scale_grads_
 from bigbatch.core._sync import GradSync
-from bigbatch.core._window import Window, clamp_count, total_counts
+from bigbatch.core._window import Window
+from bigbatch.core.loss import check_count
 
 
 def plan(
@@ -117,3 +118,19 @@ def stack_values(values: Sequence[Any], device: torch.device | None = None) -> t
     return torch.stack(
         [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
     )
+
+
+def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
+    """``max(count, 1)`` in float64, on the device for a tensor (no host sync)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(torch.float64).clamp_min(1.0)
+    return max(float(count), 1.0)
+
+
+def total_counts(counts: Sequence[Any], what: str = "count_fn's result") -> dict[str, Any]:
+    """Each term's total over the pieces: ``count_fn`` gives a number or ``{name: count}``."""
+    totals: dict[str, Any] = {}
+    for c in counts:
+        for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
+            totals[name] = totals.get(name, 0.0) + check_count(value, f"{what} {name!r}")
+    return totals

@@ -107,9 +107,8 @@ def check_window_totals(count_total: float, bad_counts: float) -> None:
         )
     if not count_total > 0:
         raise ValueError(
-            f"the window's total count is {count_total:g}: no item to average over (e.g. every "
-            "label equals ignore_index). The window was discarded; the parameters and the "
-            "optimizer are unchanged. Check the batch or the loss_fn's count."
+            f"the window's total count is {count_total:g}: no item to average over (every label "
+            "ignore_index?). The window was discarded, nothing changed: check the batch or count."
         )
 
 
@@ -125,8 +124,7 @@ def pair_grads(
     if not isinstance(grads, Mapping) and len(grads) != len(params):
         raise ValueError(
             f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "
-            "parameters: pass one per parameter (None for none), in the optimizer's order, or "
-            "a {parameter: gradient} dict."
+            "parameters: pass one per parameter (or None) in its order, or {parameter: gradient}."
         )
     given = grads.items() if isinstance(grads, Mapping) else zip(params, grads, strict=True)
     pairs = [(p, g) for p, g in given if g is not None]
@@ -163,21 +161,19 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
     """
     if not all(hasattr(optimizer, a) for a in ("param_groups", "step", "zero_grad")):
         raise TypeError(
-            f"optimizer={type(optimizer).__name__} is not an optimizer: pass a torch.optim."
-            "Optimizer over the model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+            f"optimizer={type(optimizer).__name__} is not an optimizer: pass a torch.optim.Optimizer,"
+            " e.g. torch.optim.AdamW(model.parameters())."
         )
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in trainable if id(p) not in held]
     if trainable and len(missing) == len(trainable):
         raise ValueError(
-            "the optimizer holds none of the model's trainable parameters, so training would "
-            "change nothing: build it over this model, e.g. torch.optim.AdamW(model.parameters())."
+            "the optimizer holds none of the model's trainable parameters (training would change "
+            "nothing): build it over this model, e.g. torch.optim.AdamW(model.parameters())."
         )
     if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
         raise ValueError(
             f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
             "would grow step after step and never be used. Give them to the optimizer, or call "
@@ -200,8 +196,7 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
     if not plateau and not _steppable_without_arguments(scheduler):
         raise TypeError(
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
-            "a torch.optim.lr_scheduler scheduler (e.g. LambdaLR, CosineAnnealingLR, "
-            "ReduceLROnPlateau), an object whose step() takes no argument, or None."
+            "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
         )
     bound = getattr(scheduler, "optimizer", optimizer)
     if bound is not optimizer:
@@ -214,11 +209,9 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
 
 def step_scheduler(scheduler: Any, loss: float) -> None:
     """Step ``scheduler`` once (``ReduceLROnPlateau`` with the window's mean loss)."""
-    if scheduler is None:
-        return
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         scheduler.step(loss)
-    else:
+    elif scheduler is not None:
         scheduler.step()
 
 
@@ -226,8 +219,11 @@ def check_max_grad_norm(max_grad_norm: object) -> float | None:
     """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
     if max_grad_norm is None:
         return None
-    ok = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
-    if not ok or not (0 < float(max_grad_norm) < math.inf):  # type: ignore[arg-type]
+    if (
+        type(max_grad_norm) is bool
+        or not isinstance(max_grad_norm, numbers.Real)
+        or not (0 < float(max_grad_norm) < math.inf)
+    ):
         raise ValueError(
             f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
             "(finite, e.g. max_grad_norm=1.0)."
@@ -277,41 +273,30 @@ def params_of(optimizer: Any) -> list[torch.Tensor]:
 
 
 def _steppable_without_arguments(scheduler: Any) -> bool:
-    step = getattr(scheduler, "step", None)
-    if not callable(step):
-        return False
     try:
-        inspect.signature(step).bind()
-    except TypeError:
-        return False
+        return inspect.signature(scheduler.step).bind() is not None
     except ValueError:  # no signature (a builtin): trust it
         return True
-    return True
+    except (AttributeError, TypeError):  # no step, not callable, or it needs arguments
+        return False
 
 
+@dataclass
 class Stepper:
     """The optimizer-step half of a window: normalise, check, clip, step, schedule, zero.
 
-    Args:
+    Attributes:
         optimizer, scheduler, max_grad_norm, nonfinite: as the ``Accumulator``'s (checked there).
         precision: the ``Precision`` (unscale, step through the loss scaler).
         sync: the gradient-sync control (the totals' all-reduce, a deferred window's reduce).
-        device: where the window's totals live.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        scheduler: Any,
-        max_grad_norm: float | None,
-        nonfinite: str,
-        precision: Any,
-        sync: Any,
-        device: torch.device,
-    ) -> None:
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.max_grad_norm, self.nonfinite = max_grad_norm, nonfinite
-        self.precision, self.sync, self.device = precision, sync, device
+    optimizer: Any
+    scheduler: Any
+    max_grad_norm: float | None
+    nonfinite: str
+    precision: Any
+    sync: Any
 
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
@@ -372,8 +357,7 @@ class Stepper:
         totals = w.totals()
         if self.sync.world_size > 1:
             totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
-        names = list(w.factors)
-        sums, counts = totals[0:-1:2], totals[1:-1:2]  # [sum, count] per term, then bad
+        names, sums, counts = list(w.factors), totals[0:-1:2], totals[1:-1:2]  # then the bad counts
         return (
             dict(zip(names, sums, strict=True)),
             dict(zip(names, counts, strict=True)),
@@ -389,7 +373,6 @@ def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) ->
         want = float(expected.get(name, math.nan))
         if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
             raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn returned "
-                f"counts adding up to {count:g}: count_fn must return, for each micro-batch, the "
-                "counts loss_fn will return for it. The window was discarded; nothing changed."
+                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
+                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
             )

@@ -73,6 +73,7 @@ Note [FSDP and no_sync memory]
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,11 +165,9 @@ class DDPSync(_RankSync):
         )
         if self.auto and self.equal_micro_batches:
             raise ValueError(
-                'micro_batch_size="auto" on several ranks cannot use a DDP model that broadcasts '
-                "its buffers in every forward: a rank out of memory mid-forward would leave the "
-                "others waiting in the broadcast. Wrap it with "
-                "DistributedDataParallel(model, broadcast_buffers=False), or use a fixed "
-                "micro_batch_size."
+                'micro_batch_size="auto" on several ranks cannot use DDP broadcasting buffers every '
+                "forward (a rank out of memory strands the rest): use DistributedDataParallel(model, "
+                "broadcast_buffers=False), or use a fixed micro_batch_size."
             )
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -221,9 +220,8 @@ def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
     Raises:
         ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
     """
-    kinds = {"ddp": DDPSync, "fsdp": FSDPSync}
-    kind = wrapper_kind(model)
-    return kinds[kind](model, auto) if kind in kinds else GradSync()
+    kind = {"ddp": DDPSync, "fsdp": FSDPSync}.get(wrapper_kind(model))
+    return kind(model, auto) if kind is not None else GradSync()
 
 
 def wrapper_kind(model: torch.nn.Module) -> str:
@@ -235,17 +233,17 @@ def wrapper_kind(model: torch.nn.Module) -> str:
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    if isinstance(model, FullyShardedDataParallel):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-    except ImportError:
+    for where, name in _FSDP_CLASSES:  # the FSDP1 wrapper, FSDP2 (moved in torch 2.6)
         try:
-            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
-        except ImportError:
-            return False
-    return isinstance(model, FSDPModule)
+            if isinstance(model, getattr(importlib.import_module(where), name)):
+                return True
+        except (ImportError, AttributeError):  # builds without distributed, older torch
+            pass
+    return False
+
+
+_FSDP_CLASSES = (
+    ("torch.distributed.fsdp", "FullyShardedDataParallel"),
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed._composable.fsdp", "FSDPModule"),
+)

@@ -37,7 +37,6 @@ Note [compile buckets]
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,7 +46,7 @@ import torch
 from bigbatch.core._sizing import Sizing, make_sizing
 from bigbatch.core._tree import map_tensors, take, tensor_leaves
 from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core._window import Cut, Piece, SampleCut
+from bigbatch.core._window import Piece, SampleCut
 from bigbatch.core.split import batch_size
 
 PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
@@ -65,7 +64,7 @@ def make_cut(
     pad_to_multiple_of: int | None = None,
     lengths: Callable[[Any], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
-) -> tuple[Sizing, Cut]:
+) -> tuple[Sizing, SampleCut]:
     """The ``Accumulator``'s sizing policy and cut: by samples, or by tokens with
     ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
 
@@ -88,7 +87,7 @@ def make_cut(
     return sizing, TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]
 
 
-class TokenCut:
+class TokenCut(SampleCut):
     """Cut windows by tokens (Note [token windows], Note [compile buckets]).
 
     Args:
@@ -114,9 +113,7 @@ class TokenCut:
             ("micro_batch_size", max_rows),
             ("pad_to_multiple_of", pad_to_multiple_of),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(
                     f"{name}={value!r} is not allowed: use a positive integer or None."
                 )
@@ -126,8 +123,7 @@ class TokenCut:
             raise TypeError(f"pad_values={pad_values!r} is not a mapping of key -> pad value.")
         self.max_rows, self.multiple, self.lengths = max_rows, pad_to_multiple_of, lengths
         self.pad_values = {**PAD_VALUES, **(pad_values or {})}
-        self.warned = False  # about a sample longer than the budget, once
-        self.warned_shapes = False  # about more shapes than torch recompiles for, once
+        self.warned = self.warned_shapes = False  # a sample over the budget, too many shapes: once
         self.shapes: set[tuple[int, int]] = set()  # (rows, length) of every micro-batch cut
 
     def units(self, batch: Any) -> int:
@@ -139,36 +135,46 @@ class TokenCut:
         return self._round(max(self._lengths(batch)))
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
-        budget, n = size, batch_size(batch)
-        lengths = self._lengths(batch)
+        lengths, n = self._lengths(batch), batch_size(batch)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
-            length = self._round(lengths[order[start]])
-            fit = max(1, budget // length)
-            if fit == 1 and length > budget and not self.warned:
-                self._warn(lengths[order[start]], budget)
-            rows = min(fit, self.max_rows or fit, n - start)
+            longest = lengths[order[start]]
+            length = self._round(longest)
+            fit = max(1, size // length)
+            if length > size and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"a sample of {longest} tokens is longer than micro_batch_tokens={size}: it gets "
+                    "a micro-batch of its own (raise micro_batch_tokens if that runs out of memory).",
+                    BigBatchWarning,
+                    stacklevel=5,
+                )
+            full = min(fit, self.max_rows or fit)
+            rows = min(full, n - start)
             if not self.multiple:  # (buckets pad their rows to one shape anyway)
-                close = (1 - MAX_ROW_PADDING) * lengths[order[start]]
+                close = (1 - MAX_ROW_PADDING) * longest
                 rows = next((r for r in range(1, rows) if lengths[order[start + r]] < close), rows)
             index = order[start : start + rows]
-            pad_rows = min(fit, self.max_rows or fit) - rows if self.multiple else 0
-            pieces.append(self._piece(batch, index, lengths, length, pad_rows))
+            pieces.append(
+                self._piece(batch, index, lengths, length, full - rows if self.multiple else 0)
+            )
             start += rows
         return pieces
 
     def empty(self, batch: Any) -> Piece:
         """One pad row of length 1 (or the smallest bucket): it counts nothing."""
-        pad = self._piece(batch, [0], [1] * batch_size(batch), self._round(1), 0)
-        pad.batch = map_tensors(lambda t: t.new_full(t.shape, self._fill(t, pad.batch)), pad.batch)
+        pad = self._piece(batch, [0], [1] * batch_size(batch), self._round(1), 0, blank=True)
         return dataclasses.replace(pad, samples=0, tokens=0, pad_rows=1)
 
-    def _fill(self, t: torch.Tensor, batch: Any) -> float:
-        return self.pad_values.get(_keys_by_tensor(batch).get(id(t), ""), 0)
-
     def _piece(
-        self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int
+        self,
+        batch: Any,
+        index: list[int],
+        lengths: list[int],
+        length: int,
+        pad: int,
+        blank: bool = False,
     ) -> Piece:
         n, width = batch_size(batch), _padded_length(batch)
         rows = take(batch, index, n)
@@ -181,25 +187,20 @@ class TokenCut:
                 if t.shape[1] < length:  # a bucket longer than the batch: pad columns
                     extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
                     t = torch.cat([t, extra], dim=1)
-            if pad:
-                t = torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
-            return t
+            if blank:  # every value the pad value: a piece that counts nothing
+                return t.new_full(t.shape, value)
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
 
-        piece = map_tensors(fit, rows)
         self.shapes.add((len(index) + pad, length))
-        tokens = sum(lengths[i] for i in index)
-        return Piece(
-            piece, len(index), torch.tensor(index), tokens, (len(index) + pad) * length, pad
-        )
+        tokens, padded = sum(lengths[i] for i in index), (len(index) + pad) * length
+        return Piece(map_tensors(fit, rows), len(index), torch.tensor(index), tokens, padded, pad)
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens)."""
         n = batch_size(batch)
         if self.lengths is not None:
             found = self.lengths(batch)
-            values = [
-                int(v) for v in (found.tolist() if isinstance(found, torch.Tensor) else found)
-            ]
+            values = [int(v) for v in (found.tolist() if torch.is_tensor(found) else found)]
             if len(values) != n or any(v < 1 for v in values):
                 raise ValueError(
                     f"lengths(batch) returned {len(values)} lengths for {n} samples (or one below "
@@ -216,7 +217,7 @@ class TokenCut:
         ones = mask != 0
         counts = ones.sum(-1)
         if not bool(
-            (ones == (torch.arange(mask.shape[1], device=mask.device) < counts[:, None])).all()
+            (ones == (torch.arange(ones.shape[1], device=ones.device) < counts[:, None])).all()
         ):
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
@@ -244,18 +245,7 @@ class TokenCut:
             )
 
     def _round(self, length: int) -> int:
-        return (
-            length if self.multiple is None else math.ceil(length / self.multiple) * self.multiple
-        )
-
-    def _warn(self, length: int, budget: int) -> None:
-        self.warned = True
-        warnings.warn(
-            f"a sample of {length} tokens is longer than micro_batch_tokens={budget}: it gets a "
-            "micro-batch of its own (raise micro_batch_tokens if that runs out of memory).",
-            BigBatchWarning,
-            stacklevel=6,
-        )
+        return length if self.multiple is None else -(-length // self.multiple) * self.multiple
 
 
 def _padded_length(batch: Any) -> int:

@@ -14,20 +14,14 @@ from typing import Any
 import torch
 
 
-def tensor_leaves(tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def tensor_leaves(tree: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor in ``tree``, depth first, in a stable order."""
-    yield from _leaves(tree, "batch")
-
-
-def _leaves(tree: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(tree, torch.Tensor):
         yield path, tree
-    elif isinstance(tree, (tuple, list)):
-        for i, value in enumerate(tree):
-            yield from _leaves(value, f"{path}[{i}]")
-    elif isinstance(tree, Mapping):
-        for key, value in tree.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
+    elif isinstance(tree, (tuple, list, Mapping)):
+        items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+        for key, value in items:
+            yield from tensor_leaves(value, f"{path}[{key!r}]")
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:

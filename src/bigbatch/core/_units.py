@@ -8,22 +8,8 @@ from __future__ import annotations
 import math
 import re
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-}
+_BINARY = {u + b: 2 ** (10 * i) for i, u in enumerate("kmgt", 1) for b in ("", "ib")}  # k, KiB
+_UNITS = {"": 1, "b": 1, **_BINARY} | {u + "b": 10 ** (3 * i) for i, u in enumerate("kmgt", 1)}
 
 
 def parse_bytes(value: object, name: str = "memory_budget") -> int | None:
@@ -65,8 +51,8 @@ def format_bytes(n: float) -> str:
     >>> format_bytes(1536 * 2**20)
     '1.50 GiB'
     """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"

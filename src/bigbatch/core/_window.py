@@ -1,7 +1,7 @@
 """The window runner: the one place that runs a window and survives running out of memory.
 
 A *window* is the logical batch of one optimizer step. ``Runner.run(batch, attempt)`` cuts it
-(``Cut``: by samples, or by tokens in ``bigbatch.core._tokens``), sizes the cut (``Sizing``:
+(``SampleCut``, or by tokens: ``bigbatch.core._tokens.TokenCut``), sizes the cut (``Sizing``:
 fixed, ``"auto"``, a memory budget), saves what the window's forwards change (``Backup``), and
 calls ``attempt(pieces)``, which runs the micro-batches (the engine's loop, the Keras step, ...).
 A real out-of-memory error discards the window, puts everything back, agrees with the other
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -39,7 +39,7 @@ from bigbatch.core._batchnorm import momentum_window
 from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
 from bigbatch.core._tree import rows
-from bigbatch.core.loss import Term, check_count
+from bigbatch.core.loss import Term
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.core.split import batch_size, micro_batch_sizes
 
@@ -67,41 +67,26 @@ class Piece:
     pad_rows: int = 0
 
 
-class Cut(Protocol):
-    """How a window is cut at a size: by samples (``SampleCut``) or by tokens."""
+class SampleCut:
+    """How a window is cut at a size: by samples, consecutive micro-batches of ``size`` samples
+    (10 at 4: 4 + 4 + 2). ``bigbatch.core._tokens.TokenCut`` cuts by tokens, with these methods."""
 
     def units(self, batch: Any) -> int:
         """The size at which the whole window is one piece (what ``Sizing`` searches below)."""
-        ...
-
-    def floor(self, batch: Any) -> int:
-        """The size at which every piece holds one sample (nothing smaller cuts finer)."""
-        ...
-
-    def __call__(self, batch: Any, size: int) -> list[Piece]:
-        """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        ...
-
-    def empty(self, batch: Any) -> Piece:
-        """A micro-batch that counts nothing, for a rank that must run one more forward."""
-        ...
-
-
-class SampleCut:
-    """Consecutive micro-batches of ``size`` samples (10 at 4: 4 + 4 + 2)."""
-
-    def units(self, batch: Any) -> int:
         return batch_size(batch)
 
     def floor(self, batch: Any) -> int:
+        """The size at which every piece holds one sample (nothing smaller cuts finer)."""
         return 1
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
+        """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
         n = batch_size(batch)
         sizes = micro_batch_sizes(n, size)
         return [Piece(rows(batch, i * size, i * size + m, n), m) for i, m in enumerate(sizes)]
 
     def empty(self, batch: Any) -> Piece:
+        """A micro-batch that counts nothing, for a rank that must run one more forward."""
         raise ValueError(
             "this model needs the same number of micro-batches on every rank (FSDP all-gathers, "
             "and DDP with broadcast_buffers broadcasts, in every forward), and the ranks' batches "
@@ -178,22 +163,6 @@ class Window:
         return [*out, bad]
 
 
-def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
-    """``max(count, 1)`` in float64, on the device for a tensor (no host sync)."""
-    if isinstance(count, torch.Tensor):
-        return count.to(torch.float64).clamp_min(1.0)
-    return max(float(count), 1.0)
-
-
-def total_counts(counts: Sequence[Any], what: str = "count_fn's result") -> dict[str, Any]:
-    """Each term's total over the pieces: ``count_fn`` gives a number or ``{name: count}``."""
-    totals: dict[str, Any] = {}
-    for c in counts:
-        for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
-            totals[name] = totals.get(name, 0.0) + check_count(value, f"{what} {name!r}")
-    return totals
-
-
 # ---------------------------------------------------------------------------- what a window changes
 class Backup:
     """The random generators and the tensors a window may change, as they were before it (Note
@@ -223,8 +192,9 @@ class Backup:
         self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
         self.versions = self._versions()
 
-    def restore(self) -> None:
-        """Put the generators and the tensors back."""
+    def restore(self, discard: Callable[[], None]) -> None:
+        """``discard()`` the attempt (its partial gradients), put the generators and tensors back."""
+        discard()
         _rng.restore(self.rng, self.device)
         with torch.no_grad():
             for buffer, value in self.saved:
@@ -252,36 +222,28 @@ class Restart(Exception):
     loss turned out to have several terms and the window needs a count pass first."""
 
 
+@dataclass
 class Runner:
     """Runs windows: cut, size, back up, attempt, retry smaller after out-of-memory, restore.
 
-    Args:
+    Attributes:
         model: the module whose buffers a window may change.
         sizing: the micro-batch policy (``bigbatch.core._sizing.Sizing``).
         sync: the gradient-sync control (agrees on out-of-memory errors across ranks).
         meter: the window's memory meter (the budget; ``meter.check`` after each micro-batch).
         device: where the window runs.
         cut: how a window is cut (``SampleCut()`` by default).
-
-    Attributes:
         tracked: callables returning more tensors a window may change (``Accumulator.track``).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        sizing: Sizing,
-        sync: GradSync,
-        meter: WindowMeter,
-        device: torch.device,
-        cut: Cut | None = None,
-    ) -> None:
-        self.model, self.sizing, self.sync, self.meter, self.device = (
-            model, sizing, sync, meter, device
-        )  # fmt: skip
-        self.cut: Cut = cut or SampleCut()
-        self.tracked: list[Callable[[], list[torch.Tensor]]] = []
-        self._seen: set[int] | None = None  # ids of tensors seen changing (Note [window buffers])
+    model: torch.nn.Module
+    sizing: Sizing
+    sync: GradSync
+    meter: WindowMeter
+    device: torch.device
+    cut: SampleCut = field(default_factory=SampleCut)
+    tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
+    _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
 
     def state(self) -> list[torch.Tensor]:
         """The tensors a pass over the window may change: the buffers and the tracked tensors."""
@@ -317,16 +279,14 @@ class Runner:
             if failed is None:
                 break
             # Retried outside the except block: the live exception would keep its tensors alive.
-            discard()
-            backup.restore()
+            backup.restore(discard)
             release_memory(self.device)
             self.sizing.after_oom(failed, measured, floor)
             retries += 1
         try:
             value = finish(pieces, size, retries, self.meter.peak_bytes())
         except BaseException:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             raise
         self.sizing.after_success(size)
         self._seen = backup.changed() | (self._seen or set())
@@ -346,12 +306,10 @@ class Runner:
                 attempt(pieces, size)
             return None, False
         except Restart:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             return None
         except BaseException as exc:
-            discard()
-            backup.restore()
+            backup.restore(discard)
             if not (self.sizing.retries and is_out_of_memory(exc)):
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors

@@ -23,7 +23,7 @@ and its ``state_dict`` exactly; nothing else is set on the user's layers.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -105,8 +105,7 @@ class _Swapped:
     """
 
     def __init__(self, original: _BatchNorm) -> None:
-        self.original = original
-        self.handle: Any = None
+        self.original, self.handle = original, cast(Any, None)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         return None
@@ -162,13 +161,10 @@ def _groups(channels: int) -> int:
 
 
 def _dtype(layer: _BatchNorm) -> torch.dtype | None:
-    for t in (layer.weight, layer.running_mean):
-        if isinstance(t, torch.Tensor):
-            return t.dtype
-    return None
+    tensors = (layer.weight, layer.running_mean)
+    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor)), None)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)  # "" is the model itself

@@ -125,19 +125,19 @@ class Accumulator:
         sizing, cut = make_cut(
             micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
         )
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.nonfinite = check_nonfinite(nonfinite)
+        clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
-        self.model, self.optimizer = model, optimizer
-        self.scheduler = check_scheduler(scheduler, optimizer)
-        self.micro_batch_size = micro_batch_size
+        scheduler = check_scheduler(scheduler, optimizer)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.max_grad_norm, self.nonfinite, self.micro_batch_size = (
+            clip,
+            nonfinite,
+            micro_batch_size,
+        )
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(
-            optimizer, self.scheduler, self.max_grad_norm, self.nonfinite, self._precision,
-            self._sync, self.device,
-        )  # fmt: skip
+        self._stepper = Stepper(optimizer, scheduler, clip, nonfinite, self._precision, self._sync)
         budget = parse_bytes(memory_budget)
         meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
@@ -334,12 +334,8 @@ class Accumulator:
         self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
     ) -> tuple[list[Any], list[Any]]:
         """``fn`` on every piece under autocast without gradients, agreed across ranks."""
-
-        def run(piece: Piece) -> Any:
-            with self._precision.autocast():
-                return fn(piece)
-
-        return run_prepass(self._runner.state(), pieces, run, self.device, self._sync, states)
+        with self._precision.autocast():
+            return run_prepass(self._runner.state(), pieces, fn, self.device, self._sync, states)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -447,8 +443,7 @@ class Accumulator:
         value = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
         check_scalar_loss(value, "loss_sum")
         w = self._window
-        if w.scales is None:
-            w.scales = {"loss": 1.0}
+        w.scales = w.scales or {"loss": 1.0}
         if set(w.scales) != {"loss"}:
             self._need_counts({"loss": Term(value, count)})
         add_grads_(pairs, w.scales["loss"])
@@ -495,9 +490,6 @@ class Accumulator:
 
 def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.Tensor:
     """``Σ_k w_k · loss_sum_k · s_k``, multiplying only by factors that are not exactly 1."""
-    parts = []
-    for name, term in terms.items():
-        factor = term.weight * scales[name]
-        one = isinstance(factor, float) and factor == 1.0
-        parts.append(term.loss_sum if one else term.loss_sum * factor)
+    factors = [(t.loss_sum, t.weight * scales[name]) for name, t in terms.items()]
+    parts = [s if isinstance(f, float) and f == 1.0 else s * f for s, f in factors]
     return sum(parts[1:], parts[0])

@@ -202,11 +202,9 @@ def token_cross_entropy(
     """
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
-    flat_logits = _upcast(logits.reshape(-1, logits.shape[-1]))
-    flat_labels = labels.reshape(-1)
+    flat_logits, flat_labels = _upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
     loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
-    count = (flat_labels != ignore_index).sum()
-    return loss_sum, count
+    return loss_sum, (flat_labels != ignore_index).sum()
 
 
 def sample_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

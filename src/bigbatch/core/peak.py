@@ -99,7 +99,7 @@ class PeakProbe:
             )
         else:
             self._hand_peak_to_open_probes()
-            _malloc_trim()
+            _libc_call("malloc_trim", 0)
             exact = _reset_rss_high_water_mark()
             record = PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
         self._record = record
@@ -162,13 +162,7 @@ def measure_peak(device: torch.device | str | None = None) -> Iterator[PeakMemor
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``None`` -> the current CUDA device if there is one, else the CPU."""
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else "cpu"
-        )
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
@@ -179,25 +173,17 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def _proc_status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
     import resource  # not Linux: ru_maxrss is the best available (never reset)
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _reset_rss_high_water_mark() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
+        return clear_refs.write("5") == 1
+    return False
 
 
 @contextlib.contextmanager
@@ -208,7 +194,7 @@ def small_mmap_threshold() -> Iterator[None]:
     try:
         yield
     finally:
-        _mallopt_mmap_threshold(128 * 1024)  # glibc's initial value
+        fix_mmap_threshold()  # back to glibc's initial value
 
 
 def fix_mmap_threshold() -> None:
@@ -217,28 +203,13 @@ def fix_mmap_threshold() -> None:
     _mallopt_mmap_threshold(128 * 1024)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
 def _mallopt_mmap_threshold(value: int) -> None:
-    libc = _libc()
+    _libc_call("mallopt", -3, value)  # -3: glibc's M_MMAP_THRESHOLD
+
+
+def _libc_call(name: str, *args: int) -> None:
+    """Call the C library's ``name(*args)``; nothing where it is not glibc."""
     try:
-        libc.mallopt(_M_MMAP_THRESHOLD, value)  # type: ignore[union-attr]  # AttributeError below
-    except (OSError, AttributeError):  # not glibc
+        getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)(*args)
+    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
         pass
-
-
-def _malloc_trim() -> None:
-    libc = _libc()
-    try:
-        libc.malloc_trim(0)  # type: ignore[union-attr]  # AttributeError below
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name is not None else None
-    except OSError:
-        return None

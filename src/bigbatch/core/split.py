@@ -47,10 +47,9 @@ def batch_size(batch: Batch) -> int:
             f"batch: tensors disagree on the first (sample) dimension ({listing}); every tensor "
             "must hold one row per sample."
         )
-    n = distinct[0]
-    if n == 0:
+    if distinct == [0]:
         raise ValueError("batch: the batch is empty (first dimension 0); pass at least one sample.")
-    return n
+    return distinct[0]
 
 
 def micro_batch_sizes(n: int, micro_batch_size: int) -> list[int]:
@@ -74,13 +73,8 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     >>> [t.shape[0] for t in split(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
-    n = batch_size(batch)
-    pieces = []
-    start = 0
-    for size in micro_batch_sizes(n, micro_batch_size):
-        pieces.append(rows(batch, start, start + size, n))
-        start += size
-    return pieces
+    n, m = batch_size(batch), micro_batch_size
+    return [rows(batch, i * m, i * m + size, n) for i, size in enumerate(micro_batch_sizes(n, m))]
 
 
 def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
