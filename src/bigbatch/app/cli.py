@@ -359,7 +359,7 @@ def _run_plan(args: argparse.Namespace) -> None:
         task.model, first_batch(task, args.batch_size), task.loss_fn,
         memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
         checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
-        margin=args.margin,
+        margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
     ))  # fmt: skip
 
 
@@ -416,5 +416,7 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
          "of the blocks recomputed whole and policy names none, selective, full, offload "
          "(selective:0.5 for a fraction); default: none,selective,0.5,1 (and offload on CUDA)")),
         ("--steps", dict(type=int, default=5, help="timed rounds (default 5)")),
+        ("--micro-batch-tokens", dict(type=lambda t: t if t == "auto" else _listed(int)(t),
+         help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
     ], {}),
 ]  # fmt: skip

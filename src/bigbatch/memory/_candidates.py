@@ -50,7 +50,7 @@ class Candidate:
     """One way to run a step of the effective batch, and what it cost.
 
     Attributes:
-        micro_batch_size: samples per micro-batch.
+        micro_batch_size: samples per micro-batch (by tokens: the largest micro-batch's rows).
         gradient_accumulation_steps: micro-batches per optimizer step (the last may be smaller).
         checkpointing: fraction of the repeated blocks checkpointed (0 = none, 1 = all).
         policy: how they are checkpointed: ``"none"``, ``"selective"``, ``"full"`` or
@@ -67,6 +67,10 @@ class Candidate:
             under load]); ``None`` when not timed.
         saved_bytes: peak saved against no checkpointing at the same micro-batch (``None`` when
             not checkpointed or not both measured).
+        micro_batch_tokens: the token budget of a cut by tokens (Note [token windows] in
+            ``bigbatch.core._tokens``); ``None`` when cut by samples.
+        padding: the fraction of the tokens computed that is padding (``None`` without lengths);
+            cut by samples, every row is padded to the longest sample.
     """
 
     micro_batch_size: int
@@ -82,6 +86,8 @@ class Candidate:
     step_seconds: tuple[float, ...] = ()
     spread_seconds: tuple[float, float] | None = None
     saved_bytes: int | None = None
+    micro_batch_tokens: int | None = None
+    padding: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
@@ -98,6 +104,17 @@ class Candidate:
         return saved is not None and saved <= SAME_PEAK * (self.peak_bytes + saved)
 
     @property
+    def size(self) -> tuple[bool, int]:
+        """What the planner sweeps: ``(by tokens, the token budget or the micro-batch size)``."""
+        return self.micro_batch_tokens is not None, self.micro_batch_tokens or self.micro_batch_size
+
+    @property
+    def cut(self) -> str:
+        """``"micro-batch 16"`` or ``"token budget 4096 (up to 16 rows)"``."""
+        m, tokens = self.micro_batch_size, self.micro_batch_tokens
+        return f"token budget {tokens} (up to {m} rows)" if tokens else f"micro-batch {m}"
+
+    @property
     def label(self) -> str:
         """``"none"``, ``"selective"``, ``"full 50%"``, ``"full"``, ``"offload"``."""
         return option_label((self.policy, self.checkpointing))
@@ -107,9 +124,7 @@ class Candidate:
         selective checkpointing of every block"``, ``"... offloaded to host memory"``."""
         f = self.checkpointing
         how = _HOW[self.policy].format("every block" if f == 1 else f"{f:.0%} of the blocks")
-        return (
-            f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps {how}"
-        )
+        return f"{self.cut} x {self.gradient_accumulation_steps} steps {how}"
 
 
 def timed(
@@ -133,12 +148,14 @@ def timed(
 
 @dataclass(frozen=True)
 class MemoryFit:
-    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
+    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size`` (per
+    token of the budget when ``tokens``)."""
 
     checkpointing: float
     base_bytes: float
     bytes_per_sample: float
     policy: str = "full"
+    tokens: bool = False
 
     @property
     def label(self) -> str:
@@ -159,26 +176,21 @@ class MemoryFit:
 def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
     """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
     fewer than two sizes."""
-    if len({c.micro_batch_size for c in measured}) < 2:
+    if len({c.size for c in measured}) < 2:
         return None
-    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
+    sizes, peaks = [c.size[1] for c in measured], [c.peak_bytes for c in measured]
     slope, base = statistics.linear_regression(sizes, peaks)
-    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
+    first = measured[0]
+    return MemoryFit(first.checkpointing, base, slope, first.policy, first.size[0])
 
 
 def predicted(
-    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
+    larger: Sequence[Candidate], fit: MemoryFit | None, last: Candidate
 ) -> list[Candidate]:
-    """Candidates for ``sizes``, larger than ``last`` (which did not fit), predicted by ``fit``:
-    not run, the peak only grows with the micro-batch."""
-    return [
-        dataclasses.replace(
-            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
-            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), fits=False,
-            measured=False, out_of_memory=False,
-        )
-        for m in sizes
-    ]  # fmt: skip
+    """``larger`` configurations than ``last`` (which did not fit), their peaks predicted by
+    ``fit``: not run, the peak only grows with the micro-batch."""
+    peak = lambda c: max(fit.predict(c.size[1]) if fit else 0, last.peak_bytes)  # noqa: E731
+    return [dataclasses.replace(c, peak_bytes=peak(c), fits=False, measured=False) for c in larger]
 
 
 def option_label(option: Option) -> str:
@@ -213,10 +225,10 @@ def ran(c: Candidate) -> bool:
 
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
-    plain = {c.micro_batch_size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
+    plain = {c.size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
     return [
-        dataclasses.replace(c, saved_bytes=plain[c.micro_batch_size] - c.peak_bytes)
-        if c.policy != "none" and ran(c) and c.micro_batch_size in plain
+        dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
+        if c.policy != "none" and ran(c) and c.size in plain
         else c
         for c in candidates
     ]
@@ -253,8 +265,8 @@ def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None
     return choice, next((c for c in order if c is not choice), None), tied
 
 
-def _simplest(c: Candidate) -> tuple[int, float, int]:
-    return POLICIES.index(c.policy), c.checkpointing, -c.micro_batch_size
+def _simplest(c: Candidate) -> tuple[int, float, int, int]:
+    return POLICIES.index(c.policy), c.checkpointing, c.gradient_accumulation_steps, -c.size[1]
 
 
 def _seconds(c: Candidate) -> float:
@@ -270,7 +282,7 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
         "ties with the fastest that fits and has the most headroom"
     )  # fmt: skip
     parts = [
-        f"M{choice.describe()[1:]} {verdict}: {format_bytes(choice.peak_bytes)} of the "
+        f"{choice.describe().capitalize()} {verdict}: {format_bytes(choice.peak_bytes)} of the "
         f"{format_bytes(usable(budget, margin))} usable ({format_bytes(budget)} less the "
         f"{margin:.0%} safety margin)."
     ]
@@ -305,20 +317,20 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
     """The next larger size of the chosen option, when memory ruled it out."""
-    b = next((c for c in candidates if c.label == choice.label
-              and c.micro_batch_size > choice.micro_batch_size), None)  # fmt: skip
+    b = next((c for c in candidates if c.label == choice.label and c.size[0] == choice.size[0]
+              and c.size[1] > choice.size[1]), None)  # fmt: skip
     if b is None or b.fits:
         return []
     if b.out_of_memory:
-        return [f"Micro-batch {b.micro_batch_size} ran out of memory."]
+        return [f"{b.cut.capitalize()} ran out of memory."]
     how = "needs" if b.measured else "would need (predicted)"
     where = "within the budget but not its margin" if b.peak_bytes <= budget else "over the budget"
-    return [f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {where}."]
+    return [f"{b.cut.capitalize()} {how} {format_bytes(b.peak_bytes)}, {where}."]
 
 
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
-    plain = {c.micro_batch_size: c for c in candidates if c.policy == "none" and c.measured}
+    plain = {c.size: c for c in candidates if c.policy == "none" and c.measured}
     by_option: dict[str, list[Candidate]] = {}
     for c in candidates:
         if c.saved_bytes is not None:
@@ -326,7 +338,7 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
     if not useless:
         return []
-    shown = "; ".join(_against(c, plain[c.micro_batch_size]) for c in useless)
+    shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):
         return [f"Some checkpointing saves nothing measurable here ({shown})."]
     return [
@@ -341,7 +353,7 @@ def _against(c: Candidate, plain: Candidate) -> str:
     ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
     time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
     return (
-        f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
+        f"{c.label} at {c.cut}: {format_bytes(c.peak_bytes)} against "
         f"{format_bytes(plain.peak_bytes)} without{time}"
     )
 

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._tokens import TokenCut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import LossFn
@@ -134,6 +135,8 @@ class _Setup:
     budget: int
     margin: float
     device: torch.device
+    cut: TokenCut | None  # the lengths, when the batch is text (padding, token budgets)
+    lengths: Callable[[Any], Any] | None
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -144,6 +147,27 @@ class _Setup:
             opt = (self.optimizer or torch.optim.AdamW)(net.parameters())
         checkpoint(disable_checkpointing(net), option)
         return net, opt
+
+    def accumulator(self, net: torch.nn.Module, opt: Any, c: Candidate) -> Accumulator:
+        """The ``Accumulator`` that cuts as ``c`` says, by samples or by tokens."""
+        if c.micro_batch_tokens is None:
+            return Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
+        return Accumulator(net, opt, micro_batch_tokens=c.micro_batch_tokens, lengths=self.lengths)
+
+    def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
+        """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
+        its padding is of the tokens computed, cut by tokens or padded to the longest sample."""
+        cut, rows, steps, padding = self.cut, m, math.ceil(self.n / m), None
+        if cut is not None:
+            whole = cut.units(self.batch)
+            pieces = cut(self.batch, m if tokens else whole)
+            computed = sum(p.padded_tokens or 0 for p in pieces) if tokens else whole
+            padding = 1 - sum(p.tokens or 0 for p in pieces) / computed
+            rows, steps = (max(p.samples for p in pieces), len(pieces)) if tokens else (m, steps)
+        return Candidate(micro_batch_size=rows, gradient_accumulation_steps=steps,
+                         checkpointing=option[1], policy=option[0], padding=padding,
+                         micro_batch_tokens=m if tokens else None,
+                         peak_bytes=rules.usable(self.budget, self.margin) + 1)  # fmt: skip
 
     def step(self, acc: Accumulator) -> float:
         """Seconds of one optimizer step of the effective batch."""
@@ -172,6 +196,8 @@ def plan(
     optimizer: OptimizerArg = None,
     steps: int = 5,
     margin: float = 0.1,
+    micro_batch_tokens: Sequence[int] | str | None = None,
+    lengths: Callable[[Any], Any] | None = None,
 ) -> Plan:
     """Find a fast way to cut ``batch_size`` samples into micro-batches that fits in memory.
 
@@ -202,12 +228,19 @@ def plan(
         steps: timed optimizer steps per fitting configuration, one per round (Note [timing
             under load]); at least 2 give a spread.
         margin: fraction of ``memory_budget`` kept free, in [0, 1).
+        micro_batch_tokens: token budgets to compare as well, for a batch of variable-length
+            text (Note [token windows] in ``bigbatch.core._tokens``): integers from the longest
+            sample's length to the whole window's ``batch_size × longest``, or ``"auto"`` for
+            ``m × longest`` at each default ``m``; ``None``: cut by samples only.
+        lengths: ``lengths(batch)`` -> each sample's tokens, for a batch that is not a mapping
+            with an ``attention_mask``; with it (or with ``micro_batch_tokens``) every
+            configuration shows its padding.
 
     Returns:
         A ``Plan``; ``plan.choice`` is the configuration to use, ``plan.reason`` says why.
 
     Raises:
-        ValueError: bad sizes, options, steps or margin, a model without trainable parameters,
+        ValueError: bad sizes, token budgets, options, steps or margin, a model without trainable parameters,
             or a batch whose size is not ``batch_size``.
         MemoryBudgetExceeded: no measured configuration fits the budget less the margin.
 
@@ -224,11 +257,13 @@ def plan(
     options, skipped = _check_options(checkpointing, model, device)
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
-    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device)
+    cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
+    budgets = _check_tokens(micro_batch_tokens, cut, full, n)
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut, lengths)
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
-        candidates, fits = _measure_peaks(setup, options, sizes)
+        candidates, fits = _measure_peaks(setup, options, sizes, budgets)
     if not any(c.fits for c in candidates):
         raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
     if cpu:  # Note [timing under load]: training's thresholds, own arena
@@ -246,7 +281,7 @@ def _choose(
     choice, runner_up, _ = rules.decide(candidates)
     naive = min(
         (c for c in candidates if c.measured and not c.out_of_memory),
-        key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"),
+        key=lambda c: (c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"),
     )
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
@@ -257,31 +292,29 @@ def _choose(
 
 
 def _measure_peaks(
-    setup: _Setup, options: Sequence[Option], sizes: Sequence[int]
+    setup: _Setup, options: Sequence[Option], sizes: Sequence[int], budgets: Sequence[int]
 ) -> tuple[list[Candidate], list[MemoryFit]]:
-    """Every option at every size, smallest first, until a size does not fit; then the fits."""
+    """Every option at every size, then every token budget, smallest first, until one does not
+    fit (the larger ones are predicted); then the fits."""
     candidates: list[Candidate] = []
     fits: list[MemoryFit] = []
-    for option in options:
+    for option, tokens in ((o, t) for o in options for t in (False, True)):
+        larger = [setup.shape(m, tokens, option) for m in (budgets if tokens else sizes)]
         measured: list[Candidate] = []
-        for m in sizes:
-            if measured and not measured[-1].fits:
-                break
-            measured.append(_peak(setup, m, option))
+        while larger and (not measured or measured[-1].fits):
+            measured.append(_peak(setup, larger.pop(0)))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        candidates += measured + rules.predicted(sizes[len(measured) :], setup.n, fit, measured[-1])
+        candidates += measured + (rules.predicted(larger, fit, measured[-1]) if larger else [])
     return rules.with_savings(candidates), fits
 
 
-def _peak(setup: _Setup, m: int, option: Option) -> Candidate:
+def _peak(setup: _Setup, out: Candidate) -> Candidate:
     """Peak memory of a copy, its optimizer and two steps (Note [what the planner measures])."""
     usable = rules.usable(setup.budget, setup.margin)
-    out = Candidate(micro_batch_size=m, gradient_accumulation_steps=math.ceil(setup.n / m),
-                    checkpointing=option[1], policy=option[0], peak_bytes=usable + 1)  # fmt: skip
     try:
         with measure_peak(setup.device) as peak:
-            acc = Accumulator(*setup.copy(option), micro_batch_size=m)
+            acc = setup.accumulator(*setup.copy((out.policy, out.checkpointing)), out)
             for _ in range(2):  # the second with the optimizer's state in memory
                 setup.step(acc)
             del acc
@@ -321,7 +354,7 @@ def _time(
             if stop is not None and stop.is_set():
                 return candidates
             checkpoint(net, (c.policy, c.checkpointing))
-            acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
+            acc = setup.accumulator(net, opt, c)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
             disable_checkpointing(net)
@@ -398,6 +431,25 @@ def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
             f"size {n}, e.g. micro_batch_sizes=[1, 2, 4]."
         )
     return sorted(set(sizes))
+
+
+def _check_tokens(
+    spec: Sequence[int] | str | None, cut: TokenCut | None, batch: Batch, n: int
+) -> list[int]:
+    """The token budgets to measure: ``m × longest`` at each default ``m`` for ``"auto"``."""
+    if spec is None or cut is None:
+        return []
+    longest, whole = cut.floor(batch), cut.units(batch)
+    if spec == "auto":
+        return sorted({m * longest for m in _check_sizes(None, n)})
+    ok = lambda t: isinstance(t, int) and not isinstance(t, bool) and longest <= t <= whole  # noqa: E731
+    if isinstance(spec, str) or not spec or not all(map(ok, spec)):
+        raise ValueError(
+            f"micro_batch_tokens={spec if isinstance(spec, str) else list(spec)!r} is not "
+            f"allowed: use 'auto' or integers from the longest sample's {longest} tokens to the "
+            f"whole batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]."
+        )
+    return sorted(set(spec))
 
 
 def _check_steps_and_margin(steps: int, margin: float) -> None:
