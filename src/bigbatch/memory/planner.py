@@ -150,9 +150,9 @@ class _Setup:
 
     def accumulator(self, net: torch.nn.Module, opt: Any, c: Candidate) -> Accumulator:
         """The ``Accumulator`` that cuts as ``c`` says, by samples or by tokens."""
-        if c.micro_batch_tokens is None:
-            return Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
-        return Accumulator(net, opt, micro_batch_tokens=c.micro_batch_tokens, lengths=self.lengths)
+        t = c.micro_batch_tokens
+        return Accumulator(net, opt, micro_batch_size=None if t else c.micro_batch_size,
+                           micro_batch_tokens=t, lengths=self.lengths if t else None)  # fmt: skip
 
     def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
         """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
@@ -240,8 +240,8 @@ def plan(
         A ``Plan``; ``plan.choice`` is the configuration to use, ``plan.reason`` says why.
 
     Raises:
-        ValueError: bad sizes, token budgets, options, steps or margin, a model without trainable parameters,
-            or a batch whose size is not ``batch_size``.
+        ValueError: bad sizes, token budgets, options, steps or margin, a model without
+            trainable parameters, or a batch whose size is not ``batch_size``.
         MemoryBudgetExceeded: no measured configuration fits the budget less the margin.
 
     Example:
@@ -272,17 +272,10 @@ def plan(
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
 
-def _choose(
-    setup: _Setup,
-    candidates: list[Candidate],
-    fits: tuple[MemoryFit, ...],
-    skipped: tuple[str, ...],
-) -> Plan:
+def _choose(setup: _Setup, candidates: list[Candidate], fits: tuple, skipped: tuple) -> Plan:
     choice, runner_up, _ = rules.decide(candidates)
-    naive = min(
-        (c for c in candidates if c.measured and not c.out_of_memory),
-        key=lambda c: (c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"),
-    )
+    naive = min(filter(rules.ran, candidates), key=lambda c: (
+        c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"))  # fmt: skip
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
         memory_budget=setup.budget, batch_size=setup.n, device=str(setup.device),
@@ -321,7 +314,7 @@ def _peak(setup: _Setup, out: Candidate) -> Candidate:
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        del exc
+        del exc  # it holds the failed step's frames
         release_memory(setup.device)
         return dataclasses.replace(out, out_of_memory=True)
     return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=peak.peak_bytes <= usable)
@@ -378,9 +371,9 @@ def default_budget(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        found = [line.split()[1] for line in meminfo if line.startswith("MemAvailable:")]
+    if found:
+        return int(found[0]) * 1024
     raise ValueError('no MemAvailable in /proc/meminfo: pass memory_budget, e.g. "6GiB".')
 
 
@@ -403,22 +396,20 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
     if batch_size is not None and batch_size != n:
         got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
         fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
-        raise ValueError(
-            f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one effective batch of "
-            "batch_size samples, or a function batch_fn(n) that returns n samples."
-        )
+        raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one "
+                         "effective batch of batch_size samples, or batch_fn(n) returning n.")  # fmt: skip
     return full, n
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if not trained:
+    trained = next((p for p in model.parameters() if p.requires_grad), None)
+    if trained is None:
         raise ValueError(
             f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
-            "pass the module that holds the weights you train (without them, there are no "
-            "gradients or optimizer state to fit in memory and any micro-batch will do)."
+            "pass the module that holds the weights you train (without them any micro-batch will "
+            "do: there are no gradients or optimizer state to fit in memory)."
         )
-    return resolve_device(trained[0].device)
+    return resolve_device(trained.device)
 
 
 def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
@@ -456,10 +447,8 @@ def _check_steps_and_margin(steps: int, margin: float) -> None:
     if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=5.")
     if isinstance(margin, bool) or not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-        raise ValueError(
-            f"margin={margin!r} is not allowed: use the fraction of the budget to keep free, in "
-            "[0, 1), e.g. margin=0.1 (10%)."
-        )
+        raise ValueError(f"margin={margin!r} is not allowed: use the fraction of the budget to "
+                         "keep free, in [0, 1), e.g. margin=0.1 (10%).")  # fmt: skip
 
 
 def _check_options(
@@ -471,22 +460,21 @@ def _check_options(
     blocks."""
     if spec is not None:
         parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
-        valid = [o for o in parsed if o is not None]
-        if not valid or len(valid) < len(parsed):
+        if not parsed or None in parsed:
             raise ValueError(
                 f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: "
                 "use fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
                 "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), "
                 "e.g. checkpointing=(0, 'selective', 0.5, 1)."
             )
-        return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
+        return sorted(set(parsed), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []  # type: ignore
     try:
         find_blocks(model)
     except ValueError:
         return [("none", 0.0)], []
-    wanted: list[Option] = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0)]
     options, skipped = [], []
-    for option in wanted + [("offload", 1.0)] * (device.type == "cuda"):
+    wanted = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0), ("offload", 1.0)]
+    for option in wanted[: 4 + (device.type == "cuda")]:
         try:
             checkpoint(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)), option)
             options.append(option)
