@@ -37,12 +37,9 @@ POLICIES = ("none", "selective", "full", "offload")
 TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for headroom
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
 Option = tuple[str, float]  # (policy, fraction of the blocks)
-_HOW = {  # how ``describe`` says a policy; {} is the blocks
-    "none": "without checkpointing",
-    "selective": "with selective checkpointing of {}",
-    "full": "with {} checkpointed",
-    "offload": "with {} offloaded to host memory",
-}
+# How ``describe`` says a policy; {} is the blocks.
+_HOW = {"none": "without checkpointing", "selective": "with selective checkpointing of {}",
+        "full": "with {} checkpointed", "offload": "with {} offloaded to host memory"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,11 +88,9 @@ class Candidate:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
-            raise ValueError(
-                f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: use policy="
-                "'none' with checkpointing=0, else 'selective', 'full' or 'offload' with a "
-                "fraction in (0, 1]."
-            )
+            raise ValueError(f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: "
+                             "use policy='none' with checkpointing=0, else 'selective', 'full' or "
+                             "'offload' with a fraction in (0, 1].")  # fmt: skip
 
     @property
     def saves_nothing(self) -> bool:
@@ -138,9 +133,8 @@ def timed(
     scale, out = statistics.median(rounds), []
     for c, times in zip(fitting, seconds, strict=True):
         relative = [t / level * scale for t, level in zip(times, rounds, strict=True)]
-        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 else (
-            relative * 3
-        )  # fmt: skip
+        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 \
+            else relative * 3  # fmt: skip
         out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,
                                        spread_seconds=(q1, q3), step_seconds=tuple(times)))  # fmt: skip
     return out
@@ -226,12 +220,8 @@ def ran(c: Candidate) -> bool:
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
     plain = {c.size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
-    return [
-        dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
-        if c.policy != "none" and ran(c) and c.size in plain
-        else c
-        for c in candidates
-    ]
+    return [dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
+            if c.policy != "none" and ran(c) and c.size in plain else c for c in candidates]  # fmt: skip
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -278,14 +268,11 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     budget less the margin, the runner-up and why it lost, a faster configuration memory ruled
     out, checkpointing that saves nothing, and the speed-up over ``naive``."""
     choice, runner_up, tied = decide(candidates)
-    verdict = "is the fastest that fits" if choice is tied[0] else (
-        "ties with the fastest that fits and has the most headroom"
-    )  # fmt: skip
-    parts = [
-        f"{choice.describe().capitalize()} {verdict}: {format_bytes(choice.peak_bytes)} of the "
-        f"{format_bytes(usable(budget, margin))} usable ({format_bytes(budget)} less the "
-        f"{margin:.0%} safety margin)."
-    ]
+    verdict = "is the fastest" if choice is tied[0] else "ties with the fastest"
+    parts = [f"{choice.describe().capitalize()} {verdict} that fits"
+             f"{'' if choice is tied[0] else ' and has the most headroom'}: "
+             f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} "
+             f"usable ({format_bytes(budget)} less the {margin:.0%} safety margin)."]  # fmt: skip
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
     parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
@@ -297,10 +284,8 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
 
 def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     gap = _seconds(runner_up) / _seconds(choice) - 1
-    head = (
-        f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
-        f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})"
-    )
+    head = (f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
+            f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})")  # fmt: skip
     if not tied:
         apart = not _overlap(runner_up, choice)
         why = "the spreads do not overlap" if apart else f"more than {TIE_COST:.0%} slower"
@@ -309,10 +294,8 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     tie = f"{head}: the spreads overlap and it is within {TIE_COST:.0%}"
     if more > SAME_PEAK * choice.peak_bytes:
         return f"{tie}, a tie, and it needs {format_bytes(more)} more, so it lost on headroom."
-    return (
-        f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
-        "configuration (less checkpointing, fewer micro-batches)."
-    )
+    return (f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
+            "configuration (less checkpointing, fewer micro-batches).")  # fmt: skip
 
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
@@ -331,43 +314,34 @@ def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
     plain = {c.size: c for c in candidates if c.policy == "none" and c.measured}
-    by_option: dict[str, list[Candidate]] = {}
-    for c in candidates:
-        if c.saved_bytes is not None:
-            by_option.setdefault(c.label, []).append(c)
+    saved = [c for c in candidates if c.saved_bytes is not None]
+    by_option = {c.label: [d for d in saved if d.label == c.label] for c in saved}
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
     if not useless:
         return []
     shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):
         return [f"Some checkpointing saves nothing measurable here ({shown})."]
-    return [
-        f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
-        "blocks' activations but the parameters, gradients and optimizer state (or activations "
-        "outside the blocks), which checkpointing does not reduce."
-    ]
+    return [f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
+            "blocks' activations but the parameters, gradients and optimizer state (or "
+            "activations outside the blocks), which checkpointing does not reduce."]  # fmt: skip
 
 
 def _against(c: Candidate, plain: Candidate) -> str:
     """``"full at micro-batch 8: 47.90 MiB against 48.00 MiB without, for 1.37x the time"``."""
     ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
     time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
-    return (
-        f"{c.label} at {c.cut}: {format_bytes(c.peak_bytes)} against "
-        f"{format_bytes(plain.peak_bytes)} without{time}"
-    )
+    peaks = f"{format_bytes(c.peak_bytes)} against {format_bytes(plain.peak_bytes)}"
+    return f"{c.label} at {c.cut}: {peaks} without{time}"
 
 
 def nothing_fits(candidates: Sequence[Candidate], budget: int, margin: float) -> str:
     """The message of the planner's ``MemoryBudgetExceeded`` when no configuration fits."""
     smallest = min(filter(ran, candidates), key=lambda c: c.peak_bytes, default=None)
-    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest else (
-        "none (all ran out of memory)"
-    )  # fmt: skip
-    return (
-        f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
-        f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured was "
-        f"{lowest}. Raise memory_budget, lower margin (--margin), try smaller micro_batch_sizes "
-        "(down to 1), checkpointing=('full',), a lower precision, or a smaller model or "
-        "sequence length."
-    )
+    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest \
+        else "none (all ran out of memory)"  # fmt: skip
+    return (f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
+            f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured "
+            f"was {lowest}. Raise memory_budget, lower margin (--margin), try smaller "
+            "micro_batch_sizes (down to 1), checkpointing=('full',), a lower precision, or a "
+            "smaller model or sequence length.")  # fmt: skip

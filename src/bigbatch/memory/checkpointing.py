@@ -116,12 +116,8 @@ class _CheckpointedForward:
             return forward(*args, **kwargs)
         args = tuple(_without_cache(self.module, a) for a in args)
         kwargs = {k: _without_cache(self.module, v) for k, v in kwargs.items()}
-        stats: _Stats = [
-            (sub, name, buffer, buffer.clone())
-            for sub in self.module.modules()
-            for name, buffer in sub.named_buffers(recurse=False)
-            if name in _RUNNING_STATS
-        ]
+        stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
+                         for name, b in sub.named_buffers(recurse=False) if name in _RUNNING_STATS]  # fmt: skip
         saved: _Saved = []
         calls = 0
 
@@ -364,11 +360,8 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the modules that ``enable_checkpointing`` wrapped (not the HF switch)."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module.__dict__.get("forward"), _CheckpointedForward)
-    ]
+    wrapped = lambda m: isinstance(m.__dict__.get("forward"), _CheckpointedForward)  # noqa: E731
+    return [name for name, module in model.named_modules() if wrapped(module)]
 
 
 def find_blocks(
@@ -395,10 +388,8 @@ def find_blocks(
     if missing:
         raise ValueError(f"blocks={list(blocks)!r}: no module of class {missing[0]} in the model.")
     wanted = [n for n, m in names.items() if n in blocks or (classes and isinstance(m, classes))]
-    # A block inside another chosen block is already recomputed with it.
-    return [
-        (n, names[n]) for n in wanted if not any(n.startswith(o + ".") for o in wanted if o != n)
-    ]
+    inside = lambda n: any(n.startswith(o + ".") for o in wanted if o != n)  # noqa: E731
+    return [(n, names[n]) for n in wanted if not inside(n)]  # inside: recomputed with its block
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

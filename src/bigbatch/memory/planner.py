@@ -135,8 +135,7 @@ class _Setup:
     budget: int
     margin: float
     device: torch.device
-    cut: TokenCut | None  # the lengths, when the batch is text (padding, token budgets)
-    lengths: Callable[[Any], Any] | None
+    cut: TokenCut | None  # with the lengths, when the batch is text (padding, token budgets)
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -152,7 +151,7 @@ class _Setup:
         """The ``Accumulator`` that cuts as ``c`` says, by samples or by tokens."""
         t = c.micro_batch_tokens
         return Accumulator(net, opt, micro_batch_size=None if t else c.micro_batch_size,
-                           micro_batch_tokens=t, lengths=self.lengths if t else None)  # fmt: skip
+                           micro_batch_tokens=t, lengths=self.cut.lengths if t and self.cut else None)  # fmt: skip
 
     def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
         """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
@@ -259,7 +258,7 @@ def plan(
     budget = parse_bytes(memory_budget) or default_budget(device)
     cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
     budgets = _check_tokens(micro_batch_tokens, cut, full, n)
-    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut, lengths)
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut)
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
@@ -358,12 +357,10 @@ def _time(
 def settle_malloc() -> None:
     """glibc's mmap and trim thresholds as its dynamic adjustment settles them in a training loop
     (32 and 64 MiB; Note [timing under load]); a no-op where the C library is not glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 64 * 2**20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def default_budget(device: torch.device) -> int:
@@ -412,35 +409,32 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return resolve_device(trained.device)
 
 
+def _ints(name: str, values: Any, low: int, high: int, allowed: str) -> list[int]:
+    """``values`` sorted, each once; one error naming ``name`` unless integers in [low, high]."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high  # noqa: E731
+    if isinstance(values, str) or not values or not all(map(ok, values)):
+        shown = values if isinstance(values, str) else list(values)
+        raise ValueError(f"{name}={shown!r} is not allowed: use {allowed}.")
+    return sorted(set(values))
+
+
 def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
     if sizes is None:
         return [2**i for i in range(n.bit_length()) if n / 32 <= 2**i < n] + [n]
-    bad = [s for s in sizes if isinstance(s, bool) or not (isinstance(s, int) and 1 <= s <= n)]
-    if not sizes or bad:
-        raise ValueError(
-            f"micro_batch_sizes={list(sizes)!r} is not allowed: use integers from 1 to the batch "
-            f"size {n}, e.g. micro_batch_sizes=[1, 2, 4]."
-        )
-    return sorted(set(sizes))
+    allowed = f"integers from 1 to the batch size {n}, e.g. micro_batch_sizes=[1, 2, 4]"
+    return _ints("micro_batch_sizes", sizes, 1, n, allowed)
 
 
-def _check_tokens(
-    spec: Sequence[int] | str | None, cut: TokenCut | None, batch: Batch, n: int
-) -> list[int]:
+def _check_tokens(spec: Any, cut: TokenCut | None, batch: Batch, n: int) -> list[int]:
     """The token budgets to measure: ``m × longest`` at each default ``m`` for ``"auto"``."""
     if spec is None or cut is None:
         return []
     longest, whole = cut.floor(batch), cut.units(batch)
     if spec == "auto":
         return sorted({m * longest for m in _check_sizes(None, n)})
-    ok = lambda t: isinstance(t, int) and not isinstance(t, bool) and longest <= t <= whole  # noqa: E731
-    if isinstance(spec, str) or not spec or not all(map(ok, spec)):
-        raise ValueError(
-            f"micro_batch_tokens={spec if isinstance(spec, str) else list(spec)!r} is not "
-            f"allowed: use 'auto' or integers from the longest sample's {longest} tokens to the "
-            f"whole batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]."
-        )
-    return sorted(set(spec))
+    allowed = (f"'auto' or integers from the longest sample's {longest} tokens to the whole "
+               f"batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]")  # fmt: skip
+    return _ints("micro_batch_tokens", spec, longest, whole, allowed)
 
 
 def _check_steps_and_margin(steps: int, margin: float) -> None:
@@ -461,12 +455,11 @@ def _check_options(
     if spec is not None:
         parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
         if not parsed or None in parsed:
-            raise ValueError(
-                f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: "
-                "use fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
-                "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), "
-                "e.g. checkpointing=(0, 'selective', 0.5, 1)."
-            )
+            raise ValueError(f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is "
+                             "not allowed: use fractions of the blocks in [0, 1] (recomputed whole) "
+                             "or policy names 'none', 'selective', 'full', 'offload', optionally "
+                             "with a fraction ('selective:0.5'), e.g. checkpointing=(0, "
+                             "'selective', 0.5, 1).")  # fmt: skip
         return sorted(set(parsed), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []  # type: ignore
     try:
         find_blocks(model)
