@@ -347,7 +347,8 @@ def _run_plan(args: argparse.Namespace) -> None:
     the budget less the safety margin are timed in --steps alternating rounds: the median time
     per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
-    the runner-up and why it lost."""
+    the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
+    budgets are compared too, and every row shows the padding it computes."""
     from bigbatch.app.console import print_plan
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.memory.planner import plan

@@ -1,6 +1,6 @@
 """Measured configurations, and how the planner chooses between them: pure, no model.
 
-``Candidate`` is one way to run a step (micro-batch size and checkpointing option) with what its
+``Candidate`` is one way to run a step (micro-batch size or token budget, checkpointing option) with what its
 measurement cost; ``timed`` turns rounds of timed steps into times and spreads, ``MemoryFit``
 (``fit_memory``) predicts the peaks of sizes not run (``predicted``), ``decide`` chooses among
 candidates (Note [ties and headroom]), and ``explain`` says why in words.
@@ -67,7 +67,8 @@ class Candidate:
         micro_batch_tokens: the token budget of a cut by tokens (Note [token windows] in
             ``bigbatch.core._tokens``); ``None`` when cut by samples.
         padding: the fraction of the tokens computed that is padding (``None`` without lengths);
-            cut by samples, every row is padded to the longest sample.
+            cut by samples, every row counts as padded to the longest sample (a batch padded
+            wider than that computes more).
     """
 
     micro_batch_size: int

@@ -10,8 +10,11 @@ Note [what the planner measures]
     gradients between micro-batches). Within one option the peak grows about linearly with the
     micro-batch, ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the
     activations per sample. Sizes are measured smallest first; once one does not fit, the larger
-    ones of that option are not run, only predicted by the fit. Then the configurations that
-    fit are timed (Note [timing under load]).
+    ones of that option are not run, only predicted by the fit. With ``micro_batch_tokens`` the
+    token budgets of variable-length text are swept the same way after the sizes, per option
+    (Note [token windows] in ``bigbatch.core._tokens``): the fit is then per token of the budget,
+    and a budget's micro-batch count, rows and padding are read from the cut itself, without a
+    model. Then the configurations that fit are timed (Note [timing under load]).
 
 Note [safety margin]
     A peak is one run's reading; training the same step later can take a little more (another
