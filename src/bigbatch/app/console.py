@@ -46,8 +46,8 @@ def print_plan(result: Plan) -> None:
     """Every configuration as a table, then the margin, the memory fits, the choice and why."""
     budget, usable = format_bytes(result.memory_budget), format_bytes(result.usable_bytes)
     title = f"bigbatch plan: batch {result.batch_size} on {result.device}, budget {budget}, "
-    columns = ["micro-batch", "tokens", "padding", "steps", "checkpointing", "peak MiB", "saved MiB", "ms/step",
-               "spread (ms)", "samples/s", "fits"]  # fmt: skip
+    columns = ["micro-batch", "tokens", "padding", "steps", "checkpointing", "peak MiB",
+               "saved MiB", "ms/step", "spread (ms)", "samples/s", "fits"]  # fmt: skip
     rows = [_plan_row(result, c) for c in result.candidates]
     console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 160)
     lines = [
@@ -58,8 +58,9 @@ def print_plan(result: Plan) -> None:
         f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
         f"{usable} of the {budget} budget",
         *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
-          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; largest that fits: "
-          f"{_largest(fit.largest_fitting(result.usable_bytes))}" for fit in result.fits),
+          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
+          f"largest that fits: {_largest(fit.largest_fitting(result.usable_bytes))}"
+          for fit in result.fits),
         *(f"not tried: {skipped}" for skipped in result.skipped),
         f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
         f"runner-up: {result.runner_up.describe()}" if result.runner_up is not None else "",
