@@ -1,9 +1,10 @@
 """Measured configurations, and how the planner chooses between them: pure, no model.
 
-``Candidate`` is one way to run a step (micro-batch size or token budget, checkpointing option) with what its
-measurement cost; ``timed`` turns rounds of timed steps into times and spreads, ``MemoryFit``
-(``fit_memory``) predicts the peaks of sizes not run (``predicted``), ``decide`` chooses among
-candidates (Note [ties and headroom]), and ``explain`` says why in words.
+``Candidate`` is one way to run a step (micro-batch size or token budget, checkpointing
+option) with what its measurement cost; ``timed`` turns rounds of timed steps into times and
+spreads, ``MemoryFit`` (``fit_memory``) predicts the peaks of sizes not run (``predicted``),
+``decide`` chooses among candidates (Note [ties and headroom]), and ``explain`` says why in
+words.
 ``bigbatch.memory.planner`` measures the candidates.
 
 Note [ties and headroom]
@@ -222,7 +223,8 @@ def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
     plain = {c.size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
     return [dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
-            if c.policy != "none" and ran(c) and c.size in plain else c for c in candidates]  # fmt: skip
+            if c.policy != "none" and ran(c) and c.size in plain else c
+            for c in candidates]  # fmt: skip
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:

@@ -117,7 +117,8 @@ class _CheckpointedForward:
         args = tuple(_without_cache(self.module, a) for a in args)
         kwargs = {k: _without_cache(self.module, v) for k, v in kwargs.items()}
         stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
-                         for name, b in sub.named_buffers(recurse=False) if name in _RUNNING_STATS]  # fmt: skip
+                         for name, b in sub.named_buffers(recurse=False)
+                         if name in _RUNNING_STATS]  # fmt: skip
         saved: _Saved = []
         calls = 0
 
@@ -308,10 +309,8 @@ def enable_checkpointing(
     switch = _hf_switch(model, "enable") if (blocks, fraction) == (None, 1) else None
     if switch is not None and policy != "offload":
         disable_checkpointing(model)
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if policy == "selective":
-            kwargs["context_fn"] = _context_fn(policy, None)
-        switch(**{switch.__name__.replace("enable", "kwargs"): kwargs})
+        context = {"context_fn": _context_fn(policy, None)} if policy == "selective" else {}
+        switch(**{switch.__name__.replace("enable", "kwargs"): {"use_reentrant": False, **context}})
         return model
     chosen = find_blocks(model, blocks)  # before changing anything: a bad call changes nothing
     disable_checkpointing(model)
@@ -323,11 +322,11 @@ def enable_checkpointing(
 def _check_arguments(fraction: float, policy: str) -> None:
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. "
-                         "fraction=0.5 for the first half of the blocks, fraction=1 for all.")  # fmt: skip
+                         "fraction=0.5 for the first half of the blocks, 1 for all.")  # fmt: skip
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not allowed: use 'full' (recompute whole blocks), "
                          "'selective' (save matmul/attention/convolution outputs, recompute the "
-                         "rest) or 'offload' (keep activations in host memory, CUDA only).")  # fmt: skip
+                         "rest) or 'offload' (to host memory, CUDA only).")  # fmt: skip
     if policy == "selective" and not hasattr(
         torch_checkpoint, "create_selective_checkpoint_contexts"
     ):
@@ -376,7 +375,7 @@ def find_blocks(
         return _repeated_blocks(model)
     if isinstance(blocks, (str, type)) or not all(isinstance(b, (str, type)) for b in blocks):
         raise ValueError(f"blocks={blocks!r} is not allowed: use None, a list of module classes "
-                         "(blocks=[MyBlock]) or of module names (blocks=['layers.0', 'layers.1']).")  # fmt: skip
+                         "(blocks=[MyBlock]) or names (blocks=['layers.0']).")  # fmt: skip
     names = dict(model.named_modules())
     unknown = [b for b in blocks if isinstance(b, str) and b not in names]
     if unknown:

@@ -152,9 +152,10 @@ class _Setup:
 
     def accumulator(self, net: torch.nn.Module, opt: Any, c: Candidate) -> Accumulator:
         """The ``Accumulator`` that cuts as ``c`` says, by samples or by tokens."""
-        t = c.micro_batch_tokens
-        return Accumulator(net, opt, micro_batch_size=None if t else c.micro_batch_size,
-                           micro_batch_tokens=t, lengths=self.cut.lengths if t and self.cut else None)  # fmt: skip
+        t, cut = c.micro_batch_tokens, self.cut
+        if t and cut:
+            return Accumulator(net, opt, micro_batch_tokens=t, lengths=cut.lengths)
+        return Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
 
     def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
         """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
@@ -397,7 +398,8 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
         got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
         fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
         raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one "
-                         "effective batch of batch_size samples, or batch_fn(n) returning n.")  # fmt: skip
+                         "effective batch of batch_size samples, or batch_fn(n) returning "
+                         "n.")  # fmt: skip
     return full, n
 
 
@@ -459,11 +461,12 @@ def _check_options(
         parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
         if not parsed or None in parsed:
             raise ValueError(f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is "
-                             "not allowed: use fractions of the blocks in [0, 1] (recomputed whole) "
-                             "or policy names 'none', 'selective', 'full', 'offload', optionally "
-                             "with a fraction ('selective:0.5'), e.g. checkpointing=(0, "
-                             "'selective', 0.5, 1).")  # fmt: skip
-        return sorted(set(parsed), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []  # type: ignore
+                             "not allowed: use fractions of the blocks in [0, 1] (recomputed "
+                             "whole) or policy names 'none', 'selective', 'full', 'offload', "
+                             "optionally with a fraction ('selective:0.5'), e.g. "
+                             "checkpointing=(0, 'selective', 0.5, 1).")  # fmt: skip
+        order = lambda o: (rules.POLICIES.index(o[0]), o[1])  # noqa: E731
+        return sorted(set(filter(None, parsed)), key=order), []
     try:
         find_blocks(model)
     except ValueError:
