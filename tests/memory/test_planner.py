@@ -253,7 +253,7 @@ def test_sizes_above_one_that_does_not_fit_are_predicted_not_run():
 
     fit = fit_memory([fake(2, 300, True), fake(4, 500, False)])
     assert (fit.base_bytes, fit.bytes_per_sample, fit.policy) == pytest.approx((100, 100, "none"))
-    [guess] = predicted([8], 32, fit, fake(4, 500, False))
+    [guess] = predicted([fake(8, 0, False)], fit, fake(4, 500, False))
     assert (guess.peak_bytes, guess.measured, guess.fits) == (900, False, False)
     assert fit.largest_fitting(400) == 3
 

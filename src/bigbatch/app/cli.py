@@ -341,7 +341,8 @@ def _run_plan(args: argparse.Namespace) -> None:
     the budget less the safety margin are timed in --steps alternating rounds: the median time
     per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
-    the runner-up and why it lost."""
+    the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
+    budgets are compared too, and every row shows the padding it computes."""
     from bigbatch.app.report import print_plan
     from bigbatch.app.task import first_batch, load_task
     from bigbatch.memory.planner import plan
@@ -349,10 +350,12 @@ def _run_plan(args: argparse.Namespace) -> None:
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    options = ("memory_budget", "micro_batch_sizes", "checkpointing", "steps", "margin")
-    batch = first_batch(task, args.batch_size)
-    print_plan(plan(task.model, batch, task.loss_fn, optimizer=optimizer,
-                    **{k: getattr(args, k) for k in options}))  # fmt: skip
+    print_plan(plan(
+        task.model, first_batch(task, args.batch_size), task.loss_fn,
+        memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
+        checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
+        margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
+    ))  # fmt: skip
 
 
 def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -408,5 +411,7 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
          "of the blocks recomputed whole and policy names none, selective, full, offload "
          "(selective:0.5 for a fraction); default: none,selective,0.5,1 (and offload on CUDA)")),
         ("--steps", dict(type=int, default=5, help="timed rounds (default 5)")),
+        ("--micro-batch-tokens", dict(type=lambda t: t if t == "auto" else _listed(int)(t),
+         help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
     ], {}),
 ]  # fmt: skip

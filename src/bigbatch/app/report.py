@@ -287,10 +287,10 @@ def print_plan(result: Plan) -> None:
     """Every configuration as a table, then the margin, the memory fits, the choice and why."""
     budget, usable = format_bytes(result.memory_budget), format_bytes(result.usable_bytes)
     title = f"bigbatch plan: batch {result.batch_size} on {result.device}, budget {budget}, "
-    columns = ["micro-batch", "steps", "checkpointing", "peak MiB", "saved MiB", "ms/step",
-               "spread (ms)", "samples/s", "fits"]  # fmt: skip
+    columns = ["micro-batch", "tokens", "padding", "steps", "checkpointing", "peak MiB",
+               "saved MiB", "ms/step", "spread (ms)", "samples/s", "fits"]  # fmt: skip
     rows = [_plan_row(result, c) for c in result.candidates]
-    console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 132)
+    console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 160)
     lines = [
         "ms/step: the median of the timed steps, taken in alternating rounds; spread: their "
         "interquartile range (a tie needs overlapping spreads and at most 5% between medians)",
@@ -299,8 +299,9 @@ def print_plan(result: Plan) -> None:
         f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
         f"{usable} of the {budget} budget",
         *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
-          f"{format_bytes(fit.bytes_per_sample)} x micro-batch; largest that fits: "
-          f"{_largest(fit.largest_fitting(result.usable_bytes))}" for fit in result.fits),
+          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
+          f"largest that fits: {_largest(fit.largest_fitting(result.usable_bytes))}"
+          for fit in result.fits),
         *(f"not tried: {skipped}" for skipped in result.skipped),
         f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
         f"runner-up: {result.runner_up.describe()}" if result.runner_up is not None else "",
@@ -319,7 +320,9 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     fits = "OOM" if c.out_of_memory else "yes" if c.fits else over
     mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
     return (
-        str(c.micro_batch_size), str(c.gradient_accumulation_steps), c.label,
+        f"≤{c.micro_batch_size}" if c.micro_batch_tokens else str(c.micro_batch_size),
+        str(c.micro_batch_tokens or "-"), "-" if c.padding is None else f"{c.padding:.0%}",
+        str(c.gradient_accumulation_steps), c.label,
         "-" if c.out_of_memory else peak, saved + ("!" if c.saves_nothing else ""),
         f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
         "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",

@@ -1,9 +1,10 @@
 """Measured configurations, and how the planner chooses between them: pure, no model.
 
-``Candidate`` is one way to run a step (micro-batch size and checkpointing option) with what its
-measurement cost; ``timed`` turns rounds of timed steps into times and spreads, ``MemoryFit``
-(``fit_memory``) predicts the peaks of sizes not run (``predicted``), ``decide`` chooses among
-candidates (Note [ties and headroom]), and ``explain`` says why in words.
+``Candidate`` is one way to run a step (micro-batch size or token budget, checkpointing
+option) with what its measurement cost; ``timed`` turns rounds of timed steps into times and
+spreads, ``MemoryFit`` (``fit_memory``) predicts the peaks of sizes not run (``predicted``),
+``decide`` chooses among candidates (Note [ties and headroom]), and ``explain`` says why in
+words.
 ``bigbatch.memory.planner`` measures the candidates.
 
 Note [ties and headroom]
@@ -37,12 +38,9 @@ POLICIES = ("none", "selective", "full", "offload")
 TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for headroom
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
 Option = tuple[str, float]  # (policy, fraction of the blocks)
-_HOW = {  # how ``describe`` says a policy; {} is the blocks
-    "none": "without checkpointing",
-    "selective": "with selective checkpointing of {}",
-    "full": "with {} checkpointed",
-    "offload": "with {} offloaded to host memory",
-}
+# How ``describe`` says a policy; {} is the blocks.
+_HOW = {"none": "without checkpointing", "selective": "with selective checkpointing of {}",
+        "full": "with {} checkpointed", "offload": "with {} offloaded to host memory"}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +48,7 @@ class Candidate:
     """One way to run a step of the effective batch, and what it cost.
 
     Attributes:
-        micro_batch_size: samples per micro-batch.
+        micro_batch_size: samples per micro-batch (by tokens: the largest micro-batch's rows).
         gradient_accumulation_steps: micro-batches per optimizer step (the last may be smaller).
         checkpointing: fraction of the repeated blocks checkpointed (0 = none, 1 = all).
         policy: how they are checkpointed: ``"none"``, ``"selective"``, ``"full"`` or
@@ -67,6 +65,11 @@ class Candidate:
             under load]); ``None`` when not timed.
         saved_bytes: peak saved against no checkpointing at the same micro-batch (``None`` when
             not checkpointed or not both measured).
+        micro_batch_tokens: the token budget of a cut by tokens (Note [token windows] in
+            ``bigbatch.core._tokens``); ``None`` when cut by samples.
+        padding: the fraction of the tokens computed that is padding (``None`` without lengths);
+            cut by samples, every row counts as padded to the longest sample (a batch padded
+            wider than that computes more).
     """
 
     micro_batch_size: int
@@ -82,20 +85,31 @@ class Candidate:
     step_seconds: tuple[float, ...] = ()
     spread_seconds: tuple[float, float] | None = None
     saved_bytes: int | None = None
+    micro_batch_tokens: int | None = None
+    padding: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
-            raise ValueError(
-                f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: use policy="
-                "'none' with checkpointing=0, else 'selective', 'full' or 'offload' with a "
-                "fraction in (0, 1]."
-            )
+            raise ValueError(f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: "
+                             "use policy='none' with checkpointing=0, else 'selective', 'full' or "
+                             "'offload' with a fraction in (0, 1].")  # fmt: skip
 
     @property
     def saves_nothing(self) -> bool:
         """Checkpointed, yet its peak is within 2% of the same micro-batch without it."""
         saved = self.saved_bytes
         return saved is not None and saved <= SAME_PEAK * (self.peak_bytes + saved)
+
+    @property
+    def size(self) -> tuple[bool, int]:
+        """What the planner sweeps: ``(by tokens, the token budget or the micro-batch size)``."""
+        return self.micro_batch_tokens is not None, self.micro_batch_tokens or self.micro_batch_size
+
+    @property
+    def cut(self) -> str:
+        """``"micro-batch 16"`` or ``"token budget 4096 (up to 16 rows)"``."""
+        m, tokens = self.micro_batch_size, self.micro_batch_tokens
+        return f"token budget {tokens} (up to {m} rows)" if tokens else f"micro-batch {m}"
 
     @property
     def label(self) -> str:
@@ -107,9 +121,7 @@ class Candidate:
         selective checkpointing of every block"``, ``"... offloaded to host memory"``."""
         f = self.checkpointing
         how = _HOW[self.policy].format("every block" if f == 1 else f"{f:.0%} of the blocks")
-        return (
-            f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} steps {how}"
-        )
+        return f"{self.cut} x {self.gradient_accumulation_steps} steps {how}"
 
 
 def timed(
@@ -123,9 +135,8 @@ def timed(
     scale, out = statistics.median(rounds), []
     for c, times in zip(fitting, seconds, strict=True):
         relative = [t / level * scale for t, level in zip(times, rounds, strict=True)]
-        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 else (
-            relative * 3
-        )  # fmt: skip
+        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 \
+            else relative * 3  # fmt: skip
         out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,
                                        spread_seconds=(q1, q3), step_seconds=tuple(times)))  # fmt: skip
     return out
@@ -133,12 +144,14 @@ def timed(
 
 @dataclass(frozen=True)
 class MemoryFit:
-    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size``."""
+    """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size`` (per
+    token of the budget when ``tokens``)."""
 
     checkpointing: float
     base_bytes: float
     bytes_per_sample: float
     policy: str = "full"
+    tokens: bool = False
 
     @property
     def label(self) -> str:
@@ -159,26 +172,21 @@ class MemoryFit:
 def fit_memory(measured: Sequence[Candidate]) -> MemoryFit | None:
     """Least-squares ``peak ≈ a + b·m`` over measured candidates of one option; ``None`` with
     fewer than two sizes."""
-    if len({c.micro_batch_size for c in measured}) < 2:
+    if len({c.size for c in measured}) < 2:
         return None
-    sizes, peaks = [c.micro_batch_size for c in measured], [c.peak_bytes for c in measured]
+    sizes, peaks = [c.size[1] for c in measured], [c.peak_bytes for c in measured]
     slope, base = statistics.linear_regression(sizes, peaks)
-    return MemoryFit(measured[0].checkpointing, base, slope, measured[0].policy)
+    first = measured[0]
+    return MemoryFit(first.checkpointing, base, slope, first.policy, first.size[0])
 
 
 def predicted(
-    sizes: Sequence[int], n: int, fit: MemoryFit | None, last: Candidate
+    larger: Sequence[Candidate], fit: MemoryFit | None, last: Candidate
 ) -> list[Candidate]:
-    """Candidates for ``sizes``, larger than ``last`` (which did not fit), predicted by ``fit``:
-    not run, the peak only grows with the micro-batch."""
-    return [
-        dataclasses.replace(
-            last, micro_batch_size=m, gradient_accumulation_steps=math.ceil(n / m),
-            peak_bytes=max(fit.predict(m) if fit else 0, last.peak_bytes), fits=False,
-            measured=False, out_of_memory=False,
-        )
-        for m in sizes
-    ]  # fmt: skip
+    """``larger`` configurations than ``last`` (which did not fit), their peaks predicted by
+    ``fit``: not run, the peak only grows with the micro-batch."""
+    peak = lambda c: max(fit.predict(c.size[1]) if fit else 0, last.peak_bytes)  # noqa: E731
+    return [dataclasses.replace(c, peak_bytes=peak(c), fits=False, measured=False) for c in larger]
 
 
 def option_label(option: Option) -> str:
@@ -213,13 +221,10 @@ def ran(c: Candidate) -> bool:
 
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
-    plain = {c.micro_batch_size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
-    return [
-        dataclasses.replace(c, saved_bytes=plain[c.micro_batch_size] - c.peak_bytes)
-        if c.policy != "none" and ran(c) and c.micro_batch_size in plain
-        else c
-        for c in candidates
-    ]
+    plain = {c.size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
+    return [dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
+            if c.policy != "none" and ran(c) and c.size in plain else c
+            for c in candidates]  # fmt: skip
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -253,8 +258,8 @@ def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None
     return choice, next((c for c in order if c is not choice), None), tied
 
 
-def _simplest(c: Candidate) -> tuple[int, float, int]:
-    return POLICIES.index(c.policy), c.checkpointing, -c.micro_batch_size
+def _simplest(c: Candidate) -> tuple[int, float, int, int]:
+    return POLICIES.index(c.policy), c.checkpointing, c.gradient_accumulation_steps, -c.size[1]
 
 
 def _seconds(c: Candidate) -> float:
@@ -266,14 +271,11 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     budget less the margin, the runner-up and why it lost, a faster configuration memory ruled
     out, checkpointing that saves nothing, and the speed-up over ``naive``."""
     choice, runner_up, tied = decide(candidates)
-    verdict = "is the fastest that fits" if choice is tied[0] else (
-        "ties with the fastest that fits and has the most headroom"
-    )  # fmt: skip
-    parts = [
-        f"M{choice.describe()[1:]} {verdict}: {format_bytes(choice.peak_bytes)} of the "
-        f"{format_bytes(usable(budget, margin))} usable ({format_bytes(budget)} less the "
-        f"{margin:.0%} safety margin)."
-    ]
+    verdict = "is the fastest" if choice is tied[0] else "ties with the fastest"
+    parts = [f"{choice.describe().capitalize()} {verdict} that fits"
+             f"{'' if choice is tied[0] else ' and has the most headroom'}: "
+             f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} "
+             f"usable ({format_bytes(budget)} less the {margin:.0%} safety margin)."]  # fmt: skip
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
     parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
@@ -285,10 +287,8 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
 
 def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     gap = _seconds(runner_up) / _seconds(choice) - 1
-    head = (
-        f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
-        f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})"
-    )
+    head = (f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
+            f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})")  # fmt: skip
     if not tied:
         apart = not _overlap(runner_up, choice)
         why = "the spreads do not overlap" if apart else f"more than {TIE_COST:.0%} slower"
@@ -297,65 +297,54 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     tie = f"{head}: the spreads overlap and it is within {TIE_COST:.0%}"
     if more > SAME_PEAK * choice.peak_bytes:
         return f"{tie}, a tie, and it needs {format_bytes(more)} more, so it lost on headroom."
-    return (
-        f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
-        "configuration (less checkpointing, fewer micro-batches)."
-    )
+    return (f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
+            "configuration (less checkpointing, fewer micro-batches).")  # fmt: skip
 
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
     """The next larger size of the chosen option, when memory ruled it out."""
-    b = next((c for c in candidates if c.label == choice.label
-              and c.micro_batch_size > choice.micro_batch_size), None)  # fmt: skip
+    b = next((c for c in candidates if c.label == choice.label and c.size[0] == choice.size[0]
+              and c.size[1] > choice.size[1]), None)  # fmt: skip
     if b is None or b.fits:
         return []
     if b.out_of_memory:
-        return [f"Micro-batch {b.micro_batch_size} ran out of memory."]
+        return [f"{b.cut.capitalize()} ran out of memory."]
     how = "needs" if b.measured else "would need (predicted)"
     where = "within the budget but not its margin" if b.peak_bytes <= budget else "over the budget"
-    return [f"Micro-batch {b.micro_batch_size} {how} {format_bytes(b.peak_bytes)}, {where}."]
+    return [f"{b.cut.capitalize()} {how} {format_bytes(b.peak_bytes)}, {where}."]
 
 
 def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     """Call out checkpointing options that saved no memory at any size they were measured at."""
-    plain = {c.micro_batch_size: c for c in candidates if c.policy == "none" and c.measured}
-    by_option: dict[str, list[Candidate]] = {}
-    for c in candidates:
-        if c.saved_bytes is not None:
-            by_option.setdefault(c.label, []).append(c)
+    plain = {c.size: c for c in candidates if c.policy == "none" and c.measured}
+    saved = [c for c in candidates if c.saved_bytes is not None]
+    by_option = {c.label: [d for d in saved if d.label == c.label] for c in saved}
     useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
     if not useless:
         return []
-    shown = "; ".join(_against(c, plain[c.micro_batch_size]) for c in useless)
+    shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):
         return [f"Some checkpointing saves nothing measurable here ({shown})."]
-    return [
-        f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
-        "blocks' activations but the parameters, gradients and optimizer state (or activations "
-        "outside the blocks), which checkpointing does not reduce."
-    ]
+    return [f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
+            "blocks' activations but the parameters, gradients and optimizer state (or "
+            "activations outside the blocks), which checkpointing does not reduce."]  # fmt: skip
 
 
 def _against(c: Candidate, plain: Candidate) -> str:
     """``"full at micro-batch 8: 47.90 MiB against 48.00 MiB without, for 1.37x the time"``."""
     ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
     time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
-    return (
-        f"{c.label} at micro-batch {c.micro_batch_size}: {format_bytes(c.peak_bytes)} against "
-        f"{format_bytes(plain.peak_bytes)} without{time}"
-    )
+    peaks = f"{format_bytes(c.peak_bytes)} against {format_bytes(plain.peak_bytes)}"
+    return f"{c.label} at {c.cut}: {peaks} without{time}"
 
 
 def nothing_fits(candidates: Sequence[Candidate], budget: int, margin: float) -> str:
     """The message of the planner's ``MemoryBudgetExceeded`` when no configuration fits."""
     smallest = min(filter(ran, candidates), key=lambda c: c.peak_bytes, default=None)
-    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest else (
-        "none (all ran out of memory)"
-    )  # fmt: skip
-    return (
-        f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
-        f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured was "
-        f"{lowest}. Raise memory_budget, lower margin (--margin), try smaller micro_batch_sizes "
-        "(down to 1), checkpointing=('full',), a lower precision, or a smaller model or "
-        "sequence length."
-    )
+    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest \
+        else "none (all ran out of memory)"  # fmt: skip
+    return (f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
+            f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured "
+            f"was {lowest}. Raise memory_budget, lower margin (--margin), try smaller "
+            "micro_batch_sizes (down to 1), checkpointing=('full',), a lower precision, or a "
+            "smaller model or sequence length.")  # fmt: skip

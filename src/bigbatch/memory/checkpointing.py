@@ -116,12 +116,9 @@ class _CheckpointedForward:
             return forward(*args, **kwargs)
         args = tuple(_without_cache(self.module, a) for a in args)
         kwargs = {k: _without_cache(self.module, v) for k, v in kwargs.items()}
-        stats: _Stats = [
-            (sub, name, buffer, buffer.clone())
-            for sub in self.module.modules()
-            for name, buffer in sub.named_buffers(recurse=False)
-            if name in _RUNNING_STATS
-        ]
+        stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
+                         for name, b in sub.named_buffers(recurse=False)
+                         if name in _RUNNING_STATS]  # fmt: skip
         saved: _Saved = []
         calls = 0
 
@@ -215,12 +212,11 @@ def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 def _refuse_changed(module: nn.Module, saved: _Saved) -> None:
     changed = next((func for func, t, version in saved if t._version != version), None)
     if changed is not None:
-        raise ValueError(
-            f"policy='selective': the output of {changed} in a checkpointed "
-            f"{type(module).__name__} is changed in place after it ran (e.g. nn.ReLU(inplace=True) "
-            "or `h += x` right after a Linear or Conv), so it cannot be saved for the recompute: "
-            "make that operation out of place (inplace=False, h = h + x) or use policy='full'."
-        )
+        raise ValueError(f"policy='selective': the output of {changed} in a checkpointed "
+                         f"{type(module).__name__} is changed in place after it ran (e.g. "
+                         "nn.ReLU(inplace=True) or `h += x` right after a Linear or Conv), so it "
+                         "cannot be saved for the recompute: make that operation out of place "
+                         "(inplace=False, h = h + x) or use policy='full'.")  # fmt: skip
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -238,12 +234,11 @@ def _without_cache(module: nn.Module, value: Any) -> Any:
     layers = (getattr(m, "layer_idx", None) for m in module.modules())
     held = value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0))
     if held:
-        raise ValueError(
-            f"a checkpointed {type(module).__name__} got a key/value cache that already holds "
-            f"{held} positions: its recompute in backward would add this forward's keys and "
-            "values a second time. While training, call the model with use_cache=False and "
-            "no past_key_values, or disable_checkpointing(model) for this call."
-        )
+        raise ValueError(f"a checkpointed {type(module).__name__} got a key/value cache that "
+                         f"already holds {held} positions: its recompute in backward would add "
+                         "this forward's keys and values a second time. While training, call the "
+                         "model with use_cache=False and no past_key_values, or "
+                         "disable_checkpointing(model) for this call.")  # fmt: skip
     return None
 
 
@@ -253,11 +248,9 @@ def _offloaded(
     """Run the block once, its saved tensors kept in pinned host memory (Note [offloading])."""
     first = next((t for _, t in tensor_leaves((args, kwargs))), None)
     if first is not None and first.device.type != "cuda":
-        raise ValueError(
-            f"policy='offload': the input of {type(module).__name__} is on {first.device}, and "
-            "offloading frees GPU memory only: move the model and the batch to CUDA, or use "
-            "policy='selective' or policy='full'."
-        )
+        raise ValueError(f"policy='offload': the input of {type(module).__name__} is on "
+                         f"{first.device}, and offloading frees GPU memory only: move the model "
+                         "and the batch to CUDA, or use policy='selective' or 'full'.")  # fmt: skip
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         return forward(*args, **kwargs)
 
@@ -316,10 +309,8 @@ def enable_checkpointing(
     switch = _hf_switch(model, "enable") if (blocks, fraction) == (None, 1) else None
     if switch is not None and policy != "offload":
         disable_checkpointing(model)
-        kwargs: dict[str, Any] = {"use_reentrant": False}
-        if policy == "selective":
-            kwargs["context_fn"] = _context_fn(policy, None)
-        switch(**{switch.__name__.replace("enable", "kwargs"): kwargs})
+        context = {"context_fn": _context_fn(policy, None)} if policy == "selective" else {}
+        switch(**{switch.__name__.replace("enable", "kwargs"): {"use_reentrant": False, **context}})
         return model
     chosen = find_blocks(model, blocks)  # before changing anything: a bad call changes nothing
     disable_checkpointing(model)
@@ -330,27 +321,22 @@ def enable_checkpointing(
 
 def _check_arguments(fraction: float, policy: str) -> None:
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-        raise ValueError(
-            f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. fraction=0.5 "
-            "for the first half of the blocks, fraction=1 for all."
-        )
+        raise ValueError(f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. "
+                         "fraction=0.5 for the first half of the blocks, 1 for all.")  # fmt: skip
     if policy not in POLICIES:
-        raise ValueError(
-            f"policy={policy!r} is not allowed: use 'full' (recompute whole blocks), 'selective' "
-            "(save matmul/attention/convolution outputs, recompute the rest) or 'offload' "
-            "(keep activations in host memory, CUDA only)."
-        )
-    selective = hasattr(torch_checkpoint, "create_selective_checkpoint_contexts")
-    if policy == "selective" and not selective:
-        raise ValueError(
-            f"policy='selective' needs torch >= 2.4 (selective activation checkpointing); this is "
-            f"torch {torch.__version__}: pip install 'torch>=2.4', or use policy='full'."
-        )
+        raise ValueError(f"policy={policy!r} is not allowed: use 'full' (recompute whole blocks), "
+                         "'selective' (save matmul/attention/convolution outputs, recompute the "
+                         "rest) or 'offload' (to host memory, CUDA only).")  # fmt: skip
+    if policy == "selective" and not hasattr(
+        torch_checkpoint, "create_selective_checkpoint_contexts"
+    ):
+        raise ValueError(f"policy='selective' needs torch >= 2.4 (selective activation "
+                         f"checkpointing); this is torch {torch.__version__}: pip install "
+                         "'torch>=2.4', or use policy='full'.")  # fmt: skip
     if policy == "offload" and not torch.cuda.is_available():
-        raise ValueError(
-            "policy='offload' moves activations from GPU memory to host memory, and CUDA is not "
-            "available here (on the CPU it would free nothing): use policy='selective' or 'full'."
-        )
+        raise ValueError("policy='offload' moves activations from GPU memory to host memory, and "
+                         "CUDA is not available here (on the CPU it would free nothing): use "
+                         "policy='selective' or 'full'.")  # fmt: skip
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:
@@ -373,11 +359,8 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the modules that ``enable_checkpointing`` wrapped (not the HF switch)."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module.__dict__.get("forward"), _CheckpointedForward)
-    ]
+    wrapped = lambda m: isinstance(m.__dict__.get("forward"), _CheckpointedForward)  # noqa: E731
+    return [name for name, module in model.named_modules() if wrapped(module)]
 
 
 def find_blocks(
@@ -391,44 +374,34 @@ def find_blocks(
     if blocks is None:
         return _repeated_blocks(model)
     if isinstance(blocks, (str, type)) or not all(isinstance(b, (str, type)) for b in blocks):
-        raise ValueError(
-            f"blocks={blocks!r} is not allowed: use None, a list of module classes "
-            "(blocks=[MyBlock]) or a list of module names (blocks=['layers.0', 'layers.1'])."
-        )
+        raise ValueError(f"blocks={blocks!r} is not allowed: use None, a list of module classes "
+                         "(blocks=[MyBlock]) or names (blocks=['layers.0']).")  # fmt: skip
     names = dict(model.named_modules())
     unknown = [b for b in blocks if isinstance(b, str) and b not in names]
     if unknown:
         some = ", ".join(repr(n) for n in list(names)[1:8])
-        raise ValueError(
-            f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; names are "
-            f"those of model.named_modules(), e.g. {some}."
-        )
+        raise ValueError(f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; "
+                         f"names are those of model.named_modules(), e.g. {some}.")  # fmt: skip
     classes = tuple(b for b in blocks if isinstance(b, type))
     missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]
     if missing:
         raise ValueError(f"blocks={list(blocks)!r}: no module of class {missing[0]} in the model.")
     wanted = [n for n, m in names.items() if n in blocks or (classes and isinstance(m, classes))]
-    # A block inside another chosen block is already recomputed with it.
-    return [
-        (n, names[n]) for n in wanted if not any(n.startswith(o + ".") for o in wanted if o != n)
-    ]
+    inside = lambda n: any(n.startswith(o + ".") for o in wanted if o != n)  # noqa: E731
+    return [(n, names[n]) for n in wanted if not inside(n)]  # inside: recomputed with its block
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    best: list[tuple[str, nn.Module]] = []
-    for name, container in model.named_modules():
-        children = list(container.named_children())
-        repeated = len(children) >= 2 and len({type(c) for _, c in children}) == 1
-        if isinstance(container, (nn.ModuleList, nn.Sequential)) and repeated:
-            if len(children) > len(best):
-                best = [(f"{name}.{n}" if name else n, c) for n, c in children]
-    if not best:
-        raise ValueError(
-            f"blocks=None: found no repeated blocks in {type(model).__name__} (no ModuleList or "
-            "Sequential whose children share one type). Name them: "
-            "enable_checkpointing(model, blocks=[MyBlock]) or blocks=['encoder.0', 'encoder.1']."
-        )
-    return best
+    groups = [[(f"{name}.{n}" if name else n, c) for n, c in container.named_children()]
+              for name, container in model.named_modules()
+              if isinstance(container, (nn.ModuleList, nn.Sequential))]  # fmt: skip
+    repeated = [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]
+    if not repeated:
+        raise ValueError(f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
+                         "ModuleList or Sequential whose children share one type). Name them: "
+                         "enable_checkpointing(model, blocks=[MyBlock]) or blocks=['encoder.0', "
+                         "'encoder.1'].")  # fmt: skip
+    return max(repeated, key=len)  # the first of the largest
 
 
 def _hf_switch(model: nn.Module, what: str) -> Any:
@@ -439,7 +412,5 @@ def _hf_switch(model: nn.Module, what: str) -> Any:
         setter is not None and "value" in inspect.signature(setter).parameters
     ):
         return None
-    prefixes = ("activation", "gradient")
-    return next(
-        filter(None, (getattr(model, f"{p}_checkpointing_{what}", None) for p in prefixes)), None
-    )
+    switch = getattr(model, f"activation_checkpointing_{what}", None)
+    return switch or getattr(model, f"gradient_checkpointing_{what}", None)

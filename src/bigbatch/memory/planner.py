@@ -10,8 +10,11 @@ Note [what the planner measures]
     gradients between micro-batches). Within one option the peak grows about linearly with the
     micro-batch, ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the
     activations per sample. Sizes are measured smallest first; once one does not fit, the larger
-    ones of that option are not run, only predicted by the fit. Then the configurations that
-    fit are timed (Note [timing under load]).
+    ones of that option are not run, only predicted by the fit. With ``micro_batch_tokens`` the
+    token budgets of variable-length text are swept the same way after the sizes, per option
+    (Note [token windows] in ``bigbatch.core._tokens``): the fit is then per token of the budget,
+    and a budget's micro-batch count, rows and padding are read from the cut itself, without a
+    model. Then the configurations that fit are timed (Note [timing under load]).
 
 Note [safety margin]
     A peak is one run's reading; training the same step later can take a little more (another
@@ -65,6 +68,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._tokens import TokenCut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import LossFn
@@ -134,6 +138,7 @@ class _Setup:
     budget: int
     margin: float
     device: torch.device
+    cut: TokenCut | None  # with the lengths, when the batch is text (padding, token budgets)
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -144,6 +149,28 @@ class _Setup:
             opt = (self.optimizer or torch.optim.AdamW)(net.parameters())
         checkpoint(disable_checkpointing(net), option)
         return net, opt
+
+    def accumulator(self, net: torch.nn.Module, opt: Any, c: Candidate) -> Accumulator:
+        """The ``Accumulator`` that cuts as ``c`` says, by samples or by tokens."""
+        t, cut = c.micro_batch_tokens, self.cut
+        if t and cut:
+            return Accumulator(net, opt, micro_batch_tokens=t, lengths=cut.lengths)
+        return Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
+
+    def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
+        """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
+        its padding is of the tokens computed, cut by tokens or padded to the longest sample."""
+        cut, rows, steps, padding = self.cut, m, math.ceil(self.n / m), None
+        if cut is not None:
+            whole = cut.units(self.batch)
+            pieces = cut(self.batch, m if tokens else whole)
+            computed = sum(p.padded_tokens or 0 for p in pieces) if tokens else whole
+            padding = 1 - sum(p.tokens or 0 for p in pieces) / computed
+            rows, steps = (max(p.samples for p in pieces), len(pieces)) if tokens else (m, steps)
+        return Candidate(micro_batch_size=rows, gradient_accumulation_steps=steps,
+                         checkpointing=option[1], policy=option[0], padding=padding,
+                         micro_batch_tokens=m if tokens else None,
+                         peak_bytes=rules.usable(self.budget, self.margin) + 1)  # fmt: skip
 
     def step(self, acc: Accumulator) -> float:
         """Seconds of one optimizer step of the effective batch."""
@@ -172,6 +199,8 @@ def plan(
     optimizer: OptimizerArg = None,
     steps: int = 5,
     margin: float = 0.1,
+    micro_batch_tokens: Sequence[int] | str | None = None,
+    lengths: Callable[[Any], Any] | None = None,
 ) -> Plan:
     """Find a fast way to cut ``batch_size`` samples into micro-batches that fits in memory.
 
@@ -202,13 +231,20 @@ def plan(
         steps: timed optimizer steps per fitting configuration, one per round (Note [timing
             under load]); at least 2 give a spread.
         margin: fraction of ``memory_budget`` kept free, in [0, 1).
+        micro_batch_tokens: token budgets to compare as well, for a batch of variable-length
+            text (Note [token windows] in ``bigbatch.core._tokens``): integers from the longest
+            sample's length to the whole window's ``batch_size × longest``, or ``"auto"`` for
+            ``m × longest`` at each default ``m``; ``None``: cut by samples only.
+        lengths: ``lengths(batch)`` -> each sample's tokens, for a batch that is not a mapping
+            with an ``attention_mask``; with it (or with ``micro_batch_tokens``) every
+            configuration shows its padding.
 
     Returns:
         A ``Plan``; ``plan.choice`` is the configuration to use, ``plan.reason`` says why.
 
     Raises:
-        ValueError: bad sizes, options, steps or margin, a model without trainable parameters,
-            or a batch whose size is not ``batch_size``.
+        ValueError: bad sizes, token budgets, options, steps or margin, a model without
+            trainable parameters, or a batch whose size is not ``batch_size``.
         MemoryBudgetExceeded: no measured configuration fits the budget less the margin.
 
     Example:
@@ -224,11 +260,13 @@ def plan(
     options, skipped = _check_options(checkpointing, model, device)
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
-    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device)
+    cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
+    budgets = _check_tokens(micro_batch_tokens, cut, full, n)
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut)
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
-        candidates, fits = _measure_peaks(setup, options, sizes)
+        candidates, fits = _measure_peaks(setup, options, sizes, budgets)
     if not any(c.fits for c in candidates):
         raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
     if cpu:  # Note [timing under load]: training's thresholds, own arena
@@ -237,17 +275,10 @@ def plan(
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
 
-def _choose(
-    setup: _Setup,
-    candidates: list[Candidate],
-    fits: tuple[MemoryFit, ...],
-    skipped: tuple[str, ...],
-) -> Plan:
+def _choose(setup: _Setup, candidates: list[Candidate], fits: tuple, skipped: tuple) -> Plan:
     choice, runner_up, _ = rules.decide(candidates)
-    naive = min(
-        (c for c in candidates if c.measured and not c.out_of_memory),
-        key=lambda c: (c.micro_batch_size, -c.checkpointing, c.policy != "full"),
-    )
+    naive = min(filter(rules.ran, candidates), key=lambda c: (
+        c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"))  # fmt: skip
     return Plan(
         choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
         memory_budget=setup.budget, batch_size=setup.n, device=str(setup.device),
@@ -257,38 +288,36 @@ def _choose(
 
 
 def _measure_peaks(
-    setup: _Setup, options: Sequence[Option], sizes: Sequence[int]
+    setup: _Setup, options: Sequence[Option], sizes: Sequence[int], budgets: Sequence[int]
 ) -> tuple[list[Candidate], list[MemoryFit]]:
-    """Every option at every size, smallest first, until a size does not fit; then the fits."""
+    """Every option at every size, then every token budget, smallest first, until one does not
+    fit (the larger ones are predicted); then the fits."""
     candidates: list[Candidate] = []
     fits: list[MemoryFit] = []
-    for option in options:
+    for option, tokens in ((o, t) for o in options for t in (False, True)):
+        larger = [setup.shape(m, tokens, option) for m in (budgets if tokens else sizes)]
         measured: list[Candidate] = []
-        for m in sizes:
-            if measured and not measured[-1].fits:
-                break
-            measured.append(_peak(setup, m, option))
+        while larger and (not measured or measured[-1].fits):
+            measured.append(_peak(setup, larger.pop(0)))
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
-        candidates += measured + rules.predicted(sizes[len(measured) :], setup.n, fit, measured[-1])
+        candidates += measured + (rules.predicted(larger, fit, measured[-1]) if larger else [])
     return rules.with_savings(candidates), fits
 
 
-def _peak(setup: _Setup, m: int, option: Option) -> Candidate:
+def _peak(setup: _Setup, out: Candidate) -> Candidate:
     """Peak memory of a copy, its optimizer and two steps (Note [what the planner measures])."""
     usable = rules.usable(setup.budget, setup.margin)
-    out = Candidate(micro_batch_size=m, gradient_accumulation_steps=math.ceil(setup.n / m),
-                    checkpointing=option[1], policy=option[0], peak_bytes=usable + 1)  # fmt: skip
     try:
         with measure_peak(setup.device) as peak:
-            acc = Accumulator(*setup.copy(option), micro_batch_size=m)
+            acc = setup.accumulator(*setup.copy((out.policy, out.checkpointing)), out)
             for _ in range(2):  # the second with the optimizer's state in memory
                 setup.step(acc)
             del acc
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        del exc
+        del exc  # it holds the failed step's frames
         release_memory(setup.device)
         return dataclasses.replace(out, out_of_memory=True)
     return dataclasses.replace(out, peak_bytes=peak.peak_bytes, fits=peak.peak_bytes <= usable)
@@ -321,7 +350,7 @@ def _time(
             if stop is not None and stop.is_set():
                 return candidates
             checkpoint(net, (c.policy, c.checkpointing))
-            acc = Accumulator(net, opt, micro_batch_size=c.micro_batch_size)
+            acc = setup.accumulator(net, opt, c)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
             disable_checkpointing(net)
@@ -332,12 +361,10 @@ def _time(
 def settle_malloc() -> None:
     """glibc's mmap and trim thresholds as its dynamic adjustment settles them in a training loop
     (32 and 64 MiB; Note [timing under load]); a no-op where the C library is not glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 64 * 2**20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError, TypeError):  # not glibc
-        pass
 
 
 def default_budget(device: torch.device) -> int:
@@ -345,9 +372,9 @@ def default_budget(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        found = [line.split()[1] for line in meminfo if line.startswith("MemAvailable:")]
+    if found:
+        return int(found[0]) * 1024
     raise ValueError('no MemAvailable in /proc/meminfo: pass memory_budget, e.g. "6GiB".')
 
 
@@ -370,44 +397,57 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
     if batch_size is not None and batch_size != n:
         got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
         fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
-        raise ValueError(
-            f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one effective batch of "
-            "batch_size samples, or a function batch_fn(n) that returns n samples."
-        )
+        raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one "
+                         "effective batch of batch_size samples, or batch_fn(n) returning "
+                         "n.")  # fmt: skip
     return full, n
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
-    trained = [p for p in model.parameters() if p.requires_grad]
-    if not trained:
+    trained = next((p for p in model.parameters() if p.requires_grad), None)
+    if trained is None:
         raise ValueError(
             f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
-            "pass the module that holds the weights you train (without them, there are no "
-            "gradients or optimizer state to fit in memory and any micro-batch will do)."
+            "pass the module that holds the weights you train (without them any micro-batch will "
+            "do: there are no gradients or optimizer state to fit in memory)."
         )
-    return resolve_device(trained[0].device)
+    return resolve_device(trained.device)
+
+
+def _ints(name: str, values: Any, low: int, high: int, allowed: str) -> list[int]:
+    """``values`` sorted, each once; one error naming ``name`` unless integers in [low, high]."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high  # noqa: E731
+    if isinstance(values, str) or not values or not all(map(ok, values)):
+        shown = values if isinstance(values, str) else list(values)
+        raise ValueError(f"{name}={shown!r} is not allowed: use {allowed}.")
+    return sorted(set(values))
 
 
 def _check_sizes(sizes: Sequence[int] | None, n: int) -> list[int]:
     if sizes is None:
         return [2**i for i in range(n.bit_length()) if n / 32 <= 2**i < n] + [n]
-    bad = [s for s in sizes if isinstance(s, bool) or not (isinstance(s, int) and 1 <= s <= n)]
-    if not sizes or bad:
-        raise ValueError(
-            f"micro_batch_sizes={list(sizes)!r} is not allowed: use integers from 1 to the batch "
-            f"size {n}, e.g. micro_batch_sizes=[1, 2, 4]."
-        )
-    return sorted(set(sizes))
+    allowed = f"integers from 1 to the batch size {n}, e.g. micro_batch_sizes=[1, 2, 4]"
+    return _ints("micro_batch_sizes", sizes, 1, n, allowed)
+
+
+def _check_tokens(spec: Any, cut: TokenCut | None, batch: Batch, n: int) -> list[int]:
+    """The token budgets to measure: ``m × longest`` at each default ``m`` for ``"auto"``."""
+    if spec is None or cut is None:
+        return []
+    longest, whole = cut.floor(batch), cut.units(batch)
+    if spec == "auto":
+        return sorted({m * longest for m in _check_sizes(None, n)})
+    allowed = (f"'auto' or integers from the longest sample's {longest} tokens to the whole "
+               f"batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]")  # fmt: skip
+    return _ints("micro_batch_tokens", spec, longest, whole, allowed)
 
 
 def _check_steps_and_margin(steps: int, margin: float) -> None:
     if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=5.")
     if isinstance(margin, bool) or not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-        raise ValueError(
-            f"margin={margin!r} is not allowed: use the fraction of the budget to keep free, in "
-            "[0, 1), e.g. margin=0.1 (10%)."
-        )
+        raise ValueError(f"margin={margin!r} is not allowed: use the fraction of the budget to "
+                         "keep free, in [0, 1), e.g. margin=0.1 (10%).")  # fmt: skip
 
 
 def _check_options(
@@ -419,22 +459,21 @@ def _check_options(
     blocks."""
     if spec is not None:
         parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
-        valid = [o for o in parsed if o is not None]
-        if not valid or len(valid) < len(parsed):
-            raise ValueError(
-                f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is not allowed: "
-                "use fractions of the blocks in [0, 1] (recomputed whole) or policy names 'none', "
-                "'selective', 'full', 'offload', optionally with a fraction ('selective:0.5'), "
-                "e.g. checkpointing=(0, 'selective', 0.5, 1)."
-            )
-        return sorted(set(valid), key=lambda o: (rules.POLICIES.index(o[0]), o[1])), []
+        if not parsed or None in parsed:
+            raise ValueError(f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is "
+                             "not allowed: use fractions of the blocks in [0, 1] (recomputed "
+                             "whole) or policy names 'none', 'selective', 'full', 'offload', "
+                             "optionally with a fraction ('selective:0.5'), e.g. "
+                             "checkpointing=(0, 'selective', 0.5, 1).")  # fmt: skip
+        order = lambda o: (rules.POLICIES.index(o[0]), o[1])  # noqa: E731
+        return sorted(set(filter(None, parsed)), key=order), []
     try:
         find_blocks(model)
     except ValueError:
         return [("none", 0.0)], []
-    wanted: list[Option] = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0)]
     options, skipped = [], []
-    for option in wanted + [("offload", 1.0)] * (device.type == "cuda"):
+    wanted = [("none", 0.0), ("selective", 1.0), ("full", 0.5), ("full", 1.0), ("offload", 1.0)]
+    for option in wanted[: 4 + (device.type == "cuda")]:
         try:
             checkpoint(torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)), option)
             options.append(option)
