@@ -193,9 +193,12 @@ def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Itera
     try:
         yield
     finally:
-        for p, g in zip(params, kept, strict=True):
-            p.grad = g
-        backup.restore()
+
+        def put_back() -> None:
+            for p, g in zip(params, kept, strict=True):
+                p.grad = g
+
+        backup.restore(put_back)
 
 
 def check(
