@@ -101,16 +101,16 @@ def _limit(margin_mib: float | None, device: torch.device) -> None:
 
 def _record_events(acc: bigbatch.Accumulator, events: list) -> None:
     """Note where each failure struck (wiring only: the engine's own path runs unchanged)."""
-    backward, train_step = acc._backward, acc.train_step
+    backward, train_step = acc._backward_output, acc.train_step  # every micro-batch's backward
     done = [0]  # backwards completed in the current window
 
     def traced_train_step(*args, **kwargs):
         done[0] = 0
         return train_step(*args, **kwargs)
 
-    def traced_backward(terms):
+    def traced_backward(out, piece):
         try:
-            backward(terms)
+            backward(out, piece)
         except BaseException as exc:
             events.append(
                 {"where": "backward", "accumulated": done[0], "oom": bigbatch.is_out_of_memory(exc)}
@@ -129,7 +129,7 @@ def _record_events(acc: bigbatch.Accumulator, events: list) -> None:
             done[0] = 0  # the window is redone from its start
             raise
 
-    acc._backward = traced_backward  # type: ignore[method-assign]
+    acc._backward_output = traced_backward  # type: ignore[method-assign]
     acc.train_step = traced_train_step  # type: ignore[method-assign]
     return traced_loss
 

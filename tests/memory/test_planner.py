@@ -183,6 +183,7 @@ def plan_close_candidates() -> tuple:
     ]
 
 
+@pytest.mark.alone  # timings: another test beside it changes the load between the plans
 @pytest.mark.slow  # three child processes, each planning 4 configurations
 def test_repeated_plans_choose_the_same(tmp_path):
     runs = [in_a_fresh_process("plan_close_candidates", tmp_path / f"run{i}.pt") for i in range(3)]
@@ -228,6 +229,7 @@ def test_ctrl_c_during_the_timing_stops_plan_and_the_process_exits_cleanly():
 
 
 # ---------------------------------------------------------------------------- what it says
+@pytest.mark.alone  # resident-set peaks of this process: a parallel worker's history moves them
 def test_checkpointing_that_saves_nothing_is_called_out_in_the_reason():
     """An MLP whose peak is its weights' gradients and optimizer state: recompute costs time and
     saves nothing measurable."""
