@@ -233,16 +233,17 @@ def part2(rounds: int) -> None:
         for batch in data[:2]:  # compiles (every bucket seen in the first steps, mostly)
             run.step(batch)
         warm = time.perf_counter() - start
-        seconds = []
+        seconds, padding = [], []
         for batch in data[2:]:
             t = time.perf_counter()
-            run.step(batch)
+            padding.append(run.step(batch))
             seconds.append(time.perf_counter() - t)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        rows.append([name, graphs, f"{warm:.0f}", f"{statistics.median(seconds):.2f}"])
+        steady = f"{statistics.median(seconds):.2f}"
+        rows.append([name, f"{statistics.mean(padding):.0%}", graphs, f"{warm:.0f}", steady])
     print_table(
         "GPT-2 under torch.compile (Inductor, CPU), log-normal lengths",
-        ["run", "graphs compiled", "first 2 steps s", "steady s/step"],
+        ["run", "padding", "graphs compiled", "first 2 steps s", "steady s/step"],
         rows,
     )
 
@@ -256,19 +257,24 @@ def float64_compiled_vs_eager() -> None:
     batch = {k: v[:16, :128] for k, v in batch.items()}
     batch["attention_mask"][:, 0] = 1
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    eager, compiled = make_model("gpt2", torch.float64), None
-    compiled = copy.deepcopy(eager)
-    kw = {"micro_batch_tokens": 512, "pad_to_multiple_of": 64}
+    eager = make_model("gpt2", torch.float64)
+    for m in eager.modules():  # Inductor draws dropout masks from its own generator
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    compiled, init = copy.deepcopy(eager), copy.deepcopy(eager)
+    kw = {"budget": 512, "pad_to_multiple_of": 64}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         TokenWindows(eager, **kw).step(batch)
         TokenWindows(torch.compile(compiled), **kw).step(batch)
-    error = max(
-        float((a - b).norm() / a.norm().clamp_min(1e-30))
-        for a, b in zip(eager.parameters(), compiled.parameters(), strict=True)
-    )
+    # the updates compared (zero-initialised biases make a per-tensor relative error meaningless)
+    triples = zip(init.parameters(), eager.parameters(), compiled.parameters(), strict=True)
+    eager_update, compiled_update = zip(*[(e - i, c - i) for i, e, c in triples], strict=True)
+    flat = [torch.cat([t.flatten() for t in u]) for u in (eager_update, compiled_update)]
+    error = float((flat[0] - flat[1]).norm() / flat[0].norm())
     print(
-        f"\nfloat64: compiled (Inductor) vs eager, one AdamW step: max relative error {error:.1e}"
+        "\nfloat64, dropout off: compiled (Inductor) vs eager, one AdamW step's update: "
+        f"relative difference {error:.1e}"
     )
 
 
