@@ -188,6 +188,7 @@ def test_mean_returned_as_sum_is_diagnosed(gen):
     assert [d.kind for d in report.diagnoses] == ["mean-as-sum"]
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_token_mean_returned_alone_is_diagnosed(gen):
     def token_mean(model, batch):  # read as a mean over samples
         loss_sum, count = lm_token_loss(model, batch)
@@ -387,6 +388,7 @@ def test_nonfinite_weights_loss_and_gradients_are_told_apart(gen):
     assert grads[0].message.startswith("non-finite gradients (0.weight")
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_mean_over_an_all_padding_micro_batch_is_named(gen):
     batch = padded_lm_batch(10, gen)
     batch["labels"][8:] = PAD  # the last micro-batch (samples 8-9) holds no token

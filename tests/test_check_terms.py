@@ -4,6 +4,7 @@ that depends on a batch statistic computed per micro-batch (where ``stats_fn`` i
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import TinyCausalLM
 from test_check import TASK
@@ -70,6 +71,7 @@ def test_moe_balance_over_the_micro_batch_routing_is_named(gen):
     ], report.summary()
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_a_term_without_gradient_does_not_stop_the_comparison(gen):
     def with_metric(model, mb):  # a logged term no gradient reaches
         out = z_per_micro_batch(model, mb)

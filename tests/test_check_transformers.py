@@ -146,6 +146,7 @@ def test_correct_token_loss_is_exact(name, make_loss, gen):
         assert report.tolerance == 1e-10 and report.max_difference < 1e-10
 
 
+@pytest.mark.slow  # a transformers model per row, up to 5 s each
 @pytest.mark.parametrize("name", CAUSAL + ["bert"])
 def test_token_mean_returned_as_sum_is_mean_as_sum(name, gen):
     masked_lm = name == "bert"

@@ -48,6 +48,7 @@ def test_fp16_train_step_skips_no_step_the_full_batch_keeps(mode):
     assert any(o and not f for f, o in zip(full_skipped, low_skipped, strict=True)), low_skipped
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_count_fn_changes_the_scale_not_the_step(gen):
     """In float64 the step is exact with and without count_fn (the scale cancels at step time)."""
     init = make_lm().double()

@@ -77,7 +77,10 @@ def full_batch_moe(model: nn.Module, batch: dict):
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("with_counts", [True, False])  # False: the engine counts in a pass
+@pytest.mark.parametrize(
+    "with_counts",
+    [pytest.param(True, marks=pytest.mark.slow), False],  # False: the engine counts in a pass
+)  # True took 3 s, False keeps the quick tier's row
 def test_moe_global_balance_equals_the_full_batch(optimizer, with_counts, gen):
     torch.manual_seed(0)
     init = TinyMoE().double()

@@ -180,6 +180,7 @@ def test_token_windows_and_auto(tmp_path, settings):
     assert last.samples == 12 and (last.micro_batches > 1 or "auto" in settings.values())
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
     """fp16's concern (Note [backward scale]): what each micro-batch back-propagates adds up to the
     full batch's mean loss, not to a sum of means, so the loss scaler sees the full batch's range."""

@@ -116,6 +116,7 @@ def test_no_false_alarm_on_the_stock_trainer(tmp_path):
     assert smoothing[0].exact and smoothing[0].tolerance == 1e-5  # float32 islands in float64
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_gpt2_counts_its_first_tokens(tmp_path):
     """GPT-2's loss_type is None, so transformers counts every label, the first of each row too:
     each step is scaled by N / (N + rows), in its one-batch run as well (the audit compares a
@@ -137,9 +138,12 @@ CLASSES = {  # name: (wrong trainer, model, its diagnosis, bigbatch's trainer, k
 }  # fmt: skip
 
 
+SLOW_CLASSES = ("ignores num_items", "contrastive", "aux term", "wrapper", "divides twice")  # 2-6 s
+
+
 @pytest.mark.parametrize(
     "name",
-    [n if n != "ignores num_items" else pytest.param(n, marks=pytest.mark.slow) for n in CLASSES],
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CLASSES else n for n in CLASSES],
 )
 def test_each_bug_is_flagged_and_bigbatch_is_exact(tmp_path, name):
     wrong, make, diagnosis, ours, kwargs = CLASSES[name]

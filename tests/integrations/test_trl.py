@@ -121,6 +121,7 @@ def test_dpo_per_pair(tmp_path):
     assert distance(ours, one, base) < FLOAT32 < 0.05 < distance(stock, one, base)
 
 
+@pytest.mark.slow  # 2-5 s on 2 cores
 def test_reward_per_pair_float64(tmp_path):
     """The reward trainer's loss, ``-log σ(r_chosen − r_rejected)`` per pair, in float64."""
     data = datasets.Dataset.from_dict({"chosen": sentences(10, 2), "rejected": sentences(10, 3)})
