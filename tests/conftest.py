@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 import torch
 from seeds import seed_for
@@ -19,11 +21,27 @@ def gen(request):
 
 def pytest_ignore_collect(collection_path, config):
     """Under ``--doctest-modules`` only the package's modules and the test files are collected:
-    the helpers and child scripts in tests/ (models.py, oom_child.py, ...) are not imported."""
+    the helpers and child scripts in tests/ (models.py, oom_child.py, ...) are not imported (the
+    package's modules that need an extra: ../conftest.py)."""
     if collection_path.suffix != ".py" or collection_path.name == "conftest.py":
         return None
     try:
-        in_tests = collection_path.relative_to(config.rootpath).parts[0] == "tests"
+        parts = collection_path.relative_to(config.rootpath).parts
     except ValueError:
         return None
-    return in_tests and not collection_path.name.startswith("test_")
+    return parts[0] == "tests" and not collection_path.name.startswith("test_")
+
+
+EXTRAS = {"rich": "cli", "matplotlib": "plot", "sklearn": "demo"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.needs("rich", ...)``: skipped, saying what to install, where a module of an
+    optional extra is missing (the suite runs with torch alone)."""
+    for item in items:
+        for mark in item.iter_markers("needs"):
+            missing = [m for m in mark.args if importlib.util.find_spec(m) is None]
+            if missing:
+                extras = ",".join(sorted({EXTRAS.get(m, m) for m in missing}))
+                reason = f"needs {', '.join(missing)}: pip install -e '.[{extras}]'"
+                item.add_marker(pytest.mark.skip(reason=reason))

@@ -282,6 +282,7 @@ def bad():
 """
 
 
+@pytest.mark.needs("rich")
 def test_cli_check(tmp_path, capsys):
     path = tmp_path / "tasks_for_check.py"
     path.write_text(TASK)
@@ -296,6 +297,7 @@ def test_cli_check(tmp_path, capsys):
     assert "--batch-size 1 is too small: use at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.needs("rich")
 def test_cli_check_eval_tolerance_and_a_batch_larger_than_the_data(tmp_path, capsys):
     path = tmp_path / "tasks_for_check_flags.py"
     path.write_text(TASK)
@@ -447,6 +449,7 @@ def detached_loss():
 """
 
 
+@pytest.mark.needs("rich")
 def test_cli_check_nonfinite_and_no_gradient(tmp_path, capsys):
     path = tmp_path / "tasks_nonfinite.py"
     path.write_text(NONFINITE_TASKS)

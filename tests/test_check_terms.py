@@ -98,6 +98,7 @@ def z_loss_per_micro_batch():
 )
 
 
+@pytest.mark.needs("rich")
 def test_cli_check_shows_the_named_term(tmp_path, capsys):
     path = tmp_path / "tasks_for_check_terms.py"
     path.write_text(TERM_TASK)

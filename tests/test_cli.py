@@ -40,6 +40,7 @@ def test_train_help_has_examples_and_every_setting(capsys):
         assert name in ("task",) or "--" + name.replace("_", "-") in out
 
 
+@pytest.mark.needs("rich")
 def test_train_then_report(capsys, tmp_path):
     out_dir = str(tmp_path / "run")
     code, out, err = run(
@@ -261,6 +262,7 @@ def test_the_default_optimizer_is_the_one_help_names(capsys, tmp_path):
     assert (group["lr"], group["weight_decay"], group["betas"]) == (0.001, 0.01, (0.9, 0.999))
 
 
+@pytest.mark.needs("rich")
 def test_progress_reaches_train_log_and_stderr_when_not_a_terminal(capsys, tmp_path):
     out = tmp_path / "run"
     argv = ["train", f"{TASKS}:classify", "--batch-size", "10", "--steps", "5", "--log-every", "2",
@@ -281,6 +283,7 @@ def test_progress_reaches_train_log_and_stderr_when_not_a_terminal(capsys, tmp_p
     assert len((tmp_path / "quiet" / "train.log").read_text().splitlines()) == 4
 
 
+@pytest.mark.needs("rich")
 def test_the_last_frame_on_a_terminal_is_printed_whole(capsys, tmp_path, monkeypatch):
     """On a narrow terminal the bar's text is cut to its width; when the bar ends, the last
     line is printed whole (the terminal wraps it). rich is told it writes to a terminal."""

@@ -463,6 +463,7 @@ def _stopped_run(capsys, out, monkeypatch):
     monkeypatch.delenv("NAN_AT")
 
 
+@pytest.mark.needs("rich", "matplotlib")
 def test_report_on_a_crashed_run_says_it_is_partial(capsys, tmp_path, monkeypatch):
     out = tmp_path / "r"
     _stopped_run(capsys, out, monkeypatch)
@@ -476,6 +477,7 @@ def test_report_on_a_crashed_run_says_it_is_partial(capsys, tmp_path, monkeypatc
     assert (out / "report.png").stat().st_size > 10_000
 
 
+@pytest.mark.needs("rich", "matplotlib")
 def test_report_on_a_running_run_says_it_is_partial(capsys, tmp_path, monkeypatch):
     """The run's lock is really held (by this process, as a run holds it) while report reads."""
     from bigbatch.app.folder import RunFolder
@@ -493,6 +495,7 @@ def test_report_on_a_running_run_says_it_is_partial(capsys, tmp_path, monkeypatc
     assert "the run stopped at step 4 before its end" in capsys.readouterr().out
 
 
+@pytest.mark.needs("rich", "matplotlib")
 def test_a_failed_report_leaves_no_stale_plot(capsys, tmp_path):
     out = tmp_path / "r"
     code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "2", "--out", out, "--quiet")
@@ -504,6 +507,7 @@ def test_a_failed_report_leaves_no_stale_plot(capsys, tmp_path):
     assert not (out / "report.png").exists()
 
 
+@pytest.mark.needs("rich", "matplotlib")
 @pytest.mark.parametrize(
     "csv",
     [
@@ -531,6 +535,7 @@ def test_report_on_a_file_is_one_line(capsys, tmp_path):
     )
 
 
+@pytest.mark.needs("rich")
 def test_nothing_is_written_through_a_link_planted_in_the_run_folder(capsys, tmp_path):
     """train refuses a folder with a link where it writes (Note [no links] in app/folder.py);
     report.png replaces its link (never follows it)."""

@@ -72,6 +72,7 @@ def test_demo_help_says_what_it_does(capsys):
         assert word in out
 
 
+@pytest.mark.needs("sklearn")
 @pytest.mark.parametrize(
     ("argv", "match"),
     [

@@ -127,6 +127,7 @@ def task():
 """
 
 
+@pytest.mark.needs("rich")
 def test_cli_plan_compares_token_budgets(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     (tmp_path / "text_task.py").write_text(textwrap.dedent(TASK))

@@ -13,6 +13,7 @@ import bigbatch
 from bigbatch.app.log import read_csv
 
 
+@pytest.mark.needs("rich")
 def test_token_loss_reports_tokens_per_second(tmp_path, capsys):
     torch.manual_seed(0)
     task = tasks.tiny_lm()
@@ -28,6 +29,7 @@ def test_token_loss_reports_tokens_per_second(tmp_path, capsys):
     assert summary.tokens == sum(float(r["count"]) for r in rows)
 
 
+@pytest.mark.needs("rich")
 def test_samples_loss_reports_samples_per_second(tmp_path, capsys):
     bigbatch.fit(tasks.classify(), batch_size=10, steps=2, out=str(tmp_path))
     err = capsys.readouterr().err
