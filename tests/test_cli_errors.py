@@ -7,7 +7,6 @@ location. Each case also checks that nothing on disk changed that should not hav
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
 from bigbatch.app.log import read_csv
@@ -51,27 +51,6 @@ def one_line(err, command="train"):
 
 def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str = "4m"):
-    """A small tmpfs mounted at ``path`` for the block (skips the test where mount is refused)."""
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def read_only(path: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
 
 
 # ----------------------------------------------------------------------------- the run folder

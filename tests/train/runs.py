@@ -8,7 +8,6 @@ steps = 30 micro-batches; snapshots after steps 3, 5 (end of epoch), 6, 9 and 10
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mounts import tmpfs  # noqa: F401  (runs.tmpfs for the run tests)
 
 from bigbatch.app.log import read_csv
 
@@ -132,24 +132,6 @@ def assert_same_run(got: Path, want: Path, steps: int = 10) -> None:
     for key in ("loss", "grad_norm", "lr", "samples", "micro_batch_size", "oom_retries"):
         assert [r[key] for r in rows] == [r[key] for r in ref], key
     assert not list(got.glob(".*tmp*")), "a stale temporary file was left"
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str = "4m"):
-    """A small tmpfs mounted at ``path`` for the block: a real filesystem that fills up (the
-    test is skipped where mounting is refused, i.e. not root)."""
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def parse_size(text: str) -> float:
