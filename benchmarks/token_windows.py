@@ -23,7 +23,13 @@ micro-batch padded to the longest length (one shape); recompiles (Dynamo's uniqu
 steady-state seconds per step after the compiles, and, in float64, the compiled step's distance
 from the eager one.
 
-Run: PYTHONPATH=src python benchmarks/token_windows.py [--rounds 5] [--compile]
+Part 3 (``--ceiling``): what compiling can gain on this machine at all, padding aside. The same
+micro-batch shapes (4,096 tokens each, 8x512 to 64x64) run forward and backward eagerly, compiled
+with one graph per shape (the most a compiler can do), and compiled with rows left dynamic and
+lengths static (one graph per length bucket, no pad rows); time per pass of the shapes, and the
+ratio to eager. Compiled buckets beat eager only where this gain exceeds the padding they add.
+
+Run: PYTHONPATH=src python benchmarks/token_windows.py [--rounds 5] [--compile] [--ceiling]
 """
 
 from __future__ import annotations
@@ -278,13 +284,55 @@ def float64_compiled_vs_eager() -> None:
     )
 
 
+def ceiling(rounds: int) -> None:
+    import torch._dynamo as dynamo
+
+    shapes = [(8, 512), (16, 256), (32, 128), (64, 64)]
+    base, gen = make_model("gpt2"), torch.Generator().manual_seed(3)
+    inputs = [torch.randint(1, VOCAB, shape, generator=gen) for shape in shapes]
+
+    def one_pass(model: torch.nn.Module, mark: bool) -> float:
+        start = time.perf_counter()
+        for ids in inputs:
+            ids, mask = ids.clone(), torch.ones_like(ids)
+            for t in (ids, mask) if mark else ():  # rows dynamic, length static
+                dynamo.maybe_mark_dynamic(t, 0)
+                dynamo.mark_static(t, 1)
+            loss_fn(model, {"input_ids": ids, "attention_mask": mask, "labels": ids})[0].backward()
+        return time.perf_counter() - start
+
+    runs = {
+        "eager": (copy.deepcopy(base), False),
+        "compiled, one graph per shape": (torch.compile(copy.deepcopy(base), dynamic=False), False),
+        "compiled, rows dynamic": (torch.compile(copy.deepcopy(base)), True),
+    }
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(shapes) + 1)
+    for model, mark in runs.values():  # compiles
+        one_pass(model, mark)
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):  # round-robin, so a change of load falls on every run
+        for name in list(runs)[r % 3 :] + list(runs)[: r % 3]:
+            seconds[name].append(one_pass(*runs[name]))
+    eager = statistics.median(seconds["eager"])
+    medians = {name: statistics.median(s) for name, s in seconds.items()}
+    rows = [[name, f"{s:.2f}", f"{s / eager:.2f}x"] for name, s in medians.items()]
+    print_table(
+        "GPT-2 forward + backward, the same 4 shapes of 4,096 tokens (no padding)",
+        ["run", "s per pass", "vs eager"],
+        rows,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per cut")
     parser.add_argument("--compile", action="store_true", help="also run part 2 (slow on a CPU)")
+    parser.add_argument("--ceiling", action="store_true", help="only part 3: compile's own gain")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"device: {device_name('cpu')}")
+    if args.ceiling:
+        return ceiling(args.rounds)
     part1(args.rounds)
     if args.compile:
         part2(args.rounds)

@@ -30,20 +30,34 @@ from cases import (
 import bigbatch
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["count_fn", "labels", "tuple"])
-def test_fp16_train_step_skips_no_step_the_full_batch_keeps(mode):
+@pytest.fixture(scope="module")
+def runs():
+    """The references every row compares with, run once per module: fp32 and fp16 full batch."""
     torch.set_num_threads(2)
     init, batches = make_lm(), lm_batches()
     truth, _ = plain_full_batch(init, batches, fp16=False)
     full, full_skipped = plain_full_batch(init, batches, fp16=True)
+    return init, batches, truth, full, full_skipped
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fp16")  # one worker computes the references for every row
+@pytest.mark.parametrize("mode", ["count_fn", "labels", "tuple"])
+def test_fp16_train_step_skips_no_step_the_full_batch_keeps(mode, runs):
+    init, batches, truth, full, full_skipped = runs
     ours, our_skipped = fp16_accumulated(init, batches, mode=mode)
     lost = [
         i for i, (f, o) in enumerate(zip(full_skipped, our_skipped, strict=True)) if o and not f
     ]
     assert not lost, (full_skipped, our_skipped)
     assert distance(ours, truth) <= 2 * distance(full, truth)
-    # The scenario bites: without the look-ahead, steps the full batch keeps are lost.
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fp16")
+def test_the_scenario_loses_steps_without_the_look_ahead(runs):
+    """The scenario bites: the low-level path (no window to redo) loses steps the full batch keeps."""
+    init, batches, _, _, full_skipped = runs
     _, low_skipped = fp16_accumulated(init, batches, low_level=True)
     assert any(o and not f for f, o in zip(full_skipped, low_skipped, strict=True)), low_skipped
 
