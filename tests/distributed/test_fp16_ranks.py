@@ -29,7 +29,12 @@ def _tuple_loss(model, batch):
     return lm_loss(model, {"input_ids": batch[0], "labels": batch[1]})
 
 
-def _rank(rank: int, world_size: int, mode: str = "count_fn") -> dict:
+def _rank(rank: int, world_size: int) -> dict:
+    """Every mode, one after the other, on the same two ranks (one spawn for the three rows)."""
+    return {mode: _train(rank, world_size, mode) for mode in ("count_fn", "labels", "follow")}
+
+
+def _train(rank: int, world_size: int, mode: str) -> dict:
     init = make_lm()
     model = DDP(copy.deepcopy(init))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -49,12 +54,20 @@ def _rank(rank: int, world_size: int, mode: str = "count_fn") -> dict:
     return {"skipped": skipped, "model": model.module.state_dict()}
 
 
-@pytest.mark.parametrize("mode", ["count_fn", "labels", "follow"])
-def test_two_ranks_fp16_skip_no_step_the_full_batch_keeps(mode):
-    results = run_ranks(_rank, mode, timeout_s=600)
+@pytest.fixture(scope="module")
+def runs():
+    """The ranks' runs of every mode, and the fp32 and fp16 full batches on the union: once."""
     init, batches = make_lm(), lm_batches()
     truth, _ = plain_full_batch(init, batches, fp16=False)
     full, full_skipped = plain_full_batch(init, batches, fp16=True)
+    return run_ranks(_rank, timeout_s=600), truth, full, full_skipped
+
+
+@pytest.mark.xdist_group("fp16_ranks")  # one worker runs the ranks for every row
+@pytest.mark.parametrize("mode", ["count_fn", "labels", "follow"])
+def test_two_ranks_fp16_skip_no_step_the_full_batch_keeps(mode, runs):
+    by_rank, truth, full, full_skipped = runs
+    results = [by_rank[0][mode], by_rank[1][mode]]
     ours = make_lm()
     ours.load_state_dict(results[0]["model"])
     assert results[0]["skipped"] == results[1]["skipped"]  # one decision for all ranks
