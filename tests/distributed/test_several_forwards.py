@@ -28,7 +28,15 @@ def _windows(seed: int, dtype: torch.dtype) -> list[list]:
     return [[classification_batch(n, dtype, gen) for n in SAMPLES] for _ in range(STEPS)]
 
 
-def _rank(rank: int, world_size: int, precision: str, opt_name: str, seed: int) -> dict:
+RUNS = [("fp32", name, 7) for name in OPTIMIZERS] + [("bf16", "adamw", 8)]
+
+
+def _rank(rank: int, world_size: int) -> dict:
+    """Every run, one after the other, on the same two ranks (one spawn for the module)."""
+    return {run: _train(rank, *run) for run in RUNS}
+
+
+def _train(rank: int, precision: str, opt_name: str, seed: int) -> dict:
     dtype = torch.float64 if precision == "fp32" else torch.float32
     model = DDP(mlp(dtype))
     acc = bigbatch.Accumulator(model, OPTIMIZERS[opt_name](model.parameters()), precision=precision)
@@ -44,9 +52,19 @@ def _rank(rank: int, world_size: int, precision: str, opt_name: str, seed: int) 
     return model.module.state_dict()
 
 
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_rank)
+
+
+def _got(runs: list, run: tuple) -> list:
+    return [by_run[run] for by_run in runs]
+
+
+@pytest.mark.xdist_group("several_forwards")  # one worker runs the ranks for every test
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_forwards_then_backwards_equal_the_full_batch_on_the_union(opt_name):
-    got = run_ranks(_rank, "fp32", opt_name, 7)
+def test_forwards_then_backwards_equal_the_full_batch_on_the_union(opt_name, runs):
+    got = _got(runs, ("fp32", opt_name, 7))
     ref = mlp(torch.float64)
     opt = OPTIMIZERS[opt_name](ref.parameters())
     for window in _windows(7, torch.float64):
@@ -57,8 +75,9 @@ def test_forwards_then_backwards_equal_the_full_batch_on_the_union(opt_name):
         assert max_relative_error(ref, model) < 1e-10
 
 
-def test_forwards_then_backwards_in_bf16_are_close_to_fp32():
-    got = run_ranks(_rank, "bf16", "adamw", 8)
+@pytest.mark.xdist_group("several_forwards")
+def test_forwards_then_backwards_in_bf16_are_close_to_fp32(runs):
+    got = _got(runs, ("bf16", "adamw", 8))
     ref = mlp(torch.float32)
     opt = OPTIMIZERS["adamw"](ref.parameters())
     for window in _windows(8, torch.float32):

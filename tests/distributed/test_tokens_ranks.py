@@ -52,7 +52,15 @@ def _wrap(kind: str, model: torch.nn.Module) -> torch.nn.Module:
     return DDP(model)
 
 
-def _rank(rank: int, world: int, kind: str, optimizer: str, windows: list) -> dict:
+KINDS = ["ddp", "ddp_buffers", "fsdp2"]
+
+
+def _rank(rank: int, world: int, windows: list) -> dict:
+    """Every row, one after the other, on the same two ranks (one spawn for the table)."""
+    return {(k, o): _train(rank, k, o, windows) for k in KINDS for o in sorted(OPTIMIZERS)}
+
+
+def _train(rank: int, kind: str, optimizer: str, windows: list) -> dict:
     torch.manual_seed(0)
     model = _wrap(kind, (Buffered if kind == "ddp_buffers" else TinyCausalLM)().double())
     acc = bigbatch.Accumulator(
@@ -72,11 +80,18 @@ def _rank(rank: int, world: int, kind: str, optimizer: str, windows: list) -> di
     return {"micro_batches": counts, "state": state}
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("kind", ["ddp", "ddp_buffers", "fsdp2"])
-def test_token_windows_on_two_ranks_equal_the_full_batch(kind, optimizer):
+@pytest.fixture(scope="module")
+def runs():
     windows = _windows(seed=7)
-    results = run_ranks(_rank, kind, optimizer, windows, timeout_s=300)
+    return windows, run_ranks(_rank, windows, timeout_s=600)
+
+
+@pytest.mark.xdist_group("tokens_ranks")  # one worker runs the ranks for every row
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_windows_on_two_ranks_equal_the_full_batch(kind, optimizer, runs):
+    windows, by_rank = runs
+    results = [by_rank[0][kind, optimizer], by_rank[1][kind, optimizer]]
     torch.manual_seed(0)
     ref = TinyCausalLM().double()
     ref_opt = OPTIMIZERS[optimizer](ref.parameters())
