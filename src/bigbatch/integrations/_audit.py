@@ -33,6 +33,7 @@ Note [audit diagnosis]
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,6 +52,14 @@ from bigbatch.verifier._runs import differences
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
 Grads = dict[str, torch.Tensor]
+
+
+def need(module: str, extra: str) -> Any:
+    """``import module``, or an ImportError naming the ``pip install`` that brings it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise ImportError(f'{module} is missing: pip install "bigbatch[{extra}]"') from exc
 
 
 @dataclass

@@ -32,14 +32,7 @@ from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
 __all__ = ["Exact", "audit"]
-
-
-def _lightning() -> Any:
-    try:
-        import lightning.pytorch as pl
-    except ModuleNotFoundError as exc:
-        raise ImportError('Lightning is missing: pip install "bigbatch[lightning]"') from exc
-    return pl
+_pl = _audit.need("lightning.pytorch", "lightning")
 
 
 def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch.Tensor, Any]:
@@ -68,7 +61,7 @@ def _wrap_training_step(pl_module: Any, after: Any) -> None:
     pl_module.training_step = training_step
 
 
-class Exact(_lightning().Callback):  # type: ignore[misc]
+class Exact(_pl.Callback):  # type: ignore[misc]
     """A callback that makes ``accumulate_grad_batches`` exact (Note [lightning window]).
 
     ``training_step`` returns ``(loss_sum, count)`` (e.g. ``bigbatch.token_cross_entropy``),
@@ -124,13 +117,13 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     Raises:
         TypeError: ``trainer`` is not a Lightning ``Trainer``. ValueError: bad ``steps``.
     """
-    if not isinstance(trainer, _lightning().Trainer):
+    if not isinstance(trainer, _pl.Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
     trainer.callbacks.append(watch := _Watch(_audit.Audit(_audit.check_steps(steps))))
     return watch.report
 
 
-class _Watch(_lightning().Callback):  # type: ignore[misc]
+class _Watch(_pl.Callback):  # type: ignore[misc]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
     def __init__(self, log: _audit.Audit) -> None:
