@@ -61,7 +61,7 @@ def _wrap_training_step(pl_module: Any, after: Any) -> None:
     pl_module.training_step = training_step
 
 
-class Exact(_pl.Callback):  # type: ignore[misc]
+class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
     """A callback that makes ``accumulate_grad_batches`` exact (Note [lightning window]).
 
     ``training_step`` returns ``(loss_sum, count)`` (e.g. ``bigbatch.token_cross_entropy``),
@@ -123,7 +123,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     return watch.report
 
 
-class _Watch(_pl.Callback):  # type: ignore[misc]
+class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
     def __init__(self, log: _audit.Audit) -> None:
