@@ -151,16 +151,21 @@ def _calling(loss: Any, call: Any, reduction: Any = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording(model: Any, record: Recording) -> Iterator[None]:
+def recording(model: Any, record: Recording, y: Any, y_pred: Any, weight: Any) -> Iterator[None]:
     """Within the block the model's compiled loss fills ``record`` (Note [keras loss terms]).
 
-    The compiled loss must be built (``ensure_built``); a model compiled without a loss is left
-    as it is.
+    The compiled loss is built first if it is not (Keras builds it on its first call), without
+    recording anything; a model compiled without a loss is left as it is.
     """
     compiled = getattr(model, "_compile_loss", None)
     if compiled is None:
         yield
         return
+    if not compiled.built:
+        with torch.no_grad():
+            compiled(y, y_pred, weight)
+        for metric in compiled.metrics:  # per-output loss trackers created just now by build
+            metric.reset_state()
     entries = getattr(compiled, "_flat_losses", None)
     if entries is None:
         raise RuntimeError(
@@ -175,17 +180,6 @@ def recording(model: Any, record: Recording) -> Iterator[None]:
         yield
     finally:
         entries[:] = original
-
-
-def ensure_built(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
-    """Build the compiled loss (Keras builds it on its first call) without recording anything."""
-    compiled = getattr(model, "_compile_loss", None)
-    if compiled is None or compiled.built:
-        return
-    with torch.no_grad():
-        compiled(y, y_pred, sample_weight)
-    for metric in compiled.metrics:  # per-output loss trackers created just now by build
-        metric.reset_state()
 
 
 def add_to_trackers(model: Any, values: dict[int, float], samples: int) -> None:

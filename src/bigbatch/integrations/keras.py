@@ -40,7 +40,7 @@ from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.split import batch_size
-from bigbatch.integrations._keras_loss import Recording, add_to_trackers, ensure_built, recording
+from bigbatch.integrations._keras_loss import Recording, add_to_trackers, recording
 
 __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
@@ -187,13 +187,13 @@ class Accumulation:
             _warn_batch_norm(model)
             self._warned = True
         y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        ensure_built(model, y, y_pred, sample_weight)
         record = Recording(n, self._samples)
-        with recording(model, record):
+        with recording(model, record, y, y_pred, sample_weight):
             total = model._compute_loss(x, y, y_pred, sample_weight, training=True)
         if not counting:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
+        overrides = type(model).compute_loss is not _keras.Model.compute_loss  # its own terms
+        own = record.folded or model.losses or overrides or not record.data
         terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
         return terms | {f"loss_{k}": term for k, term in record.data.items()}
 
@@ -292,11 +292,6 @@ def _warn_batch_norm(model: Any) -> None:
             "statistics, so a step is not exactly the full batch's: freeze them (layer.trainable "
             "= False) or use keras.layers.GroupNormalization / LayerNormalization."
         )
-
-
-def _overrides_compute_loss(model: Any) -> bool:
-    """A ``compute_loss`` of the user's may add terms of its own (read as per-sample means)."""
-    return type(model).compute_loss is not _keras.Model.compute_loss
 
 
 def _warn_float32_matmuls(model: Any) -> None:

@@ -93,7 +93,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.scale is None:  # the window's first micro-batch
             self.scale = 1.0 / self.strategy.reduce(n, reduce_op="mean").clamp_min(1.0)
         self.seen.append(torch.stack([loss_sum.detach().to(torch.float64), n]))
-        rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
+        rest = out if isinstance(out, Mapping) else {}  # its "loss" is replaced
         return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -168,7 +168,5 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
     def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
         """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
         out = type(pl_module).training_step(pl_module, batch, 0)
-        loss_sum, count = _sum_and_count(
-            out, batch, functools.partial(_audit.count_items, shifts=False)
-        )
+        loss_sum, count = _sum_and_count(out, batch, _audit.count_items)
         return float(loss_sum / count), float(count)
