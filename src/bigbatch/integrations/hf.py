@@ -97,7 +97,17 @@ def exact(trainer_class: type) -> type:
         >>> from trl import DPOTrainer  # doctest: +SKIP
         >>> trainer = bigbatch.hf.exact(DPOTrainer)(model=model, args=args, ...)  # doctest: +SKIP
     """
-    _check_class(trainer_class)
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers.Trainer)):
+        raise TypeError(
+            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
+            "bigbatch.hf.exact(trl.SFTTrainer)."
+        )
+    if _named(trainer_class, GENERATING):  # Note [generating trainers]
+        raise TypeError(
+            f"exact() does not take {trainer_class.__name__}, which generates inside "
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
+        )
     if "bigbatch" in vars(trainer_class):
         return trainer_class
 
@@ -126,20 +136,6 @@ def exact(trainer_class: type) -> type:
     return Exact
 
 
-def _check_class(trainer_class: Any) -> None:
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers.Trainer)):
-        raise TypeError(
-            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
-            "bigbatch.hf.exact(trl.SFTTrainer)."
-        )
-    if _named(trainer_class, GENERATING):  # Note [generating trainers]
-        raise TypeError(
-            f"exact() does not take {trainer_class.__name__}, which generates inside "
-            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
-            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
-        )
-
-
 class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
@@ -149,8 +145,8 @@ class TrainerWindow:
         self.pending: list[Any] = []  # the window's batches so far
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
-        stock = loss_fn is None and stock_compute_loss(type(trainer))
-        self.plain: bool | None = True if stock else None  # the loss has one term: count first
+        # the loss has one term: count first
+        self.plain = True if loss_fn is None and stock_compute_loss(type(trainer)) else None
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""

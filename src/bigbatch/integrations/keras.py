@@ -167,10 +167,8 @@ class Accumulation:
         precision: Any = Precision("fp32", "cpu")  # no autocast, no scaler: the device is moot
         precision.name = "keras"
         precision.backward = lambda loss: model.optimizer.scale_loss(loss).backward()
-        optimizer: Any = _Optimizer(model)  # duck-typed
-        acc = Accumulator(
-            model, optimizer, self.micro_batch_size, precision=precision, nonfinite="apply"
-        )
+        opt: Any = _Optimizer(model)  # duck-typed
+        acc = Accumulator(model, opt, self.micro_batch_size, precision=precision, nonfinite="apply")
         acc.track(self._state)
         return acc
 
@@ -245,23 +243,17 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
         make_sizing(micro_batch_size)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} Or None to undo accumulate.") from None
-    _check_own_train_step(model)
-    if getattr(model, "optimizer", None) is not None:
-        _check_compiled(model)
-    step = Accumulation(model, micro_batch_size)
-    model.train_step = step  # Note [keras train step]
-    model.train_function = None  # built again on the next fit
-    return step
-
-
-def _check_own_train_step(model: Any) -> None:
-    """Refuse a model class with its own ``train_step``: accumulate would silently replace it."""
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
-    if not owner.__module__.startswith("keras."):
+    if not owner.__module__.startswith("keras."):  # accumulate would silently replace it
         raise ValueError(
             f"{owner.__name__} defines its own train_step, which accumulate would replace: put "
             "custom loss terms in compute_loss (honoured), or use bigbatch.Accumulator instead."
         )
+    if getattr(model, "optimizer", None) is not None:
+        _check_compiled(model)
+    model.train_step = step = Accumulation(model, micro_batch_size)  # Note [keras train step]
+    model.train_function = None  # built again on the next fit
+    return step
 
 
 def _check_compiled(model: Any) -> None:
