@@ -191,9 +191,7 @@ class LocalAccumulation:
         dist.broadcast(bucket, src=src, group=group)
         self._unpack(views)
         self._start = [p.detach().clone() for p in self._params]
-        self.outer_optimizer = torch.optim.SGD(
-            self._start, lr=lr, momentum=momentum, nesterov=nesterov
-        )
+        self.outer_optimizer = torch.optim.SGD(self._start, lr, momentum, nesterov=nesterov)
         self.outer_steps, self._round = 0, _Round()
 
     # ------------------------------------------------------------------ training

@@ -356,8 +356,7 @@ class _Watch:
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = self.wrapped[2](model, inputs, num_items_in_batch)
-        w = self.window
-        if w is not None:
+        if (w := self.window) is not None:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
