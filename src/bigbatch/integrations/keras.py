@@ -174,8 +174,7 @@ class Accumulation:
 
     def _state(self) -> list[torch.Tensor]:
         """What a forward moves besides the weights: BatchNorm statistics, seeds, metric totals."""
-        model = self.model
-        return [v.value for v in [*model.non_trainable_variables, *model.metrics_variables]]
+        return [v.value for v in self.model.non_trainable_variables + self.model.metrics_variables]
 
     def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
         """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
