@@ -119,11 +119,10 @@ def divisor(loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any
     ``"mean_with_sample_weight"``, the same sample weights, and so counts its divisor. ``y_pred``
     is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
     """
-    ones = torch.ones(values.shape, dtype=values.dtype, device=values.device)
-    stand_in = torch.zeros(1, dtype=values.dtype, device=values.device)
+    ones, stand_in = torch.ones_like(values), values.new_zeros(1)
     for source, target in ((values, ones), (y_pred, stand_in)):  # a loss may mask its own values
         if _mask(source) is not None:
-            target._keras_mask = _mask(source)  # type: ignore[attr-defined]
+            target._keras_mask = _mask(source)  # type: ignore[union-attr]
     weight = sample_weight if loss.reduction == "mean_with_sample_weight" else None
     if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
         weight = weight.clone()
