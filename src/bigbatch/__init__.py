@@ -20,20 +20,15 @@ from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpoi
 from bigbatch.memory.planner import Plan, plan
 from bigbatch.verifier import CheckReport, NotExactError, check
 
-_APP = {
-    "fit": "bigbatch.app.loop",
-    "Task": "bigbatch.app.task",
-    "TrainConfig": "bigbatch.app.config",
-}
-
 
 def __getattr__(name: str) -> Any:
     """The trainer's names, imported on first use (the core never imports the application)."""
-    if name in _APP:
-        import importlib
+    module = {"fit": "loop", "Task": "task", "TrainConfig": "config"}.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(_APP[name]), name)
-    raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"bigbatch.app.{module}"), name)
 
 
 __all__ = [

@@ -210,3 +210,23 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="steps=0 is not allowed"):
         bigbatch.hf.audit(trainer, steps=0)
     assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer
+
+
+@pytest.mark.parametrize(
+    ("missing", "module", "extra"),
+    [
+        ("transformers", "bigbatch.hf", "hf"),
+        ("lightning.pytorch", "bigbatch.lightning", "lightning"),
+    ],
+)
+def test_import_without_the_extra_names_the_install(missing, module, extra, monkeypatch) -> None:
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` now fails as if absent
+    for name in (module, module.replace("bigbatch.", "bigbatch.integrations.")):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(
+        ImportError, match=rf'{missing} is missing: pip install "bigbatch\[{extra}\]"'
+    ):
+        importlib.import_module(module)

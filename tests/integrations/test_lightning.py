@@ -101,3 +101,24 @@ def test_errors():
     trainer = L.Trainer(logger=False, accelerator="cpu", devices=1)
     with pytest.raises(ValueError, match="steps=\\(\\) is not allowed"):
         bigbatch.lightning.audit(trainer, steps=())
+
+
+def test_exact_refuses_manual_optimization_and_a_loss_it_cannot_read():
+    trainer = L.Trainer(logger=False, accelerator="cpu", devices=1)
+
+    class Manual(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match=r"Exact needs automatic optimization; with manual"):
+        bigbatch.lightning.Exact().setup(trainer, Manual(), "fit")
+
+    class Words(L.LightningModule):
+        def training_step(self, batch, idx):
+            return "a loss"
+
+    module = Words()
+    bigbatch.lightning.Exact().setup(trainer, module, "fit")
+    with pytest.raises(TypeError, match=r"training_step returned str: with bigbatch.lightning"):
+        module.training_step(torch.zeros(2, 1), 0)

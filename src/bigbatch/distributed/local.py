@@ -154,7 +154,6 @@ class LocalAccumulation:
         micro_batch_size: int | str = 32, outer_lr: float = 1.0, outer_momentum: float = 0.0,
         nesterov: bool = False, group: Any = None,
     ) -> None:  # fmt: skip
-        _check_local_steps(local_steps)  # before building anything
         accumulator = Accumulator(model, inner_optimizer, micro_batch_size=micro_batch_size)
         self._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
 
@@ -192,9 +191,7 @@ class LocalAccumulation:
         dist.broadcast(bucket, src=src, group=group)
         self._unpack(views)
         self._start = [p.detach().clone() for p in self._params]
-        self.outer_optimizer = torch.optim.SGD(
-            self._start, lr=lr, momentum=momentum, nesterov=nesterov
-        )
+        self.outer_optimizer = torch.optim.SGD(self._start, lr, momentum, nesterov=nesterov)
         self.outer_steps, self._round = 0, _Round()
 
     # ------------------------------------------------------------------ training
@@ -351,21 +348,12 @@ class LocalAccumulation:
 
 
 # ---------------------------------------------------------------------- checks
-def _check_local_steps(local_steps: object) -> None:
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(
-            f"local_steps={local_steps!r} is not allowed: use a whole number >= 1, the inner "
-            "optimizer steps per all-reduce (1: the exact data-parallel step with SGD)."
-        )
-
-
 def _check(
     accumulator: Accumulator, local_steps: int, outer_lr: Any, outer_momentum: Any, nesterov: Any,
     group: Any,
 ) -> int:  # fmt: skip
     """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
     refused and why: docs/local_accumulation.md); returns the number of ranks."""
-    _check_local_steps(local_steps)
     for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name}={value!r} is not allowed: use a number.")
@@ -376,6 +364,9 @@ def _check(
     foreign = len(held - {id(p) for p in accumulator.model.parameters()})
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     for wrong, error, message in (
+        (type(local_steps) is not int or local_steps < 1, ValueError, f"local_steps="
+         f"{local_steps!r} is not allowed: use a whole number >= 1, the inner optimizer steps per "
+         "all-reduce (1: the exact data-parallel step with SGD)."),
         (not 0 < outer_lr < math.inf, ValueError, f"outer_lr={outer_lr!r} is not allowed: use a "
          "positive finite number (1.0: Δ as is)."),
         (not 0 <= outer_momentum < 1, ValueError, f"outer_momentum={outer_momentum!r} is not "

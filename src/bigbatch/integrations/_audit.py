@@ -33,6 +33,7 @@ Note [audit diagnosis]
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,6 +52,14 @@ from bigbatch.verifier._runs import differences
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
 Grads = dict[str, torch.Tensor]
+
+
+def need(module: str, extra: str) -> Any:
+    """``import module``, or an ImportError naming the ``pip install`` that brings it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise ImportError(f'{module} is missing: pip install "bigbatch[{extra}]"') from exc
 
 
 @dataclass
@@ -100,10 +109,7 @@ def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
     """
     found = (steps,) if isinstance(steps, int) else tuple(steps)
     if not found or not all(type(s) is int and s > 0 for s in found):
-        raise ValueError(
-            f"steps={steps!r} is not allowed: give the optimizer steps to audit as positive "
-            "integers, e.g. steps=1 or steps=(1, 100)."
-        )
+        raise ValueError(f"steps={steps!r} is not allowed: use positive ints, e.g. 1 or (1, 100).")
     return found
 
 
@@ -147,7 +153,7 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
     return torch.cat([pad(t) for t in batches])
 
 
-def count_items(batch: Any, shifts: bool) -> Any:
+def count_items(batch: Any, shifts: bool = False) -> Any:
     """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
     of each row when the loss ``shifts``; ``shift_labels`` as given), else its completion tokens
     (``completion_mask``: TRL's GRPO), else its rows."""
@@ -185,20 +191,16 @@ def gradients(model: torch.nn.Module) -> Grads:
 def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Iterator[None]:
     """Within the block: no gradients, the window's first random state; afterwards the gradients,
     the buffers and the random state as they were (Note [audit])."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = list(model.parameters())
     kept, backup = [p.grad for p in params], Backup(model, [], None, device)  # buffers, rng
-    for p in params:
-        p.grad = None
+    model.zero_grad(set_to_none=True)
     _rng.restore(window.rng, device)
     try:
         yield
     finally:
-
-        def put_back() -> None:
-            for p, g in zip(params, kept, strict=True):
-                p.grad = g
-
-        backup.restore(put_back)
+        backup.restore(lambda: None)
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
 
 
 def check(

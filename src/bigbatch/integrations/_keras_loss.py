@@ -119,11 +119,10 @@ def divisor(loss: Any, values: Any, y_true: Any, y_pred: Any, sample_weight: Any
     ``"mean_with_sample_weight"``, the same sample weights, and so counts its divisor. ``y_pred``
     is passed as a one-element stand-in carrying its mask (no copy of the logits is made).
     """
-    ones = torch.ones(values.shape, dtype=values.dtype, device=values.device)
-    stand_in = torch.zeros(1, dtype=values.dtype, device=values.device)
+    ones, stand_in = torch.ones_like(values), values.new_zeros(1)
     for source, target in ((values, ones), (y_pred, stand_in)):  # a loss may mask its own values
         if _mask(source) is not None:
-            target._keras_mask = _mask(source)  # type: ignore[attr-defined]
+            target._keras_mask = _mask(source)  # type: ignore[union-attr]
     weight = sample_weight if loss.reduction == "mean_with_sample_weight" else None
     if isinstance(weight, torch.Tensor):  # Keras multiplies the mask into it in place
         weight = weight.clone()
@@ -151,16 +150,21 @@ def _calling(loss: Any, call: Any, reduction: Any = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording(model: Any, record: Recording) -> Iterator[None]:
+def recording(model: Any, record: Recording, y: Any, y_pred: Any, weight: Any) -> Iterator[None]:
     """Within the block the model's compiled loss fills ``record`` (Note [keras loss terms]).
 
-    The compiled loss must be built (``ensure_built``); a model compiled without a loss is left
-    as it is.
+    The compiled loss is built first if it is not (Keras builds it on its first call), without
+    recording anything; a model compiled without a loss is left as it is.
     """
     compiled = getattr(model, "_compile_loss", None)
     if compiled is None:
         yield
         return
+    if not compiled.built:
+        with torch.no_grad():
+            compiled(y, y_pred, weight)
+        for metric in compiled.metrics:  # per-output loss trackers created just now by build
+            metric.reset_state()
     entries = getattr(compiled, "_flat_losses", None)
     if entries is None:
         raise RuntimeError(
@@ -175,17 +179,6 @@ def recording(model: Any, record: Recording) -> Iterator[None]:
         yield
     finally:
         entries[:] = original
-
-
-def ensure_built(model: Any, y: Any, y_pred: Any, sample_weight: Any) -> None:
-    """Build the compiled loss (Keras builds it on its first call) without recording anything."""
-    compiled = getattr(model, "_compile_loss", None)
-    if compiled is None or compiled.built:
-        return
-    with torch.no_grad():
-        compiled(y, y_pred, sample_weight)
-    for metric in compiled.metrics:  # per-output loss trackers created just now by build
-        metric.reset_state()
 
 
 def add_to_trackers(model: Any, values: dict[int, float], samples: int) -> None:

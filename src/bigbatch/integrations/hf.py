@@ -64,17 +64,10 @@ PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
 SETTINGS = ("micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of")
 """How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
+_transformers = _audit.need("transformers", "hf")
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
 """Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
 trainers])."""
-
-
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ModuleNotFoundError as exc:
-        raise ImportError('bigbatch.hf needs transformers: pip install "bigbatch[hf]"') from exc
-    return transformers
 
 
 def exact(trainer_class: type) -> type:
@@ -104,7 +97,17 @@ def exact(trainer_class: type) -> type:
         >>> from trl import DPOTrainer  # doctest: +SKIP
         >>> trainer = bigbatch.hf.exact(DPOTrainer)(model=model, args=args, ...)  # doctest: +SKIP
     """
-    _check_class(trainer_class)
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers.Trainer)):
+        raise TypeError(
+            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
+            "bigbatch.hf.exact(trl.SFTTrainer)."
+        )
+    if _named(trainer_class, GENERATING):  # Note [generating trainers]
+        raise TypeError(
+            f"exact() does not take {trainer_class.__name__}, which generates inside "
+            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
+            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
+        )
     if "bigbatch" in vars(trainer_class):
         return trainer_class
 
@@ -133,20 +136,6 @@ def exact(trainer_class: type) -> type:
     return Exact
 
 
-def _check_class(trainer_class: Any) -> None:
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, _transformers().Trainer)):
-        raise TypeError(
-            f"exact() takes a transformers.Trainer subclass, got {trainer_class!r}: e.g. "
-            "bigbatch.hf.exact(trl.SFTTrainer)."
-        )
-    if _named(trainer_class, GENERATING):  # Note [generating trainers]
-        raise TypeError(
-            f"exact() does not take {trainer_class.__name__}, which generates inside "
-            "training_step: use it as it is (loss_type 'grpo', 'dr_grpo', 'dapo' are exact under "
-            "accumulation; 'bnpo' averages micro-batch means) and check with bigbatch.hf.audit."
-        )
-
-
 class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
@@ -156,8 +145,8 @@ class TrainerWindow:
         self.pending: list[Any] = []  # the window's batches so far
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
-        stock = loss_fn is None and stock_compute_loss(type(trainer))
-        self.plain: bool | None = True if stock else None  # the loss has one term: count first
+        # the loss has one term: count first
+        self.plain = True if loss_fn is None and stock_compute_loss(type(trainer)) else None
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""
@@ -183,8 +172,8 @@ class TrainerWindow:
         if self.acc is None or self.acc.model is not model:
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
-            groups = t.optimizer.param_groups
-            held: Any = SimpleNamespace(param_groups=groups, step=_nothing, zero_grad=_nothing)
+            held: Any = SimpleNamespace(param_groups=t.optimizer.param_groups)
+            held.step = held.zero_grad = lambda *args, **kwargs: None
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
             self.acc = Accumulator(model, held, precision=precision, **self.settings)
@@ -248,10 +237,6 @@ def one_step(trainer: Any) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    pass
-
-
 def _named(trainer_class: type, names: tuple[str, ...]) -> bool:
     return any(c.__name__ in names for c in trainer_class.__mro__)
 
@@ -292,11 +277,11 @@ def stock_compute_loss(trainer_class: type) -> bool:
 
 def shifts_labels(model: Any) -> bool:
     """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
-    tf = _transformers()
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
-        if isinstance(m, tf.PreTrainedModel):  # the loss it computes (GPT-2's loss_type is None)
+        # the loss it computes (GPT-2's loss_type is None)
+        if isinstance(m, _transformers.PreTrainedModel):
             decoder_only = not getattr(m.config, "is_encoder_decoder", False)
             return decoder_only and m.loss_function is ForCausalLMLoss
     return False
@@ -337,7 +322,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
         >>> report.results[0].exact, report.results[0].diagnosis  # doctest: +SKIP
         (False, 'per-micro-batch mean on padded data')
     """
-    if not isinstance(trainer, _transformers().Trainer):
+    if not isinstance(trainer, _transformers.Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
     return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
@@ -371,8 +356,7 @@ class _Watch:
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = self.wrapped[2](model, inputs, num_items_in_batch)
-        w = self.window
-        if w is not None:
+        if (w := self.window) is not None:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
@@ -399,4 +383,4 @@ class _Watch:
         return float(self._loss(model, batch)), float(self.reader.count(batch))
 
 
-Trainer: type = exact(_transformers().Trainer)
+Trainer: type = exact(_transformers.Trainer)

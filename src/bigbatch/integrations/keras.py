@@ -40,7 +40,7 @@ from bigbatch.core._sizing import make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.split import batch_size
-from bigbatch.integrations._keras_loss import Recording, add_to_trackers, ensure_built, recording
+from bigbatch.integrations._keras_loss import Recording, add_to_trackers, recording
 
 __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
@@ -167,17 +167,14 @@ class Accumulation:
         precision: Any = Precision("fp32", "cpu")  # no autocast, no scaler: the device is moot
         precision.name = "keras"
         precision.backward = lambda loss: model.optimizer.scale_loss(loss).backward()
-        optimizer: Any = _Optimizer(model)  # duck-typed
-        acc = Accumulator(
-            model, optimizer, self.micro_batch_size, precision=precision, nonfinite="apply"
-        )
+        opt: Any = _Optimizer(model)  # duck-typed
+        acc = Accumulator(model, opt, self.micro_batch_size, precision=precision, nonfinite="apply")
         acc.track(self._state)
         return acc
 
     def _state(self) -> list[torch.Tensor]:
         """What a forward moves besides the weights: BatchNorm statistics, seeds, metric totals."""
-        model = self.model
-        return [v.value for v in [*model.non_trainable_variables, *model.metrics_variables]]
+        return [v.value for v in self.model.non_trainable_variables + self.model.metrics_variables]
 
     def _loss(self, model: Any, batch: Any) -> dict[str, Any]:
         """``loss_fn`` for the engine: one micro-batch's terms (Note [keras loss terms])."""
@@ -187,13 +184,13 @@ class Accumulation:
             _warn_batch_norm(model)
             self._warned = True
         y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        ensure_built(model, y, y_pred, sample_weight)
         record = Recording(n, self._samples)
-        with recording(model, record):
+        with recording(model, record, y, y_pred, sample_weight):
             total = model._compute_loss(x, y, y_pred, sample_weight, training=True)
         if not counting:
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        own = record.folded or model.losses or _overrides_compute_loss(model) or not record.data
+        overrides = type(model).compute_loss is not _keras.Model.compute_loss  # its own terms
+        own = record.folded or model.losses or overrides or not record.data
         terms: dict[str, Any] = {"loss": (total * n, n)} if own else {}
         return terms | {f"loss_{k}": term for k, term in record.data.items()}
 
@@ -245,23 +242,17 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
         make_sizing(micro_batch_size)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} Or None to undo accumulate.") from None
-    _check_own_train_step(model)
-    if getattr(model, "optimizer", None) is not None:
-        _check_compiled(model)
-    step = Accumulation(model, micro_batch_size)
-    model.train_step = step  # Note [keras train step]
-    model.train_function = None  # built again on the next fit
-    return step
-
-
-def _check_own_train_step(model: Any) -> None:
-    """Refuse a model class with its own ``train_step``: accumulate would silently replace it."""
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
-    if not owner.__module__.startswith("keras."):
+    if not owner.__module__.startswith("keras."):  # accumulate would silently replace it
         raise ValueError(
             f"{owner.__name__} defines its own train_step, which accumulate would replace: put "
             "custom loss terms in compute_loss (honoured), or use bigbatch.Accumulator instead."
         )
+    if getattr(model, "optimizer", None) is not None:
+        _check_compiled(model)
+    model.train_step = step = Accumulation(model, micro_batch_size)  # Note [keras train step]
+    model.train_function = None  # built again on the next fit
+    return step
 
 
 def _check_compiled(model: Any) -> None:
@@ -292,11 +283,6 @@ def _warn_batch_norm(model: Any) -> None:
             "statistics, so a step is not exactly the full batch's: freeze them (layer.trainable "
             "= False) or use keras.layers.GroupNormalization / LayerNormalization."
         )
-
-
-def _overrides_compute_loss(model: Any) -> bool:
-    """A ``compute_loss`` of the user's may add terms of its own (read as per-sample means)."""
-    return type(model).compute_loss is not _keras.Model.compute_loss
 
 
 def _warn_float32_matmuls(model: Any) -> None:

@@ -32,14 +32,7 @@ from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
 __all__ = ["Exact", "audit"]
-
-
-def _lightning() -> Any:
-    try:
-        import lightning.pytorch as pl
-    except ModuleNotFoundError as exc:
-        raise ImportError('Lightning is missing: pip install "bigbatch[lightning]"') from exc
-    return pl
+_pl = _audit.need("lightning.pytorch", "lightning")
 
 
 def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch.Tensor, Any]:
@@ -68,7 +61,7 @@ def _wrap_training_step(pl_module: Any, after: Any) -> None:
     pl_module.training_step = training_step
 
 
-class Exact(_lightning().Callback):  # type: ignore[misc]
+class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
     """A callback that makes ``accumulate_grad_batches`` exact (Note [lightning window]).
 
     ``training_step`` returns ``(loss_sum, count)`` (e.g. ``bigbatch.token_cross_entropy``),
@@ -100,7 +93,7 @@ class Exact(_lightning().Callback):  # type: ignore[misc]
         if self.scale is None:  # the window's first micro-batch
             self.scale = 1.0 / self.strategy.reduce(n, reduce_op="mean").clamp_min(1.0)
         self.seen.append(torch.stack([loss_sum.detach().to(torch.float64), n]))
-        rest = {k: v for k, v in out.items() if k != "loss"} if isinstance(out, Mapping) else {}
+        rest = out if isinstance(out, Mapping) else {}  # its "loss" is replaced
         return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -124,13 +117,13 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     Raises:
         TypeError: ``trainer`` is not a Lightning ``Trainer``. ValueError: bad ``steps``.
     """
-    if not isinstance(trainer, _lightning().Trainer):
+    if not isinstance(trainer, _pl.Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
     trainer.callbacks.append(watch := _Watch(_audit.Audit(_audit.check_steps(steps))))
     return watch.report
 
 
-class _Watch(_lightning().Callback):  # type: ignore[misc]
+class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
     """``audit``'s callback: records the audited window, compares at its optimizer step."""
 
     def __init__(self, log: _audit.Audit) -> None:
@@ -175,7 +168,5 @@ class _Watch(_lightning().Callback):  # type: ignore[misc]
     def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
         """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
         out = type(pl_module).training_step(pl_module, batch, 0)
-        loss_sum, count = _sum_and_count(
-            out, batch, functools.partial(_audit.count_items, shifts=False)
-        )
+        loss_sum, count = _sum_and_count(out, batch, _audit.count_items)
         return float(loss_sum / count), float(count)

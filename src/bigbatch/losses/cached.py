@@ -272,7 +272,7 @@ def _split_leaves(
 ) -> tuple[Leaves, Leaves]:  # fmt: skip
     """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each, the
     ``paths`` of micro-batch 0, and what the pass ``needs`` of each per-sample tensor."""
-    leaves = [("reps" + path[len("batch") :], t) for path, t in tensor_leaves(reps)]
+    leaves = list(tensor_leaves(reps, "reps"))
     rows, per_batch = [x for x in leaves if x[1].dim()], [x for x in leaves if not x[1].dim()]
     names, column = [p for p, _ in rows + per_batch], _column_in(reps, n)
     listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
