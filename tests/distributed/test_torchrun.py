@@ -36,16 +36,20 @@ def _torchrun(nproc: int) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """One plain process and one torchrun job, each training at every micro-batch size."""
+    tmp, child = tmp_path_factory.mktemp("torchrun"), str(HERE / "torchrun_child.py")
+    sizes = "2,auto"
+    one = _run([sys.executable, child, str(tmp / "one.pt"), "6", sizes], tmp / "one.pt")
+    two = _run([*_torchrun(2), child, str(tmp / "two.pt"), "6", sizes], tmp / "two.pt")
+    return one, two
+
+
+@pytest.mark.xdist_group("torchrun")  # one worker runs the two jobs for both rows
 @pytest.mark.parametrize("micro_batch_size", ["2", "auto"])
-def test_torchrun_two_ranks_equal_one_process(tmp_path, micro_batch_size):
-    child = str(HERE / "torchrun_child.py")
-    one = _run(
-        [sys.executable, child, str(tmp_path / "one.pt"), "6", micro_batch_size],
-        tmp_path / "one.pt",
-    )
-    two = _run(
-        [*_torchrun(2), child, str(tmp_path / "two.pt"), "6", micro_batch_size], tmp_path / "two.pt"
-    )
+def test_torchrun_two_ranks_equal_one_process(jobs, micro_batch_size):
+    one, two = (job[micro_batch_size] for job in jobs)
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert len(two["losses"]) == 8  # 20 samples at a global 6: 6 + 6 + 6 + 2, two epochs
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-10)

@@ -2,7 +2,7 @@
 
 The same code in both: ``setup`` joins the group torchrun describes (or none), the model is
 wrapped in DDP when there are several ranks, each rank loads ``batch_size / W`` samples per
-step from ``make_sampler``, and rank 0 alone writes the result.
+step from ``make_sampler``, and rank 0 alone writes the results, one per micro-batch size (several in one job: one launch).
 """
 
 import os
@@ -18,9 +18,16 @@ import bigbatch  # noqa: E402
 from bigbatch import distributed  # noqa: E402
 
 
-def main(out_path: str, batch_size: int, micro_batch_size: str) -> None:
+def main(out_path: str, batch_size: int, micro_batch_sizes: str) -> None:
     torch.set_num_threads(1)
     ranks = distributed.setup("cpu")
+    results = {size: train(ranks, batch_size, size) for size in micro_batch_sizes.split(",")}
+    if distributed.is_main_process():
+        torch.save(results, out_path)
+    distributed.teardown()
+
+
+def train(ranks: distributed.Ranks, batch_size: int, micro_batch_size: str) -> dict:
     dataset = TensorDataset(
         *classification_batch(20, torch.float64, torch.Generator().manual_seed(7))
     )
@@ -35,10 +42,8 @@ def main(out_path: str, batch_size: int, micro_batch_size: str) -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             losses.append(acc.train_step((x, y), mean_ce).loss)
-    if distributed.is_main_process():
-        state = distributed.unwrap(model).state_dict()
-        torch.save({"losses": losses, "state": state, "world_size": ranks.world_size}, out_path)
-    distributed.teardown()
+    state = distributed.unwrap(model).state_dict()
+    return {"losses": losses, "state": state, "world_size": ranks.world_size}
 
 
 if __name__ == "__main__":
