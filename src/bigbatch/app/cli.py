@@ -55,17 +55,15 @@ class _Parser(argparse.ArgumentParser):
     abbreviation would change meaning as settings are added)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+        super().__init__(*args, **{"formatter_class": _Formatter, **kwargs, "allow_abbrev": False})
 
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads: same behaviour
         self, args: Any = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extra = super().parse_known_args(args, namespace)
-        flags = [a for a in extra if a.startswith("-")]  # (what follows one is its value)
-        if flags:
-            close = _did_you_mean(flags[0], self._option_string_actions)
-            self.error(f"unknown flag {flags[0]}{close}")
+        flag = next((a for a in extra if a.startswith("-")), None)  # (what follows is its value)
+        if flag:
+            self.error(f"unknown flag {flag}{_did_you_mean(flag, self._option_string_actions)}")
         if extra:
             self.error(f"unexpected argument(s): {' '.join(extra)}")
         return parsed, extra
@@ -152,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:
         code = getattr(exc, "exit_code", 2)  # a stopped run says how it stopped
-        line = explain(exc)
-        if line is None or os.environ.get("BIGBATCH_TRACEBACK"):
+        if (line := explain(exc)) is None or os.environ.get("BIGBATCH_TRACEBACK"):
             raise
         print(f"bigbatch {args.command}: {'' if code != 2 else 'error: '}{line}", file=sys.stderr)
         return int(code)
@@ -190,10 +187,7 @@ def explain(exc: BaseException) -> str | None:
 
 
 def _where(frame: traceback.FrameSummary) -> str:
-    try:
-        return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
-    except ValueError:  # another drive
-        return f"{frame.filename}:{frame.lineno}"
+    return f"{os.path.relpath(frame.filename)}:{frame.lineno}"  # (POSIX: fcntl locks the folder)
 
 
 def _in_bigbatch(path: str) -> bool:
@@ -201,9 +195,8 @@ def _in_bigbatch(path: str) -> bool:
 
 
 def _is_user_code(path: str) -> bool:
-    resolved = Path(path).resolve()
-    keys = ("stdlib", "platstdlib", "purelib", "platlib")
-    libraries = [Path(sysconfig.get_paths()[k]).resolve() for k in keys]
+    resolved, paths = Path(path).resolve(), sysconfig.get_paths()
+    libraries = [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     installed = {"site-packages", "dist-packages"} & set(resolved.parts)
     library = installed or any(resolved.is_relative_to(lib) for lib in libraries)
     return not (path.startswith("<") or _in_bigbatch(path) or library)
@@ -255,9 +248,7 @@ def _reader(f: Any) -> Callable[[str], Any]:
 
 def _run_demo(args: argparse.Namespace) -> int:
     """``bigbatch demo`` (its description is the ``demo`` module's docstring)."""
-    from bigbatch.app.demo import run_demo
-
-    result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
+    result = demo.run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
     return 0 if result.exact() else 1
 
 
@@ -287,8 +278,7 @@ def _run_train(args: argparse.Namespace) -> None:
     from bigbatch.app.task import load_task
     from bigbatch.core import _rng
 
-    names = {f.name for f in config.settings()}
-    given = {k: v for k, v in vars(args).items() if k in names}
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '

@@ -25,6 +25,7 @@ Note [non-finite runs]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -41,7 +42,7 @@ from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_len
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
-from bigbatch.app.stops import Stopped, StopSignals
+from bigbatch.app.stops import StopSignals
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
@@ -128,11 +129,8 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         progress = _start(run)
         log = RunLog(config.out, run.total_steps, progress.step, config.quiet,
                      config.log_every) if ranks.is_main else None  # rank 0 alone writes  # fmt: skip
-        try:
+        with contextlib.closing(log) if log else contextlib.nullcontext():
             _train(run, progress, log)
-        finally:
-            if log is not None:
-                log.close()
         summary = _finish(run, progress)
     distributed.teardown() if joined else distributed.barrier()
     if ranks.is_main and not config.quiet:
@@ -151,14 +149,13 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
             signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
             row.update(rounds.columns(summed) if run.local else {})
         row.update(_evaluate_every(run, step, ended))
-        if log is not None:
-            log.step(row)
+        log.step(row) if log else None
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
             continue
         if signum or _snapshot_due(run, step, ended):
             _save(run, progress)
         if signum:
-            raise _stopped(run, progress, signum)
+            raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _finish(run: _Run, progress: _Progress) -> Summary:
@@ -167,7 +164,7 @@ def _finish(run: _Run, progress: _Progress) -> Summary:
     final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
     signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
     if signum:
-        raise _stopped(run, progress, signum, final=True)
+        raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final=True)
     with run.stop.writing():  # the ranks agreed above: metrics.csv is whole for all
         if run.ranks.is_main:
             _check_finite(run, progress, "model.pt")
@@ -181,8 +178,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     """One optimizer step and its row of ``metrics.csv``."""
     batch = map_tensors(lambda t: t.to(run.ranks.device), batch)
     probe = PeakProbe(run.ranks.device)
-    record = probe.reset()
-    started = time.perf_counter()
+    record, started = probe.reset(), time.perf_counter()
     try:
         last = step == run.total_steps
         result, round_row = rounds.train_step(run.local, run.acc, batch, run.task, last)
@@ -198,8 +194,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
-                                 f"/ inf values (skipped or applied); stopping. "
-                                 f"{_last_good(run, progress)}")  # fmt: skip
+                                 f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
@@ -356,7 +351,7 @@ def _save(run: _Run, progress: _Progress) -> None:
         resume.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
     progress.snapshot_step = progress.step
     if run.stop.again:  # a second signal came during the write (Note [clean stop])
-        raise _stopped(run, progress, run.stop.signum)
+        raise stops.stopped(run.stop.signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
@@ -369,10 +364,6 @@ def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
 
 def _last_good(run: _Run, progress: _Progress) -> str:
     return stops.last_good(run.folder.out, progress.snapshot_step)
-
-
-def _stopped(run: _Run, progress: _Progress, signum: int, final: bool = False) -> Stopped:
-    return stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final)
 
 
 # ---------------------------------------------------------------------------- evaluation
