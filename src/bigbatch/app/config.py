@@ -281,8 +281,7 @@ def _check_numbers(c: TrainConfig) -> None:
              if f.name.startswith("outer_") and getattr(c, f.name) != f.default]  # fmt: skip
     if c.local_steps == 1 and outer:
         raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
-                         "data-parallel step (one all-reduce per step, no outer step): add "
-                         "--local-steps λ > 1 for local accumulation, or drop it.")  # fmt: skip
+                         "data-parallel step: add --local-steps λ > 1, or drop it.")  # fmt: skip
 
 
 def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:

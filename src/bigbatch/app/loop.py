@@ -236,8 +236,7 @@ def _start(run: _Run) -> _Progress:
             raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
         if config.resume is True:
             warnings.warn(f"--resume: the run in {config.out!r} was stopped before its first "
-                          "snapshot: it starts again from step 0.", BigBatchWarning,
-                          stacklevel=3)  # fmt: skip
+                          "snapshot: it starts again from step 0.", BigBatchWarning, stacklevel=3)  # fmt: skip
         _rng.seed_all(config.seed)
         return _Progress()
     _restore(run, snapshot, path)

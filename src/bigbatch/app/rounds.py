@@ -74,8 +74,7 @@ def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
         fsdp = " FSDP cannot take local steps: every forward all-gathers." if kind == "fsdp" else ""
         raise TypeError(f"--local-steps {steps} steps a whole plain replica of the model on each "
                         f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
-                        "from the task (bigbatch keeps one replica per rank), or use --local-steps "
-                        f"1.{fsdp}")  # fmt: skip
+                        f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
 
 
 def make_local(acc: Accumulator, c: TrainConfig) -> LocalAccumulation | None:

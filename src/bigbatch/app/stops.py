@@ -124,16 +124,15 @@ def last_good(out: str, snapshot_step: int | None) -> str:
 
 def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
     """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
-    budget = config.memory_budget is not None
+    over = config.memory_budget is not None
     if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
         cause = (f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
                  f"--memory-budget {format_bytes(exc.budget_bytes or 0)}")  # fmt: skip
     elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
-        return (f"step {step}: out of memory{' or over --memory-budget' if budget else ''} with "
+        return (f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
                 "--micro-batch-size auto down to 1: a single sample does not fit. "
-                f"{'Use a larger --memory-budget, add' if budget else 'Add'} "
-                "--gradient-checkpointing, free memory, or use a smaller model or sequence "
-                "length.")  # fmt: skip
+                f"{'Use a larger --memory-budget, add' if over else 'Add'} "
+                "--gradient-checkpointing, free memory, or use a smaller model or sequence length.")  # fmt: skip
     else:
         cause = f"out of memory at micro-batch {resolve_batch(config)[1]} ({exc})"
     return (f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
