@@ -214,10 +214,9 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc,
-                rounds.make_local(acc, config), StopSignals(ranks.device),
-                prepare.identity(task, config, optimizer), batch_size, steps_per_epoch,
-                total_steps)  # fmt: skip
+    local, identity = rounds.make_local(acc, config), prepare.identity(task, config, optimizer)
+    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
+                StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
 
 
 def _start(run: _Run) -> _Progress:

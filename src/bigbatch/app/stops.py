@@ -136,8 +136,7 @@ def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> st
     else:
         cause = f"out of memory at micro-batch {resolve_batch(config)[1]} ({exc})"
     return (f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
-            "smaller --micro-batch-size, --gradient-checkpointing, or a larger "
-            "--memory-budget.")  # fmt: skip
+            "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget.")  # fmt: skip
 
 
 def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> Stopped:
