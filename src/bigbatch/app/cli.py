@@ -36,8 +36,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
+from bigbatch.app.loop import fit
+from bigbatch.app.report import print_check, print_plan, print_summary, report
 from bigbatch.app.stops import Stopped
+from bigbatch.app.task import first_batch, load_task
+from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.distributed import launch as distributed
+from bigbatch.memory.planner import plan
+from bigbatch.verifier._check import check
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
@@ -121,8 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run() -> None:
     """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
-    from bigbatch.distributed import launch as distributed
-
     if importlib.util.find_spec("rich") is None:  # the application's one required extra
         print('bigbatch: the command line needs its extra: pip install "bigbatch[cli]" (the '
               "library itself, import bigbatch, needs only torch).", file=sys.stderr)  # fmt: skip
@@ -274,10 +279,6 @@ def _run_train(args: argparse.Namespace) -> None:
     SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit
     130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
     """
-    from bigbatch.app.loop import fit
-    from bigbatch.app.task import load_task
-    from bigbatch.core import _rng
-
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
@@ -291,8 +292,6 @@ def _run_report(args: argparse.Namespace) -> None:
     """Print the summary of a `bigbatch train` run and draw DIR/report.png: the loss per
     optimizer step and the peak memory per step. A run still running, or stopped before its
     end, gets a partial report that says so."""
-    from bigbatch.app.report import print_summary, report
-
     summary, partial, path = report(args.out, args.png)
     print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
     print(f"partial report: {partial}.\nplot: {path}" if partial else f"plot: {path}")
@@ -308,18 +307,14 @@ def _run_check(args: argparse.Namespace) -> int:
     distribution, not the same numbers), and the verdict says so. The model runs in the mode
     TASK builds it in (a transformers model built from a config: train); --eval checks it in
     eval mode."""
-    from bigbatch.app.report import print_check
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.verifier._check import check
-
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
     task = load_task(args.task)
     batch = first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
-    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
-    print_check(report, title=f"bigbatch check {args.task}: worst parameters")
-    return 0 if report.exact else 1
+    found = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
+    print_check(found, title=f"bigbatch check {args.task}: worst parameters")
+    return 0 if found.exact else 1
 
 
 def _run_plan(args: argparse.Namespace) -> None:
@@ -333,10 +328,6 @@ def _run_plan(args: argparse.Namespace) -> None:
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
     the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
     budgets are compared too, and every row shows the padding it computes."""
-    from bigbatch.app.report import print_plan
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.memory.planner import plan
-
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
