@@ -76,8 +76,7 @@ def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        cosine = config.lr_schedule == "cosine"
-        return 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else 1.0
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_schedule == "cosine" else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
