@@ -148,11 +148,17 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
         if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
             signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
             row.update(rounds.columns(summed) if run.local else {})
-        row.update(_evaluate_every(run, step, ended))
+        # evaluate at multiples of eval_every (under local rounds: at the end of the round)
+        if rounds.crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
+            eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
+            row.update(eval_loss=eval_loss, metric="" if metric is None else metric)
         log.step(row) if log else None
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
             continue
-        if signum or _snapshot_due(run, step, ended):
+        # a snapshot is due at a multiple of save_every, an epoch's end or the run's last step
+        # (under local rounds: one among the ``ended`` steps of the round just ended)
+        saves = (run.config.save_every, run.steps_per_epoch)
+        if signum or step == run.total_steps or any(rounds.crossed(step, ended, n) for n in saves):
             _save(run, progress)
         if signum:
             raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out)
@@ -324,13 +330,6 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
     }  # fmt: skip
 
 
-def _snapshot_due(run: _Run, step: int, ended: int) -> bool:
-    """Due at a step (or, under local rounds, inside the ``ended`` steps of the round just ended)
-    that is a multiple of ``save_every``, an epoch's end or the run's last."""
-    saves = rounds.crossed(step, ended, run.config.save_every)
-    return saves or rounds.crossed(step, ended, run.steps_per_epoch) or step == run.total_steps
-
-
 def _save(run: _Run, progress: _Progress) -> None:
     acc, is_main = run.acc, run.ranks.is_main
     rng = distributed.all_gather_object(_rng.capture_all())  # each rank's own
@@ -365,15 +364,6 @@ def _last_good(run: _Run, progress: _Progress) -> str:
 
 
 # ---------------------------------------------------------------------------- evaluation
-def _evaluate_every(run: _Run, step: int, ended: int) -> dict[str, Any]:
-    """Evaluate at multiples of ``eval_every``; under local rounds, at the end of the round
-    (of ``ended`` steps) that holds one."""
-    if not rounds.crossed(step, ended, run.config.eval_every) or run.task.eval_data is None:
-        return {}
-    eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
-    return {"eval_loss": eval_loss, "metric": metric if metric is not None else ""}
-
-
 def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""

@@ -28,8 +28,7 @@ def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
         lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
         warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
                       f"samples: every step trains on all {samples} (full-batch gradient descent)"
-                      f"{lr}. Give --batch-size {samples} or less to train on the batch you "
-                      "meant.", BigBatchWarning, stacklevel=5)  # fmt: skip
+                      f"{lr}. Give --batch-size {samples} or less.", BigBatchWarning, stacklevel=5)  # fmt: skip
     return samples
 
 
