@@ -77,9 +77,9 @@ class RunFolder:
                 self._lock()
             except (RunFolderBusy, OSError) as exc:
                 problem = exc
-        first = distributed.all_gather_object(problem and _describe(problem))[0]
-        if problem is not None or first is not None:  # rank 0 could not: every rank stops
-            raise problem or RunFolderBusy(first)
+        first = distributed.all_gather_object(problem)[0]  # (an exception pickles whole)
+        if first is not None:  # rank 0 could not: every rank stops, with rank 0's error
+            raise problem or first
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -246,9 +246,3 @@ def _make_folder(out: str) -> None:
         raise OSError(exc.errno, text, out) from None
     if not os.access(out, os.W_OK):
         raise PermissionError(errno.EACCES, "is not writable: choose another --out", out)
-
-
-def _describe(problem: BaseException) -> str:
-    if isinstance(problem, OSError) and problem.filename is not None:
-        return f"{problem.filename}: {problem.strerror}"
-    return str(problem)
