@@ -360,7 +360,13 @@ def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
-    return stops.last_good(run.folder.out, progress.snapshot_step)
+    """Where a run stopped on NaN / inf continues from, and how."""
+    path, step = resume.latest_path(run.folder.out), progress.snapshot_step
+    if path is None:
+        return "No snapshot was written yet: fix the cause and start again."
+    last = f" (step {step})" if step is not None else ""
+    return (f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
+            "clipping) and run again with --resume, or pass --nonfinite skip.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- evaluation

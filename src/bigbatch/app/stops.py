@@ -112,16 +112,6 @@ class OutOfMemoryRun(MemoryError):
     """A step ran out of memory or over ``memory_budget``; the message names what to change."""
 
 
-def last_good(out: str, snapshot_step: int | None) -> str:
-    """Where a run stopped on NaN / inf continues from, and how."""
-    path = resume.latest_path(out)
-    if path is None:
-        return "No snapshot was written yet: fix the cause and start again."
-    last = f" (step {snapshot_step})" if snapshot_step is not None else ""
-    return (f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
-            "clipping) and run again with --resume, or pass --nonfinite skip.")  # fmt: skip
-
-
 def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
     """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
     over = config.memory_budget is not None
