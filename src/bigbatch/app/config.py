@@ -263,10 +263,8 @@ def _check_numbers(c: TrainConfig) -> None:
         ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
          "leave it out for no clipping"),
         ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
-        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper's normalised "
-         "update; the value of --local-steps: average the ranks' models)"),
-        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1) (0: the plain outer "
-         "rule; 0.9 with --outer-nesterov: DiLoCo's)"),
+        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper, λ: model averaging)"),
+        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1), e.g. 0.9 (DiLoCo's)"),
     ]:  # fmt: skip
         if not right:
             raise ValueError(f"{name}={getattr(c, name)!r} is not allowed: use {allowed}.")
