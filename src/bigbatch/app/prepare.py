@@ -44,10 +44,9 @@ def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> 
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
     largest = torch.finfo(dtype).max
     if not lr < largest / 1000:
-        raise ValueError(f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch "
-                         f"{batch_size}, and the model's {dtype} parameters hold at most "
-                         f"{largest:.3g}: an optimizer step would overflow. Use a learning rate "
-                         f"below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
+        raise ValueError(f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
+                         f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
+                         f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
     return lr
 
 

@@ -97,9 +97,8 @@ def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, 
     if local is None:
         return acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
     result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
-    outer = result.outer
-    if outer is None and last:
-        outer = local.outer_step()  # a short last round: every rank ends with the same model
+    # a short last round: every rank ends with the same model
+    outer = result.outer or (local.outer_step() if last else None)
     return result.step, {} if outer is None else {"round_count": outer.count}
 
 
