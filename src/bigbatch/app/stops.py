@@ -2,7 +2,8 @@
 one line each: NaN / inf values, no memory left, a signal.
 
 Each line names the step, what is kept on disk and what to do next (the settings to change, or
-the command that continues); ``fit`` raises them, the CLI prints them (Note [error boundary]).
+the command that continues); ``fit`` raises them (the NaN / inf line, which names the last good
+snapshot, is made in ``app.loop``), the CLI prints them (Note [error boundary]).
 
 Note [clean stop]
     The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
