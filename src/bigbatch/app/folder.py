@@ -104,9 +104,8 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
             raise RunFolderBusy(f"run folder {self.out!r} is in use by another bigbatch run "
-                                f"(process {holder}): wait for it to end, or choose another "
+                                f"(process {_holder(fd)}): wait for it to end, or choose another "
                                 "--out.") from None  # fmt: skip
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())

@@ -101,8 +101,7 @@ class StopSignals:
         agreed = torch.tensor([*flags, *sums], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(agreed)
         interrupted, terminated, *summed = agreed.tolist()
-        signum = signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0
-        return int(signum), summed
+        return int(signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0), summed
 
 
 class NonFiniteRun(FloatingPointError):
