@@ -127,9 +127,9 @@ def test_an_lr_beyond_the_models_floats_is_refused(tmp_path):
     task = tasks.classify(n=20, dtype=torch.float32)
     with pytest.raises(
         ValueError,
-        match=r"^--lr 1e\+300 gives a learning rate of 1e\+300 at batch 10, and the model's "
+        match=r"^--lr 1e\+300 gives a rate of 1e\+300 at batch 10, and the model's "
         r"torch.float32 parameters hold at most 3.4e\+38: an optimizer step would overflow. Use "
-        r"a learning rate below 3.4e\+35, e.g. 1e-3.$",
+        r"a rate below 3.4e\+35, e.g. 1e-3.$",
     ):
         bigbatch.fit(task, batch_size=10, steps=2, lr=1e300, out=str(tmp_path / "a"), quiet=True)
     assert not (tmp_path / "a").exists()  # refused before the run folder is made

@@ -36,8 +36,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
+from bigbatch.app.loop import fit
+from bigbatch.app.report import print_check, print_plan, print_summary, report
 from bigbatch.app.stops import Stopped
+from bigbatch.app.task import first_batch, load_task
+from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.distributed import launch as distributed
+from bigbatch.memory.planner import plan
+from bigbatch.verifier._check import check
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
@@ -55,17 +62,15 @@ class _Parser(argparse.ArgumentParser):
     abbreviation would change meaning as settings are added)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+        super().__init__(*args, **{"formatter_class": _Formatter, **kwargs, "allow_abbrev": False})
 
     def parse_known_args(  # type: ignore[override]  # typeshed's overloads: same behaviour
         self, args: Any = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extra = super().parse_known_args(args, namespace)
-        flags = [a for a in extra if a.startswith("-")]  # (what follows one is its value)
-        if flags:
-            close = _did_you_mean(flags[0], self._option_string_actions)
-            self.error(f"unknown flag {flags[0]}{close}")
+        flag = next((a for a in extra if a.startswith("-")), None)  # (what follows is its value)
+        if flag:
+            self.error(f"unknown flag {flag}{_did_you_mean(flag, self._option_string_actions)}")
         if extra:
             self.error(f"unexpected argument(s): {' '.join(extra)}")
         return parsed, extra
@@ -123,8 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run() -> None:
     """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
-    from bigbatch.distributed import launch as distributed
-
     if importlib.util.find_spec("rich") is None:  # the application's one required extra
         print('bigbatch: the command line needs its extra: pip install "bigbatch[cli]" (the '
               "library itself, import bigbatch, needs only torch).", file=sys.stderr)  # fmt: skip
@@ -152,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:
         code = getattr(exc, "exit_code", 2)  # a stopped run says how it stopped
-        line = explain(exc)
-        if line is None or os.environ.get("BIGBATCH_TRACEBACK"):
+        if (line := explain(exc)) is None or os.environ.get("BIGBATCH_TRACEBACK"):
             raise
         print(f"bigbatch {args.command}: {'' if code != 2 else 'error: '}{line}", file=sys.stderr)
         return int(code)
@@ -190,10 +192,7 @@ def explain(exc: BaseException) -> str | None:
 
 
 def _where(frame: traceback.FrameSummary) -> str:
-    try:
-        return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
-    except ValueError:  # another drive
-        return f"{frame.filename}:{frame.lineno}"
+    return f"{os.path.relpath(frame.filename)}:{frame.lineno}"  # (POSIX: fcntl locks the folder)
 
 
 def _in_bigbatch(path: str) -> bool:
@@ -201,9 +200,8 @@ def _in_bigbatch(path: str) -> bool:
 
 
 def _is_user_code(path: str) -> bool:
-    resolved = Path(path).resolve()
-    keys = ("stdlib", "platstdlib", "purelib", "platlib")
-    libraries = [Path(sysconfig.get_paths()[k]).resolve() for k in keys]
+    resolved, paths = Path(path).resolve(), sysconfig.get_paths()
+    libraries = [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     installed = {"site-packages", "dist-packages"} & set(resolved.parts)
     library = installed or any(resolved.is_relative_to(lib) for lib in libraries)
     return not (path.startswith("<") or _in_bigbatch(path) or library)
@@ -255,9 +253,7 @@ def _reader(f: Any) -> Callable[[str], Any]:
 
 def _run_demo(args: argparse.Namespace) -> int:
     """``bigbatch demo`` (its description is the ``demo`` module's docstring)."""
-    from bigbatch.app.demo import run_demo
-
-    result = run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
+    result = demo.run_demo(args.steps, args.batch_size, args.micro_batch_size, args.out)
     return 0 if result.exact() else 1
 
 
@@ -283,12 +279,7 @@ def _run_train(args: argparse.Namespace) -> None:
     SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit
     130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
     """
-    from bigbatch.app.loop import fit
-    from bigbatch.app.task import load_task
-    from bigbatch.core import _rng
-
-    names = {f.name for f in config.settings()}
-    given = {k: v for k, v in vars(args).items() if k in names}
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
@@ -301,8 +292,6 @@ def _run_report(args: argparse.Namespace) -> None:
     """Print the summary of a `bigbatch train` run and draw DIR/report.png: the loss per
     optimizer step and the peak memory per step. A run still running, or stopped before its
     end, gets a partial report that says so."""
-    from bigbatch.app.report import print_summary, report
-
     summary, partial, path = report(args.out, args.png)
     print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
     print(f"partial report: {partial}.\nplot: {path}" if partial else f"plot: {path}")
@@ -318,18 +307,14 @@ def _run_check(args: argparse.Namespace) -> int:
     distribution, not the same numbers), and the verdict says so. The model runs in the mode
     TASK builds it in (a transformers model built from a config: train); --eval checks it in
     eval mode."""
-    from bigbatch.app.report import print_check
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.verifier._check import check
-
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
     task = load_task(args.task)
     batch = first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
-    report = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
-    print_check(report, title=f"bigbatch check {args.task}: worst parameters")
-    return 0 if report.exact else 1
+    found = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
+    print_check(found, title=f"bigbatch check {args.task}: worst parameters")
+    return 0 if found.exact else 1
 
 
 def _run_plan(args: argparse.Namespace) -> None:
@@ -343,10 +328,6 @@ def _run_plan(args: argparse.Namespace) -> None:
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
     the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
     budgets are compared too, and every row shows the padding it computes."""
-    from bigbatch.app.report import print_plan
-    from bigbatch.app.task import first_batch, load_task
-    from bigbatch.memory.planner import plan
-
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)

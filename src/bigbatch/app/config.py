@@ -263,10 +263,8 @@ def _check_numbers(c: TrainConfig) -> None:
         ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
          "leave it out for no clipping"),
         ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
-        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper's normalised "
-         "update; the value of --local-steps: average the ranks' models)"),
-        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1) (0: the plain outer "
-         "rule; 0.9 with --outer-nesterov: DiLoCo's)"),
+        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper, λ: model averaging)"),
+        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1), e.g. 0.9 (DiLoCo's)"),
     ]:  # fmt: skip
         if not right:
             raise ValueError(f"{name}={getattr(c, name)!r} is not allowed: use {allowed}.")
@@ -281,8 +279,7 @@ def _check_numbers(c: TrainConfig) -> None:
              if f.name.startswith("outer_") and getattr(c, f.name) != f.default]  # fmt: skip
     if c.local_steps == 1 and outer:
         raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
-                         "data-parallel step (one all-reduce per step, no outer step): add "
-                         "--local-steps λ > 1 for local accumulation, or drop it.")  # fmt: skip
+                         "data-parallel step: add --local-steps λ > 1, or drop it.")  # fmt: skip
 
 
 def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -55,17 +55,18 @@ class Digits(NamedTuple):
 
 @dataclass
 class Run:
-    """What one of the three runs did: per optimizer step, the loss (before the step), the
-    bytes the step added, its micro-batch size and the windows redone over the budget."""
+    """What one of the three runs did: its training time and, per optimizer step, the loss
+    (before the step), its micro-batch size, the windows redone over the budget and the bytes
+    the step added."""
 
     name: str
     model: torch.nn.Module
     batch_size: int
-    losses: list[float] = field(default_factory=list)
-    step_peaks: list[int] = field(default_factory=list)
-    micro_batch_sizes: list[int] = field(default_factory=list)
-    retries: list[int] = field(default_factory=list)
-    time_s: float = 0.0
+    time_s: float
+    losses: list[float]
+    micro_batch_sizes: list[int]
+    retries: list[int]
+    step_peaks: list[int]
 
     def peak_bytes(self) -> int:
         """The run's peak, per Note [demo peaks]."""
@@ -101,8 +102,7 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
         raise ImportError(f"the demo's data come with scikit-learn ({exc}): run pip install "
-                          'scikit-learn (or pip install -e ".[demo]" in a clone).'
-                          ) from None  # fmt: skip
+                          'scikit-learn (or pip install -e ".[demo]" in a clone).') from None  # fmt: skip
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
@@ -145,8 +145,7 @@ def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
         raise ValueError(f"steps={steps} is too few: use 2 or more (the first step is a warm-up).")
     if not MIN_BATCH <= batch_size <= n:
         raise ValueError(f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n} (the "
-                         "training images; below, half the full batch's peak leaves no room for "
-                         "the gradients and the optimizer step).")  # fmt: skip
+                         "training images; below, auto's budget cannot hold the step).")  # fmt: skip
     if not 1 <= micro_batch_size <= batch_size:
         raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch "
                          f"size ({batch_size}).")  # fmt: skip
@@ -179,7 +178,7 @@ def _train(name: str, init: torch.nn.Module, data: Digits, order: list[torch.Ten
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
     plain = micro_batch_size is None
     acc = None if plain else Accumulator(model, optimizer, micro_batch_size, memory_budget=budget)
-    run, start = Run(name, model, len(order[0])), time.perf_counter()
+    steps, start = [], time.perf_counter()
     for idx in order if name == "warm-up" else track(order, f"{name:>12}"):
         batch = (data.x_train[idx], data.y_train[idx])
         with measure_peak("cpu") as peak:
@@ -192,12 +191,9 @@ def _train(name: str, init: torch.nn.Module, data: Digits, order: list[torch.Ten
             else:
                 result = acc.train_step(batch, loss_fn)
                 step = (result.loss, int(result.micro_batch_size or 0), result.oom_retries)
-        run.losses.append(step[0])
-        run.micro_batch_sizes.append(step[1])
-        run.retries.append(step[2])
-        run.step_peaks.append(peak.peak_bytes)
-    run.time_s = time.perf_counter() - start
-    return run
+        steps.append((*step, peak.peak_bytes))
+    columns = map(list, zip(*steps, strict=True))  # losses, micro-batch sizes, retries, peaks
+    return Run(name, model, len(order[0]), time.perf_counter() - start, *columns)
 
 
 def print_demo(result: DemoResult) -> None:
@@ -220,8 +216,7 @@ def print_demo(result: DemoResult) -> None:
         columns, rows, right=2, box=box.SIMPLE_HEAD, padding=0,  # the box's blank column
         caption="peak: the most memory a step adds; auto's budget: half the full batch's peak",
     )  # fmt: skip
-    console.print(_verdict(result))
-    console.print(f"plot: {result.plot_path}")
+    console.print(f"{_verdict(result)}\nplot: {result.plot_path}")
 
 
 def _verdict(result: DemoResult) -> str:

@@ -77,9 +77,9 @@ class RunFolder:
                 self._lock()
             except (RunFolderBusy, OSError) as exc:
                 problem = exc
-        first = distributed.all_gather_object(problem and _describe(problem))[0]
-        if problem is not None or first is not None:  # rank 0 could not: every rank stops
-            raise problem or RunFolderBusy(first)
+        first = distributed.all_gather_object(problem)[0]  # (an exception pickles whole)
+        if first is not None:  # rank 0 could not: every rank stops, with rank 0's error
+            raise problem or first
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -104,9 +104,8 @@ class RunFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
             raise RunFolderBusy(f"run folder {self.out!r} is in use by another bigbatch run "
-                                f"(process {holder}): wait for it to end, or choose another "
+                                f"(process {_holder(fd)}): wait for it to end, or choose another "
                                 "--out.") from None  # fmt: skip
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
@@ -246,9 +245,3 @@ def _make_folder(out: str) -> None:
         raise OSError(exc.errno, text, out) from None
     if not os.access(out, os.W_OK):
         raise PermissionError(errno.EACCES, "is not writable: choose another --out", out)
-
-
-def _describe(problem: BaseException) -> str:
-    if isinstance(problem, OSError) and problem.filename is not None:
-        return f"{problem.filename}: {problem.strerror}"
-    return str(problem)

@@ -25,6 +25,7 @@ Note [non-finite runs]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -41,7 +42,7 @@ from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_len
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
-from bigbatch.app.stops import Stopped, StopSignals
+from bigbatch.app.stops import StopSignals
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
@@ -128,11 +129,8 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         progress = _start(run)
         log = RunLog(config.out, run.total_steps, progress.step, config.quiet,
                      config.log_every) if ranks.is_main else None  # rank 0 alone writes  # fmt: skip
-        try:
+        with contextlib.closing(log) if log else contextlib.nullcontext():
             _train(run, progress, log)
-        finally:
-            if log is not None:
-                log.close()
         summary = _finish(run, progress)
     distributed.teardown() if joined else distributed.barrier()
     if ranks.is_main and not config.quiet:
@@ -150,15 +148,20 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
         if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
             signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
             row.update(rounds.columns(summed) if run.local else {})
-        row.update(_evaluate_every(run, step, ended))
-        if log is not None:
-            log.step(row)
+        # evaluate at multiples of eval_every (under local rounds: at the end of the round)
+        if rounds.crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
+            eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
+            row.update(eval_loss=eval_loss, metric="" if metric is None else metric)
+        log.step(row) if log else None
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
             continue
-        if signum or _snapshot_due(run, step, ended):
+        # a snapshot is due at a multiple of save_every, an epoch's end or the run's last step
+        # (under local rounds: one among the ``ended`` steps of the round just ended)
+        saves = (run.config.save_every, run.steps_per_epoch)
+        if signum or step == run.total_steps or any(rounds.crossed(step, ended, n) for n in saves):
             _save(run, progress)
         if signum:
-            raise _stopped(run, progress, signum)
+            raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _finish(run: _Run, progress: _Progress) -> Summary:
@@ -167,7 +170,7 @@ def _finish(run: _Run, progress: _Progress) -> Summary:
     final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
     signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
     if signum:
-        raise _stopped(run, progress, signum, final=True)
+        raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final=True)
     with run.stop.writing():  # the ranks agreed above: metrics.csv is whole for all
         if run.ranks.is_main:
             _check_finite(run, progress, "model.pt")
@@ -181,8 +184,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     """One optimizer step and its row of ``metrics.csv``."""
     batch = map_tensors(lambda t: t.to(run.ranks.device), batch)
     probe = PeakProbe(run.ranks.device)
-    record = probe.reset()
-    started = time.perf_counter()
+    record, started = probe.reset(), time.perf_counter()
     try:
         last = step == run.total_steps
         result, round_row = rounds.train_step(run.local, run.acc, batch, run.task, last)
@@ -198,8 +200,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
-                                 f"/ inf values (skipped or applied); stopping. "
-                                 f"{_last_good(run, progress)}")  # fmt: skip
+                                 f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
@@ -219,10 +220,9 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc,
-                rounds.make_local(acc, config), StopSignals(ranks.device),
-                prepare.identity(task, config, optimizer), batch_size, steps_per_epoch,
-                total_steps)  # fmt: skip
+    local, identity = rounds.make_local(acc, config), prepare.identity(task, config, optimizer)
+    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
+                StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
 
 
 def _start(run: _Run) -> _Progress:
@@ -241,8 +241,7 @@ def _start(run: _Run) -> _Progress:
             raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
         if config.resume is True:
             warnings.warn(f"--resume: the run in {config.out!r} was stopped before its first "
-                          "snapshot: it starts again from step 0.", BigBatchWarning,
-                          stacklevel=3)  # fmt: skip
+                          "snapshot: it starts again from step 0.", BigBatchWarning, stacklevel=3)  # fmt: skip
         _rng.seed_all(config.seed)
         return _Progress()
     _restore(run, snapshot, path)
@@ -331,13 +330,6 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
     }  # fmt: skip
 
 
-def _snapshot_due(run: _Run, step: int, ended: int) -> bool:
-    """Due at a step (or, under local rounds, inside the ``ended`` steps of the round just ended)
-    that is a multiple of ``save_every``, an epoch's end or the run's last."""
-    saves = rounds.crossed(step, ended, run.config.save_every)
-    return saves or rounds.crossed(step, ended, run.steps_per_epoch) or step == run.total_steps
-
-
 def _save(run: _Run, progress: _Progress) -> None:
     acc, is_main = run.acc, run.ranks.is_main
     rng = distributed.all_gather_object(_rng.capture_all())  # each rank's own
@@ -356,7 +348,7 @@ def _save(run: _Run, progress: _Progress) -> None:
         resume.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
     progress.snapshot_step = progress.step
     if run.stop.again:  # a second signal came during the write (Note [clean stop])
-        raise _stopped(run, progress, run.stop.signum)
+        raise stops.stopped(run.stop.signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
@@ -368,23 +360,16 @@ def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
-    return stops.last_good(run.folder.out, progress.snapshot_step)
-
-
-def _stopped(run: _Run, progress: _Progress, signum: int, final: bool = False) -> Stopped:
-    return stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final)
+    """Where a run stopped on NaN / inf continues from, and how."""
+    path, step = resume.latest_path(run.folder.out), progress.snapshot_step
+    if path is None:
+        return "No snapshot was written yet: fix the cause and start again."
+    last = f" (step {step})" if step is not None else ""
+    return (f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
+            "clipping) and run again with --resume, or pass --nonfinite skip.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- evaluation
-def _evaluate_every(run: _Run, step: int, ended: int) -> dict[str, Any]:
-    """Evaluate at multiples of ``eval_every``; under local rounds, at the end of the round
-    (of ``ended`` steps) that holds one."""
-    if not rounds.crossed(step, ended, run.config.eval_every) or run.task.eval_data is None:
-        return {}
-    eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
-    return {"eval_loss": eval_loss, "metric": metric if metric is not None else ""}
-
-
 def _eval_batch_size(run: _Run) -> int:
     """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
     (it fits with gradients kept, so it fits without): never the whole batch that did not."""

@@ -28,8 +28,7 @@ def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
         lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
         warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
                       f"samples: every step trains on all {samples} (full-batch gradient descent)"
-                      f"{lr}. Give --batch-size {samples} or less to train on the batch you "
-                      "meant.", BigBatchWarning, stacklevel=5)  # fmt: skip
+                      f"{lr}. Give --batch-size {samples} or less.", BigBatchWarning, stacklevel=5)  # fmt: skip
     return samples
 
 
@@ -45,10 +44,9 @@ def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> 
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
     largest = torch.finfo(dtype).max
     if not lr < largest / 1000:
-        raise ValueError(f"--lr {config.lr:g} gives a learning rate of {lr:g} at batch "
-                         f"{batch_size}, and the model's {dtype} parameters hold at most "
-                         f"{largest:.3g}: an optimizer step would overflow. Use a learning rate "
-                         f"below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
+        raise ValueError(f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
+                         f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
+                         f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
     return lr
 
 
@@ -76,8 +74,7 @@ def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        cosine = config.lr_schedule == "cosine"
-        return 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else 1.0
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_schedule == "cosine" else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

@@ -125,25 +125,6 @@ def summarize(out: str, time_s: float, batch_size: int,
     return summary
 
 
-def load_summary(out: str) -> Summary:
-    """Read ``out/summary.json``.
-
-    Raises:
-        FileNotFoundError: ``out`` is not a finished run folder.
-        ValueError: the file is not a summary of this version of bigbatch (named).
-    """
-    path = os.path.join(out, SUMMARY_JSON)
-    try:
-        with open(path) as file:
-            return Summary(**json.load(file))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist: give the --out folder of a finished "
-                                "`bigbatch train` run.") from None  # fmt: skip
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` again "
-                         "to write it.") from None  # fmt: skip
-
-
 def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
     """``bigbatch report``: the summary, why it is partial (``None``: the run finished) and the
     plot's path (Note [partial reports]).
@@ -155,14 +136,13 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
     if not os.path.isdir(out):
         what = "is a file, not a folder" if os.path.exists(out) else "does not exist"
         raise FileNotFoundError(f"run folder {out!r} {what}: give the --out folder of a run.")
-    default = os.path.join(out, REPORT_PNG)
+    default, metrics = os.path.join(out, REPORT_PNG), os.path.join(out, METRICS_CSV)
     path = png or default
     try:
-        rows = read_csv(os.path.join(out, METRICS_CSV))
+        rows = read_csv(metrics)
         if not rows:
-            raise FileNotFoundError(f"{os.path.join(out, METRICS_CSV)} is missing or empty: give "
-                                    "the --out folder of a `bigbatch train` run that took a "
-                                    "step.")  # fmt: skip
+            raise FileNotFoundError(f"{metrics} is missing or empty: give the --out folder of a "
+                                    "`bigbatch train` run that took a step.")  # fmt: skip
         summary, partial = _summary_so_far(out, rows)
         return summary, partial, plot_run(out, path, rows, partial)
     except BaseException:
@@ -172,9 +152,15 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
 
 
 def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str | None]:
-    holder = lock_holder(out)
-    if holder is None and os.path.exists(os.path.join(out, SUMMARY_JSON)):
-        summary = load_summary(out)
+    """The finished run's ``summary.json``, else a summary of the rows so far and why."""
+    holder, path = lock_holder(out), os.path.join(out, SUMMARY_JSON)
+    if holder is None and os.path.exists(path):
+        try:
+            with open(path) as file:
+                summary = Summary(**json.load(file))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` "
+                             "again to write it.") from None  # fmt: skip
         if summary.steps == len(rows):
             return summary, None
     col = _column(rows)
@@ -339,7 +325,5 @@ def print_check(report: CheckReport, title: str) -> None:
     verdict and each diagnosis."""
     terms = [(f"term {name!r}", diff) for name, diff in report.term_differences.items()]
     rows = [(name, f"{diff:.2e}") for name, diff in [*terms, *report.worst(10)]]
-    console = print_table(
-        title, ["term / parameter" * bool(terms) or "parameter", "relative difference"], rows
-    )
-    console.print(report.summary(), markup=False)
+    column = "term / parameter" if terms else "parameter"
+    print_table(title, [column, "relative difference"], rows).print(report.summary(), markup=False)

@@ -227,8 +227,7 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
 def restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
     """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
     if len(saved) != ranks.world_size and ranks.is_main:
-        warnings.warn(f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: every "
-                      "rank takes rank 0's random state, so random draws (dropout) differ from the "
-                      "uninterrupted run; resume on the same number of ranks for a bitwise-equal "
-                      "result.", BigBatchWarning, stacklevel=5)  # fmt: skip
+        warnings.warn(f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: each "
+                      "rank takes rank 0's random state, so random draws (dropout) differ; resume "
+                      f"on {len(saved)} for a bitwise-equal result.", BigBatchWarning, stacklevel=5)  # fmt: skip
     _rng.restore_all(saved[ranks.rank if len(saved) == ranks.world_size else 0])

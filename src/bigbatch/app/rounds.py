@@ -74,8 +74,7 @@ def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
         fsdp = " FSDP cannot take local steps: every forward all-gathers." if kind == "fsdp" else ""
         raise TypeError(f"--local-steps {steps} steps a whole plain replica of the model on each "
                         f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
-                        "from the task (bigbatch keeps one replica per rank), or use --local-steps "
-                        f"1.{fsdp}")  # fmt: skip
+                        f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
 
 
 def make_local(acc: Accumulator, c: TrainConfig) -> LocalAccumulation | None:
@@ -98,9 +97,8 @@ def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, 
     if local is None:
         return acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
     result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
-    outer = result.outer
-    if outer is None and last:
-        outer = local.outer_step()  # a short last round: every rank ends with the same model
+    # a short last round: every rank ends with the same model
+    outer = result.outer or (local.outer_step() if last else None)
     return result.step, {} if outer is None else {"round_count": outer.count}
 
 

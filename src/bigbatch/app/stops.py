@@ -2,7 +2,8 @@
 one line each: NaN / inf values, no memory left, a signal.
 
 Each line names the step, what is kept on disk and what to do next (the settings to change, or
-the command that continues); ``fit`` raises them, the CLI prints them (Note [error boundary]).
+the command that continues); ``fit`` raises them (the NaN / inf line, which names the last good
+snapshot, is made in ``app.loop``), the CLI prints them (Note [error boundary]).
 
 Note [clean stop]
     The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
@@ -100,8 +101,7 @@ class StopSignals:
         agreed = torch.tensor([*flags, *sums], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(agreed)
         interrupted, terminated, *summed = agreed.tolist()
-        signum = signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0
-        return int(signum), summed
+        return int(signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0), summed
 
 
 class NonFiniteRun(FloatingPointError):
@@ -112,33 +112,21 @@ class OutOfMemoryRun(MemoryError):
     """A step ran out of memory or over ``memory_budget``; the message names what to change."""
 
 
-def last_good(out: str, snapshot_step: int | None) -> str:
-    """Where a run stopped on NaN / inf continues from, and how."""
-    path = resume.latest_path(out)
-    if path is None:
-        return "No snapshot was written yet: fix the cause and start again."
-    last = f" (step {snapshot_step})" if snapshot_step is not None else ""
-    return (f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
-            "clipping) and run again with --resume, or pass --nonfinite skip.")  # fmt: skip
-
-
 def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
     """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
-    budget = config.memory_budget is not None
+    over = config.memory_budget is not None
     if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
         cause = (f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
                  f"--memory-budget {format_bytes(exc.budget_bytes or 0)}")  # fmt: skip
     elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
-        return (f"step {step}: out of memory{' or over --memory-budget' if budget else ''} with "
+        return (f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
                 "--micro-batch-size auto down to 1: a single sample does not fit. "
-                f"{'Use a larger --memory-budget, add' if budget else 'Add'} "
-                "--gradient-checkpointing, free memory, or use a smaller model or sequence "
-                "length.")  # fmt: skip
+                f"{'Use a larger --memory-budget, add' if over else 'Add'} "
+                "--gradient-checkpointing, free memory, or use a smaller model or sequence length.")  # fmt: skip
     else:
         cause = f"out of memory at micro-batch {resolve_batch(config)[1]} ({exc})"
     return (f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
-            "smaller --micro-batch-size, --gradient-checkpointing, or a larger "
-            "--memory-budget.")  # fmt: skip
+            "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget.")  # fmt: skip
 
 
 def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> Stopped:

@@ -92,8 +92,7 @@ def check_task(task: object) -> None:
     data = task.train_data
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
         raise TaskError(f"Task.train_data is a {type(data).__name__}; the trainer needs a "
-                        "map-style dataset (len() and [i]), e.g. "
-                        "torch.utils.data.TensorDataset(x, y) or a list.")  # fmt: skip
+                        "map-style dataset (len() and [i]), e.g. a TensorDataset(x, y) or a list.")  # fmt: skip
     if len(data) == 0:
         raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
 
@@ -155,8 +154,7 @@ def _syntax_error(exc: SyntaxError) -> str:
     head = f"{where}: {type(exc).__name__}: {exc.msg}"
     if not exc.text:
         return head
-    line = exc.text.rstrip("\n")
-    code = line.lstrip()
+    code = (line := exc.text.rstrip("\n")).lstrip()
     column = max(0, (exc.offset or 1) - 1 - (len(line) - len(code)))
     same_line = exc.end_offset and exc.end_lineno == exc.lineno
     width = max(1, exc.end_offset - (exc.offset or 0)) if same_line else 1  # type: ignore[operator]
