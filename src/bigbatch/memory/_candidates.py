@@ -28,8 +28,6 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from math import nan
 
 from bigbatch.core._units import format_bytes
 
@@ -43,7 +41,7 @@ _HOW = {"none": "without checkpointing", "selective": "with selective checkpoint
         "full": "with {} checkpointed", "offload": "with {} offloaded to host memory"}  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One way to run a step of the effective batch, and what it cost.
 
@@ -142,7 +140,7 @@ def timed(
     return out
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MemoryFit:
     """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size`` (per
     token of the budget when ``tokens``)."""
@@ -332,7 +330,7 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
 
 def _against(c: Candidate, plain: Candidate) -> str:
     """``"full at micro-batch 8: 47.90 MiB against 48.00 MiB without, for 1.37x the time"``."""
-    ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
+    ratio = (c.seconds_per_step or math.nan) / (plain.seconds_per_step or math.nan)
     time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
     peaks = f"{format_bytes(c.peak_bytes)} against {format_bytes(plain.peak_bytes)}"
     return f"{c.label} at {c.cut}: {peaks} without{time}"

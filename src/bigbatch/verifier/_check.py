@@ -30,9 +30,9 @@ from bigbatch.core._tree import map_tensors
 from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch, batch_size
 from bigbatch.memory.checkpointing import checkpointed_blocks
-from bigbatch.verifier import _runs
 from bigbatch.verifier._diagnoses import Diagnosis, checkpointing, diagnose, nonfinite
 from bigbatch.verifier._probes import LOSS_FN, ROUNDING
+from bigbatch.verifier._runs import Case, accumulated_grads, differences, full_run, term_difference
 
 
 @dataclass
@@ -72,11 +72,11 @@ class CheckReport:
     @property
     def max_difference(self) -> float:
         """The largest per-parameter relative difference (NaN if any is NaN)."""
-        return max(self.differences.values(), key=_nan_largest, default=0.0)
+        return next((d for _, d in self.worst(1)), 0.0)
 
     def worst(self, k: int = 10) -> list[tuple[str, float]]:
         """The ``k`` parameters with the largest relative difference, largest (or NaN) first."""
-        return sorted(self.differences.items(), key=lambda kv: -_nan_largest(kv[1]))[:k]
+        return sorted(self.differences.items(), key=lambda kv: (not math.isnan(kv[1]), -kv[1]))[:k]
 
     def summary(self) -> str:
         """One paragraph: the verdict, the precision it holds to, dropout, each diagnosis."""
@@ -95,10 +95,6 @@ class CheckReport:
         head = f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
         head += f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
         return "\n".join([head, *(f"- {line}" for shown, line in notes if shown)])
-
-
-def _nan_largest(value: float) -> float:
-    return math.inf if math.isnan(value) else value
 
 
 def _by_class(labels: tuple[str, ...]) -> str:
@@ -162,16 +158,14 @@ def check(
     """
     n, size = _check_arguments(model, batch, micro_batch_size, tolerance)
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
-    case = _runs.Case(model, batch, loss_fn, size, seed)
-    full = _runs.full_run(case)
+    case = Case(model, batch, loss_fn, size, seed)
+    full = full_run(case)
     tolerance = max(tolerance, ROUNDING.get(full.observed.dtype, 0.0))
-    acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
-    diffs = (
-        _runs.differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
-    )
+    acc, acc_loss = accumulated_grads(case) if full.finite else ({}, math.nan)
+    diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     found = nonfinite(case, full, acc, acc_loss)
     within = all(d <= tolerance for d in diffs.values())
-    terms = {} if within or found else {k: _runs.term_difference(case, k) for k in full.terms}
+    terms = {} if within or found else {k: term_difference(case, k) for k in full.terms}
     diagnoses = [found] if found else [] if within else diagnose(case, tolerance, full.grads, terms)
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
@@ -195,8 +189,7 @@ def _check_arguments(
     if isinstance(m, bool) or not isinstance(m, int) or not 0 < m < n:
         raise ValueError(
             f"micro_batch_size={m!r} is not allowed: use a positive integer smaller than the batch "
-            f"({n} samples: one micro-batch of all of it leaves nothing to compare), or None for "
-            "about a third of it."
+            f"({n} samples: one micro-batch leaves nothing to compare), or None for about a third."
         )
     allowed = "use a relative difference >= 0, e.g. tolerance=1e-10 (float64 rounding)."
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
