@@ -242,14 +242,9 @@ def _overlap(a: Candidate, b: Candidate) -> bool:
 
 
 def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None, list[Candidate]]:
-    """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]).
-
-    Raises:
-        ValueError: no timed configuration fits.
-    """
-    order = ranked(candidates)
-    if not order:
-        raise ValueError("no measured configuration fits")
+    """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]), among
+    candidates of which at least one fits and was timed."""
+    order = ranked(candidates)  # not empty: plan raised MemoryBudgetExceeded when none fits
     tied = [c for c in order if ties(c, order[0])]
     least = min(c.peak_bytes for c in tied)
     choice = min((c for c in tied if c.peak_bytes <= least * (1 + SAME_PEAK)), key=_simplest)

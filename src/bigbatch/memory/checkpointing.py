@@ -120,14 +120,13 @@ class _CheckpointedForward:
                          for name, b in sub.named_buffers(recurse=False)
                          if name in _RUNNING_STATS]  # fmt: skip
         saved: _Saved = []
-        calls = 0
+        ran: list[bool] = []  # the first call is the forward, later ones recompute
 
         def run(*inputs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
+            if ran:
                 with _swapped(stats):  # Note [running statistics under recompute]
                     return forward(*inputs, **kwargs)
+            ran.append(True)
             try:
                 output = forward(*inputs, **kwargs)
                 _refuse_changed(self.module, saved)
@@ -213,10 +212,9 @@ def _refuse_changed(module: nn.Module, saved: _Saved) -> None:
     changed = next((func for func, t, version in saved if t._version != version), None)
     if changed is not None:
         raise ValueError(f"policy='selective': the output of {changed} in a checkpointed "
-                         f"{type(module).__name__} is changed in place after it ran (e.g. "
-                         "nn.ReLU(inplace=True) or `h += x` right after a Linear or Conv), so it "
-                         "cannot be saved for the recompute: make that operation out of place "
-                         "(inplace=False, h = h + x) or use policy='full'.")  # fmt: skip
+                         f"{type(module).__name__} is changed in place after it ran (nn.ReLU("
+                         "inplace=True), `h += x` after a Linear), so the recompute cannot reuse "
+                         "it: use inplace=False, h = h + x, or policy='full'.")  # fmt: skip
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -235,10 +233,9 @@ def _without_cache(module: nn.Module, value: Any) -> Any:
     held = value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0))
     if held:
         raise ValueError(f"a checkpointed {type(module).__name__} got a key/value cache that "
-                         f"already holds {held} positions: its recompute in backward would add "
-                         "this forward's keys and values a second time. While training, call the "
-                         "model with use_cache=False and no past_key_values, or "
-                         "disable_checkpointing(model) for this call.")  # fmt: skip
+                         f"already holds {held} positions: its recompute would add these keys "
+                         "and values again. While training, call the model with use_cache=False "
+                         "and no past_key_values, or disable_checkpointing(model).")  # fmt: skip
     return None
 
 
