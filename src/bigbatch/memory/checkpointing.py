@@ -396,8 +396,7 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not repeated:
         raise ValueError(f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
                          "ModuleList or Sequential whose children share one type). Name them: "
-                         "enable_checkpointing(model, blocks=[MyBlock]) or blocks=['encoder.0', "
-                         "'encoder.1'].")  # fmt: skip
+                         "enable_checkpointing(model, blocks=[MyBlock] or ['enc.0']).")  # fmt: skip
     return max(repeated, key=len)  # the first of the largest
 
 
