@@ -296,8 +296,7 @@ def _rerun(case: Case, full: dict[str, torch.Tensor], checkpointing: bool = True
 
 
 def _naming(kind: str, model: nn.Module, names: list[str]) -> Diagnosis:
-    labels = ", ".join(label(name, model.get_submodule(name)) for name in names)
-    return Diagnosis(kind, tuple(names), MESSAGES[kind].format(labels))
+    return Diagnosis(kind, tuple(names), MESSAGES[kind].format(", ".join(_labels(model, names))))
 
 
 def _loss_diagnoses(
