@@ -234,7 +234,7 @@ def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:
 Pair = tuple[float, float]
 """A ``(loss_sum, count)`` as floats."""
 
-MESSAGES = {  # what happens and what to do, by kind; {} is where the modules are named
+MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or values named
     "non-deterministic": "two full-batch runs from the same seed give different gradients: the "
     "model or loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
     "batch-statistics": "{} change one sample's output when other samples change (batch "
@@ -260,6 +260,21 @@ MESSAGES = {  # what happens and what to do, by kind; {} is where the modules ar
     ": a statistic computed per micro-batch (advantages normalised by its mean and std, a MoE "
     "balance over its routing). Compute it in stats_fn (train_step(batch, loss_fn, stats_fn="
     "stats_fn), docs/compound_losses.md); in-batch negatives: bigbatch.cached_loss.",
+    # kind "non-finite", by where the NaN or inf first appears (``nonfinite``)
+    "non-finite inputs": "non-finite inputs: {}. Every gradient computed from them is NaN: clean "
+    "the data (drop those samples, or torch.nan_to_num) before training.",
+    "non-finite weights": "the model's weights hold NaN or inf ({}): load good weights or "
+    "initialise them again.",
+    "non-finite outputs": "non-finite outputs: {} is the first module whose output holds NaN or "
+    "inf, from finite inputs and weights (an overflow, a log or division by zero...): fix that "
+    "computation.",
+    "non-finite loss": "non-finite loss: loss_fn returns a loss of {} from finite model outputs (a "
+    "log of 0, a division by a zero count, ...): fix loss_fn.",
+    "non-finite micro-batch": "non-finite loss on micro-batch {} while the whole batch's is finite"
+    ": a mean over zero items (all padding?) is NaN. Return (loss_sum, count) with a sum (0 over "
+    "no items), e.g. bigbatch.token_cross_entropy(logits, labels).",
+    "non-finite gradients": "non-finite gradients{} from {}: a backward that divides by zero (the "
+    "square root or norm of 0...): add an epsilon there.",
 }
 
 
@@ -395,45 +410,28 @@ def nonfinite(
     if (found := _nonfinite_data(case.model, case.batch)) is not None or full.finite:
         return found or _nonfinite_micro_batch(case)
     if (first := full.observed.nonfinite) is not None:
-        return _nonfinite(
-            f"non-finite outputs: {label(first, case.model.get_submodule(first))} is the first "
-            "module whose output holds NaN or inf, from finite inputs and weights (an overflow, a "
-            "log or division by zero...): fix that computation.", first,
-        )  # fmt: skip
+        return _nonfinite("outputs", [first], _labels(case.model, [first])[0])
     if not math.isfinite(full.loss):
-        return _nonfinite(
-            f"non-finite loss: loss_fn returns a loss of {full.loss} from finite model outputs "
-            "(a log of 0, a division by a zero count, ...): fix loss_fn."
-        )
+        return _nonfinite("loss", [], full.loss)
     return _nonfinite_backward([name for name, g in full.grads.items() if not finite(g)])
 
 
-def _nonfinite(message: str, *modules: str) -> Diagnosis:
-    return Diagnosis("non-finite", modules, message)
+def _nonfinite(where: str, modules: list[str], *values: object) -> Diagnosis:
+    return Diagnosis("non-finite", tuple(modules), MESSAGES[f"non-finite {where}"].format(*values))
 
 
 def _nonfinite_backward(bad: list[str]) -> Diagnosis:
-    shown = f" ({', '.join(bad[:5])})" if bad else ""
     where = "a finite loss" if bad else "finite losses on every micro-batch"
-    return _nonfinite(
-        f"non-finite gradients{shown} from {where}: a backward that divides by zero (the square "
-        "root or norm of 0...): add an epsilon there.", *bad,
-    )  # fmt: skip
+    return _nonfinite("gradients", bad, f" ({', '.join(bad[:5])})" if bad else "", where)
 
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
     """Non-finite values in the batch's floating tensors, or in the model's weights."""
     inputs = [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]
     if inputs:
-        return _nonfinite(
-            f"non-finite inputs: {'; '.join(inputs)}. Every gradient computed from them is NaN: "
-            "clean the data (drop those samples, or torch.nan_to_num) before training."
-        )
+        return _nonfinite("inputs", [], "; ".join(inputs))
     weights = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if not finite(t)]
-    return None if not weights else _nonfinite(
-        f"the model's weights hold NaN or inf ({', '.join(weights[:5])}): load good weights or "
-        "initialise them again.", *weights,
-    )  # fmt: skip
+    return _nonfinite("weights", weights, ", ".join(weights[:5])) if weights else None
 
 
 def _count_nonfinite(path: str, t: torch.Tensor) -> str:
@@ -453,10 +451,6 @@ def _nonfinite_micro_batch(case: Case) -> Diagnosis:
         if not (math.isfinite(loss_sum) and math.isfinite(count)):
             start, end = i * case.size, min((i + 1) * case.size, batch_size(case.batch))
             term = "" if name == "loss" else f"term {name!r}: "
-            return _nonfinite(
-                f"non-finite loss on micro-batch {i + 1} (samples {start}-{end - 1}: {term}"
-                f"loss_sum {loss_sum}, count {count}) while the whole batch's is finite: a mean "
-                "over zero items (all padding?) is NaN. Return (loss_sum, count) with a sum (0 "
-                "over no items), e.g. bigbatch.token_cross_entropy(logits, labels)."
-            )
+            where = f"{i + 1} (samples {start}-{end - 1}: {term}loss_sum {loss_sum}, count {count})"
+            return _nonfinite("micro-batch", [], where)
     return _nonfinite_backward([])
