@@ -312,8 +312,7 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     plain = {c.size: c for c in candidates if c.policy == "none" and c.measured}
     saved = [c for c in candidates if c.saved_bytes is not None]
     by_option = {c.label: [d for d in saved if d.label == c.label] for c in saved}
-    useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
-    if not useless:
+    if not (useless := [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]):
         return []
     shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):

@@ -230,8 +230,7 @@ def _without_cache(module: nn.Module, value: Any) -> Any:
     if not is_kv_cache(value) or getattr(module, "_can_checkpoint_with_cache", False):
         return value
     layers = (getattr(m, "layer_idx", None) for m in module.modules())
-    held = value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0))
-    if held:
+    if held := value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0)):
         raise ValueError(f"a checkpointed {type(module).__name__} got a key/value cache that "
                          f"already holds {held} positions: its recompute would add these keys "
                          "and values again. While training, call the model with use_cache=False "
@@ -343,8 +342,7 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
         ``model``, changed in place (a model without checkpointing is returned unchanged).
     """
     for module in model.modules():
-        wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, _CheckpointedForward):
+        if isinstance(wrapper := module.__dict__.get("forward"), _CheckpointedForward):
             del module.forward
             if wrapper.previous is not None:
                 module.forward = wrapper.previous  # type: ignore[method-assign]
@@ -374,15 +372,13 @@ def find_blocks(
         raise ValueError(f"blocks={blocks!r} is not allowed: use None, a list of module classes "
                          "(blocks=[MyBlock]) or names (blocks=['layers.0']).")  # fmt: skip
     names = dict(model.named_modules())
-    unknown = [b for b in blocks if isinstance(b, str) and b not in names]
-    if unknown:
+    if unknown := [b for b in blocks if isinstance(b, str) and b not in names]:
         some = ", ".join(repr(n) for n in list(names)[1:8])
         raise ValueError(f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; "
                          f"names are those of model.named_modules(), e.g. {some}.")  # fmt: skip
     classes = tuple(b for b in blocks if isinstance(b, type))
-    missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]
-    if missing:
-        raise ValueError(f"blocks={list(blocks)!r}: no module of class {missing[0]} in the model.")
+    if absent := [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]:
+        raise ValueError(f"blocks={list(blocks)!r}: no module of class {absent[0]} in the model.")
     wanted = [n for n, m in names.items() if n in blocks or (classes and isinstance(m, classes))]
     inside = lambda n: any(n.startswith(o + ".") for o in wanted if o != n)  # noqa: E731
     return [(n, names[n]) for n in wanted if not inside(n)]  # inside: recomputed with its block
@@ -392,8 +388,7 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     groups = [[(f"{name}.{n}" if name else n, c) for n, c in container.named_children()]
               for name, container in model.named_modules()
               if isinstance(container, (nn.ModuleList, nn.Sequential))]  # fmt: skip
-    repeated = [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]
-    if not repeated:
+    if not (repeated := [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]):
         raise ValueError(f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
                          "ModuleList or Sequential whose children share one type). Name them: "
                          "enable_checkpointing(model, blocks=[MyBlock] or ['enc.0']).")  # fmt: skip
@@ -404,9 +399,8 @@ def _hf_switch(model: nn.Module, what: str) -> Any:
     """transformers' own switch (``activation_...`` since v5, ``gradient_...`` before); ``None``
     without one, or in the format before transformers 4.35, which ignores checkpoint arguments."""
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if not getattr(model, "supports_gradient_checkpointing", False) or (
-        setter is not None and "value" in inspect.signature(setter).parameters
-    ):
+    old = setter is not None and "value" in inspect.signature(setter).parameters  # before 4.35
+    if old or not getattr(model, "supports_gradient_checkpointing", False):
         return None
     switch = getattr(model, f"activation_checkpointing_{what}", None)
     return switch or getattr(model, f"gradient_checkpointing_{what}", None)

@@ -399,8 +399,7 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
-    trained = next((p for p in model.parameters() if p.requires_grad), None)
-    if trained is None:
+    if (trained := next((p for p in model.parameters() if p.requires_grad), None)) is None:
         raise ValueError(
             f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
             "pass the module holding the weights you train (else any micro-batch fits)."

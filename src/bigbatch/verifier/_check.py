@@ -427,8 +427,7 @@ def _nonfinite_backward(bad: list[str]) -> Diagnosis:
 
 def _nonfinite_data(model: nn.Module, batch: Batch) -> Diagnosis | None:
     """Non-finite values in the batch's floating tensors, or in the model's weights."""
-    inputs = [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]
-    if inputs:
+    if inputs := [_count_nonfinite(path, t) for path, t in tensor_leaves(batch) if not finite(t)]:
         return _nonfinite("inputs", [], "; ".join(inputs))
     weights = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if not finite(t)]
     return _nonfinite("weights", weights, ", ".join(weights[:5])) if weights else None
