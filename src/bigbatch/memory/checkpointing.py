@@ -192,8 +192,8 @@ def _recorded(
 ) -> torch_checkpoint.CheckpointPolicy:
     decision = selective_policy(ctx, func, *args, **kwargs)
     if decision.name == "MUST_SAVE" and saved is not None and not ctx.is_recompute:
-        output = getattr(ctx, "op_output", None)  # torch >= 2.6 passes it; older: no check
-        saved += [(func, t, t._version) for _, t in tensor_leaves(output)]
+        # op_output: torch >= 2.6 passes it; older versions save nothing to check
+        saved += [(func, t, t._version) for _, t in tensor_leaves(getattr(ctx, "op_output", None))]
     return decision
 
 

@@ -223,7 +223,6 @@ def _replay(
     where, x = next(((k, v) for k, v in recorded.items() if _batch_shaped(v, n)), (None, None))
     if x is None:
         return None
-    other = torch.cat([x[:1], x[1:] * 1.7 + 0.3])
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
         call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
@@ -234,7 +233,7 @@ def _replay(
         return next((t[0] for _, t in tensor_leaves(out) if _batch_shaped(t, n)), None)
 
     try:
-        a, b = row_0(x), row_0(other)
+        a, b = row_0(x), row_0(torch.cat([x[:1], x[1:] * 1.7 + 0.3]))  # the others changed
         if a is None or b is None or _close(a, b, rtol):
             return None
         again = row_0(x)  # only a difference needs confirming: did the call change state?
