@@ -196,8 +196,7 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
     assert code == 2
     assert one_line(err, "check") == (
         "micro_batch_size=0 is not allowed: use a positive integer smaller than the batch "
-        "(16 samples: one micro-batch of all of it leaves nothing to compare), or None for about "
-        "a third of it."
+        "(16 samples: one micro-batch leaves nothing to compare), or None for about a third."
     )
 
 

@@ -332,7 +332,8 @@ def test_a_batch_larger_than_the_data_is_refused():
     with pytest.raises(
         ValueError,
         match=r"batch_size=32 but batch_fn\(32\) returned 20 samples \(do the data hold fewer "
-        r"samples than the batch\?\): pass one effective batch",
+        r"samples than the batch\?\): pass batch_size samples \(one effective batch\), or "
+        r"batch_fn\(n\) giving n",
     ):
         plan(make_model(), lambda n: data[:n], square_loss, batch_size=32)
 

@@ -28,8 +28,6 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from math import nan
 
 from bigbatch.core._units import format_bytes
 
@@ -43,7 +41,7 @@ _HOW = {"none": "without checkpointing", "selective": "with selective checkpoint
         "full": "with {} checkpointed", "offload": "with {} offloaded to host memory"}  # fmt: skip
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One way to run a step of the effective batch, and what it cost.
 
@@ -142,7 +140,7 @@ def timed(
     return out
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MemoryFit:
     """Least-squares line ``peak_bytes ≈ base_bytes + bytes_per_sample · micro_batch_size`` (per
     token of the budget when ``tokens``)."""
@@ -244,14 +242,9 @@ def _overlap(a: Candidate, b: Candidate) -> bool:
 
 
 def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None, list[Candidate]]:
-    """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]).
-
-    Raises:
-        ValueError: no timed configuration fits.
-    """
-    order = ranked(candidates)
-    if not order:
-        raise ValueError("no measured configuration fits")
+    """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]), among
+    candidates of which at least one fits and was timed."""
+    order = ranked(candidates)  # not empty: plan raised MemoryBudgetExceeded when none fits
     tied = [c for c in order if ties(c, order[0])]
     least = min(c.peak_bytes for c in tied)
     choice = min((c for c in tied if c.peak_bytes <= least * (1 + SAME_PEAK)), key=_simplest)
@@ -319,8 +312,7 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     plain = {c.size: c for c in candidates if c.policy == "none" and c.measured}
     saved = [c for c in candidates if c.saved_bytes is not None]
     by_option = {c.label: [d for d in saved if d.label == c.label] for c in saved}
-    useless = [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]
-    if not useless:
+    if not (useless := [cs[0] for cs in by_option.values() if all(c.saves_nothing for c in cs)]):
         return []
     shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):
@@ -332,7 +324,7 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
 
 def _against(c: Candidate, plain: Candidate) -> str:
     """``"full at micro-batch 8: 47.90 MiB against 48.00 MiB without, for 1.37x the time"``."""
-    ratio = (c.seconds_per_step or nan) / (plain.seconds_per_step or nan)
+    ratio = (c.seconds_per_step or math.nan) / (plain.seconds_per_step or math.nan)
     time = f", for {ratio:.2f}x the time" if math.isfinite(ratio) else ""
     peaks = f"{format_bytes(c.peak_bytes)} against {format_bytes(plain.peak_bytes)}"
     return f"{c.label} at {c.cut}: {peaks} without{time}"

@@ -120,14 +120,13 @@ class _CheckpointedForward:
                          for name, b in sub.named_buffers(recurse=False)
                          if name in _RUNNING_STATS]  # fmt: skip
         saved: _Saved = []
-        calls = 0
+        ran: list[bool] = []  # the first call is the forward, later ones recompute
 
         def run(*inputs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
+            if ran:
                 with _swapped(stats):  # Note [running statistics under recompute]
                     return forward(*inputs, **kwargs)
+            ran.append(True)
             try:
                 output = forward(*inputs, **kwargs)
                 _refuse_changed(self.module, saved)
@@ -193,8 +192,8 @@ def _recorded(
 ) -> torch_checkpoint.CheckpointPolicy:
     decision = selective_policy(ctx, func, *args, **kwargs)
     if decision.name == "MUST_SAVE" and saved is not None and not ctx.is_recompute:
-        output = getattr(ctx, "op_output", None)  # torch >= 2.6 passes it; older: no check
-        saved += [(func, t, t._version) for _, t in tensor_leaves(output)]
+        # op_output: torch >= 2.6 passes it; older versions save nothing to check
+        saved += [(func, t, t._version) for _, t in tensor_leaves(getattr(ctx, "op_output", None))]
     return decision
 
 
@@ -213,10 +212,9 @@ def _refuse_changed(module: nn.Module, saved: _Saved) -> None:
     changed = next((func for func, t, version in saved if t._version != version), None)
     if changed is not None:
         raise ValueError(f"policy='selective': the output of {changed} in a checkpointed "
-                         f"{type(module).__name__} is changed in place after it ran (e.g. "
-                         "nn.ReLU(inplace=True) or `h += x` right after a Linear or Conv), so it "
-                         "cannot be saved for the recompute: make that operation out of place "
-                         "(inplace=False, h = h + x) or use policy='full'.")  # fmt: skip
+                         f"{type(module).__name__} is changed in place after it ran (nn.ReLU("
+                         "inplace=True), `h += x` after a Linear), so the recompute cannot reuse "
+                         "it: use inplace=False, h = h + x, or policy='full'.")  # fmt: skip
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -232,13 +230,11 @@ def _without_cache(module: nn.Module, value: Any) -> Any:
     if not is_kv_cache(value) or getattr(module, "_can_checkpoint_with_cache", False):
         return value
     layers = (getattr(m, "layer_idx", None) for m in module.modules())
-    held = value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0))
-    if held:
+    if held := value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0)):
         raise ValueError(f"a checkpointed {type(module).__name__} got a key/value cache that "
-                         f"already holds {held} positions: its recompute in backward would add "
-                         "this forward's keys and values a second time. While training, call the "
-                         "model with use_cache=False and no past_key_values, or "
-                         "disable_checkpointing(model) for this call.")  # fmt: skip
+                         f"already holds {held} positions: its recompute would add these keys "
+                         "and values again. While training, call the model with use_cache=False "
+                         "and no past_key_values, or disable_checkpointing(model).")  # fmt: skip
     return None
 
 
@@ -346,8 +342,7 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
         ``model``, changed in place (a model without checkpointing is returned unchanged).
     """
     for module in model.modules():
-        wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, _CheckpointedForward):
+        if isinstance(wrapper := module.__dict__.get("forward"), _CheckpointedForward):
             del module.forward
             if wrapper.previous is not None:
                 module.forward = wrapper.previous  # type: ignore[method-assign]
@@ -377,15 +372,13 @@ def find_blocks(
         raise ValueError(f"blocks={blocks!r} is not allowed: use None, a list of module classes "
                          "(blocks=[MyBlock]) or names (blocks=['layers.0']).")  # fmt: skip
     names = dict(model.named_modules())
-    unknown = [b for b in blocks if isinstance(b, str) and b not in names]
-    if unknown:
+    if unknown := [b for b in blocks if isinstance(b, str) and b not in names]:
         some = ", ".join(repr(n) for n in list(names)[1:8])
         raise ValueError(f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; "
                          f"names are those of model.named_modules(), e.g. {some}.")  # fmt: skip
     classes = tuple(b for b in blocks if isinstance(b, type))
-    missing = [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]
-    if missing:
-        raise ValueError(f"blocks={list(blocks)!r}: no module of class {missing[0]} in the model.")
+    if absent := [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]:
+        raise ValueError(f"blocks={list(blocks)!r}: no module of class {absent[0]} in the model.")
     wanted = [n for n, m in names.items() if n in blocks or (classes and isinstance(m, classes))]
     inside = lambda n: any(n.startswith(o + ".") for o in wanted if o != n)  # noqa: E731
     return [(n, names[n]) for n in wanted if not inside(n)]  # inside: recomputed with its block
@@ -395,12 +388,10 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     groups = [[(f"{name}.{n}" if name else n, c) for n, c in container.named_children()]
               for name, container in model.named_modules()
               if isinstance(container, (nn.ModuleList, nn.Sequential))]  # fmt: skip
-    repeated = [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]
-    if not repeated:
+    if not (repeated := [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]):
         raise ValueError(f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
                          "ModuleList or Sequential whose children share one type). Name them: "
-                         "enable_checkpointing(model, blocks=[MyBlock]) or blocks=['encoder.0', "
-                         "'encoder.1'].")  # fmt: skip
+                         "enable_checkpointing(model, blocks=[MyBlock] or ['enc.0']).")  # fmt: skip
     return max(repeated, key=len)  # the first of the largest
 
 
@@ -408,9 +399,8 @@ def _hf_switch(model: nn.Module, what: str) -> Any:
     """transformers' own switch (``activation_...`` since v5, ``gradient_...`` before); ``None``
     without one, or in the format before transformers 4.35, which ignores checkpoint arguments."""
     setter = getattr(model, "_set_gradient_checkpointing", None)
-    if not getattr(model, "supports_gradient_checkpointing", False) or (
-        setter is not None and "value" in inspect.signature(setter).parameters
-    ):
+    old = setter is not None and "value" in inspect.signature(setter).parameters  # before 4.35
+    if old or not getattr(model, "supports_gradient_checkpointing", False):
         return None
     switch = getattr(model, f"activation_checkpointing_{what}", None)
     return switch or getattr(model, f"gradient_checkpointing_{what}", None)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import ctypes.util
 import dataclasses
 import math
@@ -63,7 +62,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,7 +82,7 @@ OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | No
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """The planner's result: every configuration, the memory fits, the choice and why.
 
@@ -125,7 +123,7 @@ class Plan:
         return self.memory_budget - self.choice.peak_bytes
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Setup:
     """What every measurement of one plan shares."""
 
@@ -269,8 +267,6 @@ def plan(
         candidates, fits = _measure_peaks(setup, options, sizes, budgets)
     if not any(c.fits for c in candidates):
         raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
-    if cpu:  # Note [timing under load]: training's thresholds, own arena
-        settle_malloc()
     candidates = (_on_own_thread if cpu else _time)(setup, candidates)
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
@@ -324,10 +320,11 @@ def _peak(setup: _Setup, out: Candidate) -> Candidate:
 
 
 def _on_own_thread(setup: _Setup, candidates: list[Candidate]) -> list[Candidate]:
-    """``_time`` on a thread of its own (Note [timing under load]). A Ctrl-C stops the timing
-    after the step in flight, which ends before ``plan`` raises (leaving the pool joins the
-    thread): torch must not be running on another thread when the interpreter exits (it aborts
-    the process)."""
+    """``_time`` on a thread of its own, under training's malloc thresholds (Note [timing under
+    load]). A Ctrl-C stops the timing after the step in flight, which ends before ``plan`` raises
+    (leaving the pool joins the thread): torch must not be running on another thread when the
+    interpreter exits (it aborts the process)."""
+    settle_malloc()
     stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="bigbatch-plan-timing") as pool:
         try:
@@ -349,11 +346,10 @@ def _time(
         for i, c in visits if r % 2 == 0 else visits[::-1]:
             if stop is not None and stop.is_set():
                 return candidates
-            checkpoint(net, (c.policy, c.checkpointing))
+            checkpoint(disable_checkpointing(net), (c.policy, c.checkpointing))
             acc = setup.accumulator(net, opt, c)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
-            disable_checkpointing(net)
     done = iter(rules.timed(fitting, seconds, setup.n))
     return [next(done) if c.fits else c for c in candidates]
 
@@ -372,9 +368,9 @@ def default_budget(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     with open("/proc/meminfo") as meminfo:
-        found = [line.split()[1] for line in meminfo if line.startswith("MemAvailable:")]
-    if found:
-        return int(found[0]) * 1024
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     raise ValueError('no MemAvailable in /proc/meminfo: pass memory_budget, e.g. "6GiB".')
 
 
@@ -397,19 +393,16 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
     if batch_size is not None and batch_size != n:
         got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
         fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
-        raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass one "
-                         "effective batch of batch_size samples, or batch_fn(n) returning "
-                         "n.")  # fmt: skip
+        raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass batch_size "
+                         "samples (one effective batch), or batch_fn(n) giving n.")  # fmt: skip
     return full, n
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
-    trained = next((p for p in model.parameters() if p.requires_grad), None)
-    if trained is None:
+    if (trained := next((p for p in model.parameters() if p.requires_grad), None)) is None:
         raise ValueError(
             f"plan needs a model with trainable parameters, and {type(model).__name__} has none: "
-            "pass the module that holds the weights you train (without them any micro-batch will "
-            "do: there are no gradients or optimizer state to fit in memory)."
+            "pass the module holding the weights you train (else any micro-batch fits)."
         )
     return resolve_device(trained.device)
 

@@ -1,6 +1,6 @@
 """What ``check`` learns by running a float64 copy of the model under observation.
 
-Every run of ``check`` computes with dropout off (``dropout_off``, Note [dropout in check]); the
+Every run of ``check`` computes with dropout off (``Watch``, Note [dropout in check]); the
 full-batch run also records where the copy computes below float64, where dropout was on and where
 a NaN or inf first appears (``observe``); ``probe_coupling`` replays every module to find those
 that couple the samples.
@@ -72,9 +72,7 @@ LOSS_FN = "loss_fn"
 # (``None``: no flag). Setting the probability to 0 turns each into the identity.
 _P = (1, "p", 0.5)
 _DROPOUT: dict[Any, tuple[tuple[int, str, Any], tuple[int, str, bool] | None]] = {
-    **dict.fromkeys(
-        [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d], (_P, (2, "training", True))
-    ),
+    **{f: (_P, (2, "training", True)) for f in [F.dropout, F.dropout1d, F.dropout2d, F.dropout3d]},
     torch.dropout: (_P, (2, "train", True)),
     **dict.fromkeys([F.alpha_dropout, F.feature_alpha_dropout], (_P, (2, "training", False))),
     F.scaled_dot_product_attention: ((4, "dropout_p", 0.0), None),
@@ -107,8 +105,9 @@ class Observed:
             self.where.append(where)
 
 
-class _Watch(TorchFunctionMode):
-    """Turns dropout off; records low precision and dropout in ``observed`` when given one."""
+class Watch(TorchFunctionMode):
+    """Turns dropout off (Note [dropout in check]); records low precision and dropout in
+    ``observed`` when given one."""
 
     def __init__(self, observed: Observed | None = None, stack: list[str] | None = None) -> None:
         super().__init__()
@@ -149,11 +148,6 @@ def finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.detach()).all())
 
 
-def dropout_off() -> TorchFunctionMode:
-    """Within the block every dropout call draws nothing (Note [dropout in check])."""
-    return _Watch()
-
-
 @contextlib.contextmanager
 def observe(model: nn.Module) -> Iterator[Observed]:
     """Within the block, turn dropout off and record where (Note [dropout in check]), the
@@ -174,7 +168,7 @@ def observe(model: nn.Module) -> Iterator[Observed]:
         if observed.nonfinite is None and not all(finite(t) for _, t in tensor_leaves(out)):
             observed.nonfinite = names[module]
 
-    with contextlib.ExitStack() as hooks, _Watch(observed, stack):
+    with contextlib.ExitStack() as hooks, Watch(observed, stack):
         for m in names:
             hooks.enter_context(m.register_forward_pre_hook(lambda m, _: stack.append(names[m])))
             hooks.enter_context(m.register_forward_hook(leave, always_call=True))
@@ -226,11 +220,9 @@ def _replay(
 
     ``recorded`` holds the call's arguments by position (int) and keyword (str).
     """
-    where = next((k for k, v in recorded.items() if _batch_shaped(v, n)), None)
-    if where is None:
+    where, x = next(((k, v) for k, v in recorded.items() if _batch_shaped(v, n)), (None, None))
+    if x is None:
         return None
-    x = recorded[where]
-    other = torch.cat([x[:1], x[1:] * 1.7 + 0.3])
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
         call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
@@ -241,7 +233,7 @@ def _replay(
         return next((t[0] for _, t in tensor_leaves(out) if _batch_shaped(t, n)), None)
 
     try:
-        a, b = row_0(x), row_0(other)
+        a, b = row_0(x), row_0(torch.cat([x[:1], x[1:] * 1.7 + 0.3]))  # the others changed
         if a is None or b is None or _close(a, b, rtol):
             return None
         again = row_0(x)  # only a difference needs confirming: did the call change state?

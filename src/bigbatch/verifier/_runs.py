@@ -14,7 +14,6 @@ import functools
 import math
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,12 +23,12 @@ from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import LossFn, Term, WindowLoss, as_terms, mean_of
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import disable_checkpointing
-from bigbatch.verifier._probes import Observed, dropout_off, finite, observe
+from bigbatch.verifier._probes import Observed, Watch, finite, observe
 
 Grads = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Case:
     """What ``check`` was asked about: the model, the float64 batch, the loss, the micro-batch
     size compared and the seed of every run."""
@@ -52,7 +51,7 @@ class Case:
         return out
 
 
-@dataclass
+@dataclasses.dataclass
 class FullRun:
     """A full-batch run: the gradient of the mean loss, the loss, what was observed, and the
     names of the loss's terms when it returns named terms (else empty)."""
@@ -77,9 +76,7 @@ def full_run(case: Case, checkpointing: bool = True) -> FullRun:
     Raises:
         ValueError: the loss carries no gradient, or none reaches a parameter.
     """
-    work = copy_float64(case.model)
-    if not checkpointing:
-        disable_checkpointing(work)
+    work = copy_float64(case.model, checkpointing)
     with seeded(case.seed):
         with observe(work) as observed:
             out = case.loss_fn(work, case.batch)
@@ -140,11 +137,12 @@ def accumulated_grads(case: Case) -> tuple[Grads, float]:
             return dict.fromkeys(named.values(), torch.full((), math.nan)), math.nan
 
 
-def copy_float64(model: nn.Module) -> nn.Module:
-    """A float64 deep copy of ``model`` without gradients."""
+def copy_float64(model: nn.Module, checkpointing: bool = True) -> nn.Module:
+    """A float64 deep copy of ``model`` without gradients (without activation checkpointing
+    unless ``checkpointing``)."""
     work = copy.deepcopy(model).double()
     work.zero_grad(set_to_none=True)
-    return work
+    return work if checkpointing else disable_checkpointing(work)
 
 
 def differences(got: Grads, want: Grads) -> dict[str, float]:
@@ -171,7 +169,7 @@ def seeded(seed: int) -> Iterator[None]:
     on a small model).
     """
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), dropout_off():
+    with torch.random.fork_rng(devices=devices), Watch():
         torch.default_generator.manual_seed(seed)
         if devices:
             torch.cuda.manual_seed_all(seed)
