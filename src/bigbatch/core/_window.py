@@ -35,10 +35,10 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core import _rng
-from bigbatch.core._batchnorm import momentum_window
 from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
 from bigbatch.core._tree import rows
+from bigbatch.core.batchnorm import momentum_window
 from bigbatch.core.loss import Term
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
 from bigbatch.core.split import batch_size, micro_batch_sizes

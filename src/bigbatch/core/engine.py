@@ -6,7 +6,7 @@ micro-batch's loss *sum*, and steps once; ``micro_batch`` / ``backward`` / ``ste
 parts for users who keep their own loop. See Note [window normalisation] and Note [named terms]
 in ``bigbatch.core.loss``, Note [backward scale] in ``bigbatch.core._scale``, Note [global
 normalisation] in ``bigbatch.core._sync``, Note [fp16 and accumulation] in
-``bigbatch.core._precision`` and Note [auto micro-batch] in ``bigbatch.core._auto``.
+``bigbatch.core._precision`` and Note [auto micro-batch] in ``bigbatch.core._sizing``.
 
 Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._batchnorm import warn_batch_coupled
 from bigbatch.core._passes import run_prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
@@ -46,6 +45,7 @@ from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core._window import Piece, Restart, Runner, Window
+from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
@@ -145,7 +145,7 @@ class Accumulator:
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
-        self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
+        self._warned = False  # about batch-coupled layers, once (bigbatch.core.batchnorm)
 
     @property
     def precision(self) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bigbatch.core._batchnorm import label
 from bigbatch.core._tree import tensor_leaves
+from bigbatch.core.batchnorm import label
 from bigbatch.core.loss import WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import checkpointed_blocks
