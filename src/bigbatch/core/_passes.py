@@ -79,25 +79,6 @@ def agree(
         raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
 
 
-def run_prepass(
-    model: torch.nn.Module | Sequence[torch.Tensor],
-    pieces: Sequence[Any],
-    fn: Callable[[Any], T],
-    device: torch.device,
-    sync: GradSync,
-    states: Sequence[_rng.RngState] | None = None,
-) -> tuple[list[T], list[_rng.RngState]]:
-    """``prepass`` whose outcome every rank agrees on (before the collective that follows it)."""
-    failure: Exception | None = None
-    result: tuple[list[T], list[_rng.RngState]] = ([], [])  # what agree raises over, on failure
-    try:
-        result = prepass(model, pieces, fn, device, states)
-    except Exception as exc:  # the other ranks must not wait for us in the collective
-        failure = exc
-    agree(failure, getattr(sync, "group", None), sync.world_size, device)
-    return result
-
-
 def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:
     """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
     the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.

@@ -120,15 +120,14 @@ def pair_grads(
     Raises:
         ValueError: a list of the wrong length, or a gradient whose shape is not its parameter's.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = params_of(optimizer)
     if not isinstance(grads, Mapping) and len(grads) != len(params):
         raise ValueError(
             f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "
             "parameters: pass one per parameter (or None) in its order, or {parameter: gradient}."
         )
     given = grads.items() if isinstance(grads, Mapping) else zip(params, grads, strict=True)
-    pairs = [(p, g) for p, g in given if g is not None]
-    held = {id(p) for p in params}
+    pairs, held = [(p, g) for p, g in given if g is not None], set(map(id, params))
     for p, g in pairs:
         if id(p) not in held:
             raise ValueError(
@@ -139,8 +138,8 @@ def pair_grads(
             raise TypeError(f"accumulate_grads(): a gradient is {type(g).__name__}, not a tensor.")
         if g.shape != p.shape:
             raise ValueError(
-                f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a parameter of "
-                f"shape {tuple(p.shape)}."
+                f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a "
+                f"parameter of shape {tuple(p.shape)}."
             )
     return pairs
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._passes import run_prepass, total_stats, with_stats
+from bigbatch.core._passes import agree, prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes
@@ -128,12 +128,8 @@ class Accumulator:
         clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
         check_optimizer(model, optimizer)
         scheduler = check_scheduler(scheduler, optimizer)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.max_grad_norm, self.nonfinite, self.micro_batch_size = (
-            clip,
-            nonfinite,
-            micro_batch_size,
-        )
+        self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
+        self.scheduler, self.max_grad_norm, self.nonfinite = scheduler, clip, nonfinite
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
@@ -333,9 +329,16 @@ class Accumulator:
     def _prepass(
         self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
     ) -> tuple[list[Any], list[Any]]:
-        """``fn`` on every piece under autocast without gradients, agreed across ranks."""
-        with self._precision.autocast():
-            return run_prepass(self._runner.state(), pieces, fn, self.device, self._sync, states)
+        """``fn`` on every piece under autocast without gradients, its outcome agreed across ranks
+        before the collective that follows it (Note [passes before the window])."""
+        group, ranks = getattr(self._sync, "group", None), self._sync.world_size
+        try:
+            with self._precision.autocast():
+                result = prepass(self._runner.state(), pieces, fn, self.device, states)
+        except Exception as exc:  # the other ranks must not wait for us in the collective
+            agree(exc, group, ranks, self.device)  # tells them, then raises it
+        agree(None, group, ranks, self.device)
+        return result
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
