@@ -239,11 +239,11 @@ class WindowMeter:
             grads = format_bytes(self.gradient_bytes)
             raise ValueError(
                 f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
-                f"the gradients alone take {grads}, in every window whatever its micro-batch (this "
-                f"attempt used {format_bytes(used)}; the trained parameters ({grads}) and the "
-                "optimizer state, in use before the step, are not counted). Raise the budget "
-                "(memory_budget= / --memory-budget) above the gradients plus one sample's "
-                "activations, train fewer parameters, or use a lower precision."
+                f"the gradients alone take {grads} in every window (this attempt used "
+                f"{format_bytes(used)}; the trained parameters ({grads}) and the optimizer state, "
+                "in use already, are not counted). Raise the budget (--memory-budget) above the "
+                "gradients plus one sample's activations, train fewer parameters, or use a lower "
+                "precision."
             )
         if used > self.budget:
             raise MemoryBudgetExceeded(

@@ -163,7 +163,7 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
             f"optimizer={type(optimizer).__name__} is not an optimizer: pass a torch.optim.Optimizer,"
             " e.g. torch.optim.AdamW(model.parameters())."
         )
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = set(map(id, params_of(optimizer)))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in trainable if id(p) not in held]
     if trainable and len(missing) == len(trainable):
@@ -216,18 +216,14 @@ def step_scheduler(scheduler: Any, loss: float) -> None:
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
     """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
-    if max_grad_norm is None:
-        return None
-    if (
-        type(max_grad_norm) is bool
-        or not isinstance(max_grad_norm, numbers.Real)
-        or not (0 < float(max_grad_norm) < math.inf)
-    ):
+    real = isinstance(max_grad_norm, numbers.Real) and type(max_grad_norm) is not bool
+    value = float(max_grad_norm) if real else math.nan  # type: ignore[arg-type]  # a Real
+    if max_grad_norm is not None and not 0 < value < math.inf:
         raise ValueError(
             f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
             "(finite, e.g. max_grad_norm=1.0)."
         )
-    return float(max_grad_norm)  # type: ignore[arg-type]  # a Real, checked above
+    return None if max_grad_norm is None else value
 
 
 def check_nonfinite(nonfinite: object) -> str:
@@ -311,11 +307,7 @@ class Stepper:
             raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
         grad_norm = self.normalise(w, counts)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        skipped = self.skips(nonfinite, grad_norm, count)
-        if skipped:
-            self.precision.discard()
-        else:
-            skipped = self.precision.step(self.optimizer)
+        skipped = self.skips(nonfinite, grad_norm, count) or self.precision.step(self.optimizer)
         if not skipped:
             step_scheduler(self.scheduler, loss)
         self.optimizer.zero_grad(set_to_none=True)
@@ -342,13 +334,14 @@ class Stepper:
         return float(clip_or_norm_(with_grad, self.max_grad_norm))
 
     def skips(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
-        """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
+        """Whether a non-finite window is skipped (then discarded: fp16 leaves it to the scaler)."""
         if not nonfinite or self.nonfinite == "apply" or self.precision.scaler is not None:
             return False  # fp16: the scaler skips it and lowers the scale, as a full batch would
         if self.nonfinite == "raise":
             raise NonFiniteError(
                 f"the window's gradient norm is {grad_norm} (count {count:g}); " + NONFINITE_FIX
             )
+        self.precision.discard()
         return True
 
     def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
@@ -356,12 +349,8 @@ class Stepper:
         totals = w.totals()
         if self.sync.world_size > 1:
             totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
-        names, sums, counts = list(w.factors), totals[0:-1:2], totals[1:-1:2]  # then the bad counts
-        return (
-            dict(zip(names, sums, strict=True)),
-            dict(zip(names, counts, strict=True)),
-            totals[-1],
-        )
+        sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
+        return sums, counts, totals[-1]  # then the bad counts
 
 
 def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:

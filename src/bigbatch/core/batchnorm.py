@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,7 +84,7 @@ def batchnorm(
     layers = batchnorm_layers(model)
     if policy == "groupnorm":
         for name, layer in layers:
-            _replace(model, name, _Swapped.install(layer))
+            _replace(model, name, _Swapped(layer, _to_groupnorm(layer)).norm)
     elif policy in ("micro", "freeze"):
         for _, layer in layers:
             BatchNormHook(layer, policy, momentum_correction)
@@ -116,23 +116,17 @@ class _Swapped:
     and ``_undo`` can find it; it changes nothing in the GroupNorm's forward.
     """
 
-    def __init__(self, original: _BatchNorm) -> None:
-        self.original, self.handle = original, cast(Any, None)
+    def __init__(self, original: _BatchNorm, norm: nn.GroupNorm) -> None:
+        self.original, self.norm = original, norm
+        self.handle = norm.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        return None
-
-    @classmethod
-    def install(cls, layer: _BatchNorm) -> nn.GroupNorm:
-        norm = _to_groupnorm(layer)
-        record = cls(layer)
-        record.handle = norm.register_forward_pre_hook(record)
-        return norm
+        """The hook itself does nothing: the record only rides on the GroupNorm."""
 
     @staticmethod
     def of(module: nn.Module) -> _Swapped | None:
-        found = [h for h in module._forward_pre_hooks.values() if isinstance(h, _Swapped)]
-        return found[0] if found else None
+        hooks = module._forward_pre_hooks.values()
+        return next((h for h in hooks if isinstance(h, _Swapped)), None)
 
     def restore(self, norm: nn.Module) -> _BatchNorm:
         """The original BatchNorm, holding the affine weights the GroupNorm learned."""
@@ -210,10 +204,10 @@ class BatchNormHook:
             # eval-mode BatchNorm for this call only; _after puts the layer's mode back.
             self._was_training, bn.training = bn.training, False
             return
-        n = self.window_samples
-        base = self.momentum  # None: a cumulative average, which needs no correction
-        if n and base is not None and self.correct and bn.training and _first_tensor(args):
-            bn.momentum = corrected_momentum(base, args[0].shape[0], n)
+        n, base = self.window_samples, self.momentum  # None: a cumulative average: no correction
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if n and base is not None and self.correct and bn.training and first is not None:
+            bn.momentum = corrected_momentum(base, first.shape[0], n)
         else:
             bn.momentum = self.momentum
 
@@ -226,10 +220,6 @@ class BatchNormHook:
         for handle in self._handles:
             handle.remove()
         self.layer.momentum = self.momentum
-
-
-def _first_tensor(args: tuple[Any, ...]) -> bool:
-    return bool(args) and isinstance(args[0], torch.Tensor)
 
 
 def hooks_of(layer: nn.Module) -> list[BatchNormHook]:
