@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core import _rng
@@ -44,6 +45,9 @@ from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_me
 from bigbatch.core.split import batch_size, micro_batch_sizes
 
 T = TypeVar("T")
+Attempt = Callable[[list["Piece"], int], None]  # runs a window's micro-batches at a size
+Finish = Callable[[list["Piece"], int, int, int | None], T]  # the step: pieces, size, retries, peak
+Discard = Callable[[], None]  # drops a failed attempt's partial gradients and window record
 
 
 @dataclass
@@ -132,10 +136,8 @@ class Window:
     def add(self, terms: Mapping[str, Term], factor: float = 1.0) -> None:
         """Record one micro-batch's terms (each ``loss_sum`` times ``factor`` is its sum)."""
         for name, (loss_sum, count, weight) in terms.items():
-            loss_sum = loss_sum.detach()
-            self.sums.setdefault(name, []).append(
-                loss_sum.reshape(()) if loss_sum.dim() else loss_sum
-            )
+            s = loss_sum.detach()
+            self.sums.setdefault(name, []).append(s.reshape(()) if s.dim() else s)
             self.counts.setdefault(name, []).append(count)
             self.factors.setdefault(name, []).append(factor)
             self.weights[name] = weight
@@ -176,11 +178,7 @@ class Backup:
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        tracked: list[torch.Tensor],
-        seen: set[int] | None,
-        device: torch.device,
+        self, model: nn.Module, tracked: list[Tensor], seen: set[int] | None, device: torch.device
     ) -> None:
         self.device, self.rng = device, _rng.capture(device)
         modules = list(model.modules())
@@ -249,13 +247,7 @@ class Runner:
         """The tensors a pass over the window may change: the buffers and the tracked tensors."""
         return [*self.model.buffers(), *(t for tensors in self.tracked for t in tensors())]
 
-    def run(
-        self,
-        batch: Any,
-        attempt: Callable[[list[Piece], int], None],
-        finish: Callable[[list[Piece], int, int, int | None], T],
-        discard: Callable[[], None],
-    ) -> T:
+    def run(self, batch: Any, attempt: Attempt, finish: Finish[T], discard: Discard) -> T:
         """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size,
         oom_retries, peak_bytes)`` (the peak of the attempt that completed, or ``None``).
 
@@ -293,12 +285,7 @@ class Runner:
         return value
 
     def _try(
-        self,
-        pieces: list[Piece],
-        size: int,
-        attempt: Callable[[list[Piece], int], None],
-        discard: Callable[[], None],
-        backup: Backup,
+        self, pieces: list[Piece], size: int, attempt: Attempt, discard: Discard, backup: Backup
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
