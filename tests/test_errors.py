@@ -598,3 +598,22 @@ def test_cached_loss_refuses_per_sample_values_that_are_not_tensors(gen):
     ):
         acc.train_step(batch, loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_terms_other_than_the_counted_ones_are_refused(gen):
+    acc = _acc(micro_batch_size=4)
+    before = copy.deepcopy(acc.model.state_dict())
+
+    def loss(model, batch):
+        x, y = batch
+        return {"b": (F.cross_entropy(model(x), y, reduction="sum"), y.shape[0])}
+
+    with pytest.raises(
+        ValueError,
+        match=r"^loss_fn returned the terms \['b'\], but the counts known before the window are "
+        r"for \['a'\]: each term's count is needed before the first backward\. .*count_fn",
+    ):
+        acc.train_step(_batch(gen), loss, count_fn=lambda batch: {"a": batch[1].shape[0]})
+    after = acc.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in acc.model.parameters())

@@ -296,7 +296,7 @@ class Accumulator:
         """What runs before the window's backwards (Note [passes before the window]): the
         statistics pass, ``cached_loss``'s, the counts and the scales. Returns the loss of the
         pieces and the random states their forwards replay (``None``: no pass ran)."""
-        states = None
+        states = counts = None
         if stats_fn is not None:
             outputs, states = self._prepass(lambda p: stats_fn(self.model, p.batch), pieces)
             loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
@@ -310,7 +310,7 @@ class Accumulator:
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
                 loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
         if count_fn is not None:
-            counts: list[Any] | None = [count_fn(p.batch) for p in pieces]
+            counts = [count_fn(p.batch) for p in pieces]
         elif self._known is not None:  # a window redone at its known count (fp16 overflow)
             counts, self._known = [self._known], None
         elif self._count_pass:  # Note [named terms]
@@ -320,8 +320,6 @@ class Accumulator:
                 return {name: t.count for name, t in terms.items()}
 
             counts, states = self._prepass(count, pieces, states)
-        else:
-            counts = None
         plan(self._window, batch, counts, sum(p.samples for p in pieces), self._sync,
              self._precision.scaler is not None)  # fmt: skip
         return loss_fn, states
@@ -411,9 +409,9 @@ class Accumulator:
             raise Restart
         raise ValueError(
             f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
-            f"are for {sorted(self._window.scales or {})}: a loss of several terms needs each "
-            "term's count before the first backward. Return the same terms for every micro-batch, "
-            "give count_fn returning {name: count}, or use train_step (it counts first)."
+            f"are for {sorted(self._window.scales or {})}: each term's count is needed before the "
+            "first backward. Return the same terms each time, give count_fn -> {name: count}, "
+            "or use train_step."
         )
 
     def accumulate_grads(
