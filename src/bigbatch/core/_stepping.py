@@ -175,8 +175,7 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
         raise ValueError(
             f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
-            "would grow step after step and never be used. Give them to the optimizer, or call "
-            "requires_grad_(False) on the parameters you do not train."
+            "would grow, unused. Give them to the optimizer, or call requires_grad_(False) on them."
         )
 
 
@@ -197,21 +196,12 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
             "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
         )
-    bound = getattr(scheduler, "optimizer", optimizer)
-    if bound is not optimizer:
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise TypeError(
             "the scheduler steps another optimizer than the Accumulator's: build it over the "
             "same optimizer, e.g. LambdaLR(optimizer, ...)."
         )
     return scheduler
-
-
-def step_scheduler(scheduler: Any, loss: float) -> None:
-    """Step ``scheduler`` once (``ReduceLROnPlateau`` with the window's mean loss)."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(loss)
-    elif scheduler is not None:
-        scheduler.step()
 
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
@@ -308,8 +298,10 @@ class Stepper:
         grad_norm = self.normalise(w, counts)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         skipped = self.skips(nonfinite, grad_norm, count) or self.precision.step(self.optimizer)
-        if not skipped:
-            step_scheduler(self.scheduler, loss)
+        if not skipped and isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(loss)  # with the window's mean loss
+        elif not skipped and self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             loss, count, w.micro_batches, fields.pop("micro_batch_size", None), grad_norm,

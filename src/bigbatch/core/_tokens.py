@@ -135,7 +135,6 @@ class TokenCut(SampleCut):
         while start < n:
             longest = lengths[order[start]]
             length = self._round(longest)
-            fit = max(1, size // length)
             if length > size and not self.warned:
                 self.warned = True
                 warnings.warn(
@@ -144,15 +143,13 @@ class TokenCut(SampleCut):
                     BigBatchWarning,
                     stacklevel=5,
                 )
-            full = min(fit, self.max_rows or fit)
+            full = max(1, min(size // length, self.max_rows or size))  # rows a bucket holds
             rows = min(full, n - start)
             if not self.multiple:  # (buckets pad their rows to one shape anyway)
                 close = (1 - MAX_ROW_PADDING) * longest
                 rows = next((r for r in range(1, rows) if lengths[order[start + r]] < close), rows)
-            index = order[start : start + rows]
-            pieces.append(
-                self._piece(batch, index, lengths, length, full - rows if self.multiple else 0)
-            )
+            pad = full - rows if self.multiple else 0
+            pieces.append(self._piece(batch, order[start : start + rows], lengths, length, pad))
             start += rows
         return pieces
 
