@@ -76,24 +76,6 @@ NONFINITE_FIX = (
 )
 
 
-def check_empty_window(micro_batches: int, optimizer: Any) -> None:
-    """Refuse a ``train_step`` while a low-level window is open or ``.grad`` holds gradients.
-
-    Raises:
-        RuntimeError: naming what to call first.
-    """
-    if micro_batches:
-        raise RuntimeError(
-            f"train_step() called while {micro_batches} micro-batch(es) from backward() await a "
-            "step(): call acc.step() first, or use only one of the two paths."
-        )
-    if any(p.grad is not None for p in params_of(optimizer)):
-        raise RuntimeError(
-            "train_step() found gradients already in the parameters' .grad; they would be "
-            "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
-        )
-
-
 def check_window_totals(count_total: float, bad_counts: float) -> None:
     """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine).
 
@@ -144,11 +126,19 @@ def pair_grads(
     return pairs
 
 
-def add_grads_(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float | torch.Tensor) -> None:
-    """``p.grad += scale * g`` for every pair (``p.grad`` created where there is none)."""
-    for p, g in pairs:
-        scaled = g.detach().to(p.dtype) * scale
-        p.grad = scaled if p.grad is None else p.grad + scaled
+def check_step(
+    model: torch.nn.Module, optimizer: Any, scheduler: Any, max_grad_norm: object, nonfinite: object
+) -> tuple[Any, float | None, str]:
+    """The step's settings, checked when the ``Accumulator`` is built, as the ``Stepper`` takes
+    them: ``(scheduler, max_grad_norm, nonfinite)``.
+
+    Raises:
+        TypeError, ValueError: see ``check_max_grad_norm``, ``check_nonfinite``,
+            ``check_optimizer`` and ``check_scheduler``.
+    """
+    clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
+    check_optimizer(model, optimizer)
+    return check_scheduler(scheduler, optimizer), clip, nonfinite
 
 
 def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:

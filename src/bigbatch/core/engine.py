@@ -25,26 +25,14 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._passes import agree, prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter, gradient_bytes
-from bigbatch.core._stepping import (
-    Stepper,
-    StepResult,
-    add_grads_,
-    check_empty_window,
-    check_max_grad_norm,
-    check_nonfinite,
-    check_optimizer,
-    check_scheduler,
-    pair_grads,
-    params_of,
-)
+from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import Piece, Restart, Runner, Window
+from bigbatch.core._window import Piece, Restart, Runner, Window, total_stats, with_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
@@ -125,15 +113,13 @@ class Accumulator:
         sizing, cut = make_cut(
             micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
         )
-        clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
-        check_optimizer(model, optimizer)
-        scheduler = check_scheduler(scheduler, optimizer)
+        settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
         self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
-        self.scheduler, self.max_grad_norm, self.nonfinite = scheduler, clip, nonfinite
+        self.scheduler, self.max_grad_norm, self.nonfinite = settings
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(optimizer, scheduler, clip, nonfinite, self._precision, self._sync)
+        self._stepper = Stepper(optimizer, *settings, self._precision, self._sync)
         budget = parse_bytes(memory_budget)
         meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
@@ -235,7 +221,16 @@ class Accumulator:
                 micro-batch).
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
-        check_empty_window(self._window.micro_batches, self.optimizer)
+        if self._window.micro_batches:
+            raise RuntimeError(
+                f"train_step() called while {self._window.micro_batches} micro-batch(es) from "
+                "backward() await a step(): call acc.step() first, or use only one of the two paths."
+            )
+        if self._params_with_grad():
+            raise RuntimeError(
+                "train_step() found gradients already in the parameters' .grad; they would be "
+                "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
+            )
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
@@ -327,16 +322,9 @@ class Accumulator:
     def _prepass(
         self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
     ) -> tuple[list[Any], list[Any]]:
-        """``fn`` on every piece under autocast without gradients, its outcome agreed across ranks
-        before the collective that follows it (Note [passes before the window])."""
-        group, ranks = getattr(self._sync, "group", None), self._sync.world_size
-        try:
-            with self._precision.autocast():
-                result = prepass(self._runner.state(), pieces, fn, self.device, states)
-        except Exception as exc:  # the other ranks must not wait for us in the collective
-            agree(exc, group, ranks, self.device)  # tells them, then raises it
-        agree(None, group, ranks, self.device)
-        return result
+        """``fn`` on every piece under autocast without gradients, agreed across ranks."""
+        with self._precision.autocast():
+            return self._runner.prepass(pieces, fn, states)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -447,7 +435,9 @@ class Accumulator:
         w.scales = w.scales or {"loss": 1.0}
         if set(w.scales) != {"loss"}:
             self._need_counts({"loss": Term(value, count)})
-        add_grads_(pairs, w.scales["loss"])
+        for p, g in pairs:  # p.grad += s · g
+            scaled = g.detach().to(p.dtype) * w.scales["loss"]
+            p.grad = scaled if p.grad is None else p.grad + scaled
         w.deferred = w.deferred or self._sync.can_defer  # DDP saw no backward: sync at step
         w.add({"loss": Term(value, count)})
 
