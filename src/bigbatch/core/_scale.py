@@ -113,8 +113,7 @@ def _reciprocal(count: Any) -> Any:
 
 def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:
     """Numbers and 0-dim tensors as one float64 vector (on ``device``, else the tensors' own)."""
-    if device is None:
-        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    device = device or next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     return torch.stack(
         [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
     )

@@ -213,11 +213,7 @@ class WindowMeter:
     """
 
     def __init__(
-        self,
-        device: torch.device,
-        budget: int | None,
-        always: bool = False,
-        gradient_bytes: int = 0,
+        self, device: torch.device, budget: int | None, always: bool, gradient_bytes: int
     ) -> None:
         self.budget, self.auto, self.gradient_bytes = budget, always, gradient_bytes
         self._probe = PeakProbe(device) if budget is not None or always else None

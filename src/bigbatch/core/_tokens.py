@@ -106,11 +106,9 @@ class TokenCut(SampleCut):
         pad_values: Mapping[str, float] | None = None,
     ) -> None:
         counts = {"micro_batch_size": max_rows, "pad_to_multiple_of": pad_to_multiple_of}
-        for name, value in counts.items():
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(
-                    f"{name}={value!r} is not allowed: use a positive integer or None."
-                )
+        for name, n in counts.items():
+            if n is not None and (type(n) is not int or n < 1):
+                raise ValueError(f"{name}={n!r} is not allowed: use a positive integer or None.")
         if lengths is not None and not callable(lengths):
             raise TypeError(f"lengths={lengths!r} is not callable: pass lengths(batch) -> ints.")
         if pad_values is not None and not isinstance(pad_values, Mapping):
@@ -162,7 +160,8 @@ class TokenCut(SampleCut):
     ) -> Piece:
         n, width = batch_size(batch), _padded_length(batch)
         rows = take(batch, index, n)
-        keys = _keys_by_tensor(rows)
+        items = rows.items() if isinstance(rows, Mapping) else ()
+        keys = {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}  # for pad values
 
         def fit(t: torch.Tensor) -> torch.Tensor:
             value = self.pad_values.get(keys.get(id(t), ""), 0)
@@ -231,10 +230,3 @@ def _padded_length(batch: Any) -> int:
     if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
         return int(batch["attention_mask"].shape[1])
     return next((int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2), 0)
-
-
-def _keys_by_tensor(batch: Any) -> dict[int, str]:
-    """The key of each tensor of a mapping batch, by tensor id (for its pad value)."""
-    if not isinstance(batch, Mapping):
-        return {}
-    return {id(v): str(k) for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -392,8 +392,7 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
         TypeError: a piece's statistics hold no tensor, or not the same structure as the first's.
     """
     leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
-    paths = [p for p, _ in tensor_leaves(outputs[0])]
-    if not paths or any(len(found) != len(paths) for found in leaves):
+    if not leaves[0] or any(len(found) != len(leaves[0]) for found in leaves):
         raise TypeError(
             f"{name} must return additive statistics: a tensor, or a dict / tuple of tensors, the "
             f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
@@ -401,10 +400,8 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
     sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
     if sync.world_size > 1:
         flat = sync.all_reduce_sum(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
-        sums = [
-            v.view_as(s).to(s.dtype)
-            for v, s in zip(flat.split([s.numel() for s in sums]), sums, strict=True)
-        ]
+        sizes = [s.numel() for s in sums]
+        sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
     found = iter(sums)
     return map_tensors(lambda _: next(found), outputs[0])
 

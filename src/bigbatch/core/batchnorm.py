@@ -140,9 +140,7 @@ class _Swapped:
 
 
 def _check_initialised(name: str, layer: _BatchNorm) -> None:
-    if isinstance(layer.weight, nn.parameter.UninitializedParameter) or (
-        not layer.affine and layer.num_features == 0
-    ):
+    if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
         raise ValueError(
             f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
             'batchnorm(model, policy="groupnorm").'
@@ -206,10 +204,9 @@ class BatchNormHook:
             return
         n, base = self.window_samples, self.momentum  # None: a cumulative average: no correction
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        bn.momentum = self.momentum
         if n and base is not None and self.correct and bn.training and first is not None:
             bn.momentum = corrected_momentum(base, first.shape[0], n)
-        else:
-            bn.momentum = self.momentum
 
     def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.policy == "freeze":
