@@ -232,14 +232,13 @@ class WindowMeter:
             return
         used = self._probe.peak_bytes(self._record)
         if used > self.budget and self.auto and self.gradient_bytes >= self.budget:
-            grads = format_bytes(self.gradient_bytes)
+            budget, grads, now = map(format_bytes, (self.budget, self.gradient_bytes, used))
             raise ValueError(
-                f"memory_budget={format_bytes(self.budget)} is below what any micro-batch needs: "
-                f"the gradients alone take {grads} in every window (this attempt used "
-                f"{format_bytes(used)}; the trained parameters ({grads}) and the optimizer state, "
-                "in use already, are not counted). Raise the budget (--memory-budget) above the "
-                "gradients plus one sample's activations, train fewer parameters, or use a lower "
-                "precision."
+                f"memory_budget={budget} is below what any micro-batch needs: the gradients alone "
+                f"take {grads} in every window (this attempt used {now}; the trained parameters "
+                f"({grads}) and the optimizer state, already in use, are not counted). Raise the "
+                "budget (--memory-budget) above the gradients plus one sample's activations, "
+                "train fewer parameters, or use a lower precision."
             )
         if used > self.budget:
             raise MemoryBudgetExceeded(

@@ -133,12 +133,24 @@ def check_step(
     them: ``(scheduler, max_grad_norm, nonfinite)``.
 
     Raises:
-        TypeError, ValueError: see ``check_max_grad_norm``, ``check_nonfinite``,
-            ``check_optimizer`` and ``check_scheduler``.
+        ValueError: ``max_grad_norm`` is not a positive finite number or ``None``; ``nonfinite``
+            is not one of ``NONFINITE``; see also ``check_optimizer`` and ``check_scheduler``.
+        TypeError: see ``check_optimizer`` and ``check_scheduler``.
     """
-    clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
+    real = isinstance(max_grad_norm, numbers.Real) and type(max_grad_norm) is not bool
+    clip = float(max_grad_norm) if real else math.nan  # type: ignore[arg-type]  # a Real
+    if max_grad_norm is not None and not 0 < clip < math.inf:
+        raise ValueError(
+            f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
+            "(finite, e.g. max_grad_norm=1.0)."
+        )
+    if nonfinite not in NONFINITE:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
+        )
     check_optimizer(model, optimizer)
-    return check_scheduler(scheduler, optimizer), clip, nonfinite
+    clip_or_none = None if max_grad_norm is None else clip
+    return check_scheduler(scheduler, optimizer), clip_or_none, str(nonfinite)
 
 
 def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
@@ -192,27 +204,6 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
             "same optimizer, e.g. LambdaLR(optimizer, ...)."
         )
     return scheduler
-
-
-def check_max_grad_norm(max_grad_norm: object) -> float | None:
-    """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
-    real = isinstance(max_grad_norm, numbers.Real) and type(max_grad_norm) is not bool
-    value = float(max_grad_norm) if real else math.nan  # type: ignore[arg-type]  # a Real
-    if max_grad_norm is not None and not 0 < value < math.inf:
-        raise ValueError(
-            f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
-            "(finite, e.g. max_grad_norm=1.0)."
-        )
-    return None if max_grad_norm is None else value
-
-
-def check_nonfinite(nonfinite: object) -> str:
-    """Return ``nonfinite`` if it is one of ``NONFINITE``."""
-    if nonfinite not in NONFINITE:
-        raise ValueError(
-            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
-        )
-    return str(nonfinite)
 
 
 def scale_grads_(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:

@@ -190,9 +190,8 @@ class FSDPSync(_RankSync):
         if self.auto:
             raise ValueError(
                 f'micro_batch_size="auto" is not supported with FSDP on {self.world_size} ranks: '
-                "every forward all-gathers the parameters, so a rank out of memory mid-forward "
-                "would leave the others waiting. Use a fixed micro_batch_size "
-                "(Note [auto micro-batch across ranks] in bigbatch.core._sync)."
+                "every forward all-gathers the parameters, so a rank out of memory would strand "
+                "the others. Use a fixed micro_batch_size (Note [auto micro-batch across ranks])."
             )
 
     @contextlib.contextmanager

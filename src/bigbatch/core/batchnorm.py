@@ -245,10 +245,10 @@ def warn_batch_coupled(model: nn.Module) -> None:
     names = unhandled_batch_coupled(model)
     if names:
         warnings.warn(
-            f"{', '.join(names)} normalise with batch statistics in training mode, so each "
-            "micro-batch sees its own statistics and accumulation is not exact. Choose a policy "
-            'with bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm"), or run '
-            "`bigbatch check` to see the effect.",
+            f"{', '.join(names)} normalise with batch statistics in training mode: each "
+            "micro-batch sees its own, so accumulation is not exact. Choose a policy with "
+            'bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm") (`bigbatch check` '
+            "shows the effect).",
             BigBatchWarning,
             stacklevel=4,
         )
