@@ -51,11 +51,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from bigbatch.core import _rng
 from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
-from bigbatch.core._tree import map_tensors, rows, tensor_leaves
+from bigbatch.core._tree import map_tensors, tensor_leaves
 from bigbatch.core.batchnorm import momentum_window
 from bigbatch.core.loss import Term
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.core.split import batch_size, micro_batch_sizes
+from bigbatch.core.split import batch_size, split
 
 T = TypeVar("T")
 Attempt = Callable[[list["Piece"], int], None]  # runs a window's micro-batches at a size
@@ -98,9 +98,7 @@ class SampleCut:
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        n = batch_size(batch)
-        sizes = micro_batch_sizes(n, size)
-        return [Piece(rows(batch, i * size, i * size + m, n), m) for i, m in enumerate(sizes)]
+        return [Piece(piece, batch_size(piece)) for piece in split(batch, size)]
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
@@ -201,7 +199,7 @@ class Backup:
         copied = set(map(id, self.tensors)) if seen is None else seen
         copied |= {id(b) for m in self.batchnorms for b in m.buffers()}  # BatchNorm: always
         self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
-        self.versions = self._versions()
+        self.versions = [_version(b) for b in self.tensors]
 
     def restore(self, discard: Callable[[], None]) -> None:
         """``discard()`` the attempt (its partial gradients), put the generators and tensors back."""
@@ -210,21 +208,17 @@ class Backup:
         with torch.no_grad():
             for buffer, value in self.saved:
                 buffer.copy_(value)
-        self.versions = self._versions()  # our own copy_ is not the model changing them
+        self.versions = [_version(b) for b in self.tensors]  # our copy_ is not the model's
 
     def changed(self) -> set[int]:
         """Ids of the tensors whose contents changed since the backup (or its last restore)."""
-        return {id(b) for b in self.tensors if self.versions[id(b)] != _version(b)}
-
-    def _versions(self) -> dict[int, int | None]:
-        return {id(b): _version(b) for b in self.tensors}
+        pairs = zip(self.tensors, self.versions, strict=True)
+        return {id(b) for b, version in pairs if version != _version(b)}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
-        return None
+    # An inference tensor keeps no version counter (and cannot be written).
+    return None if tensor.is_inference() else tensor._version
 
 
 # ---------------------------------------------------------------------------- the runner
