@@ -118,7 +118,6 @@ def after_oom(
 def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> AutoState:
     """A window completed at ``used_size``; maybe probe a larger size."""
     fits = used_size if state.fits is None else max(state.fits, used_size)
-    state = replace(state, rechecked=False)
     if state.size is None:
         return AutoState(size=used_size, ceiling=state.ceiling, fits=fits)
     clean = state.clean_windows + 1
@@ -127,7 +126,7 @@ def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> Aut
         bigger = (state.size + state.ceiling) // 2
         if bigger > state.size:
             return AutoState(size=bigger, ceiling=state.ceiling, fits=fits)
-    return replace(state, clean_windows=clean, fits=fits)
+    return replace(state, clean_windows=clean, fits=fits, rechecked=False)
 
 
 class Sizing:

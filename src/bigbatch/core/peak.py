@@ -204,7 +204,5 @@ def fix_mmap_threshold() -> None:
 
 def _libc_call(name: str, *args: int) -> None:
     """Call the C library's ``name(*args)``; nothing where it is not glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library, or not glibc
         getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)(*args)
-    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
-        pass
