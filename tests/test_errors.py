@@ -617,3 +617,26 @@ def test_terms_other_than_the_counted_ones_are_refused(gen):
     after = acc.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in acc.model.parameters())
+
+
+def test_count_fn_counting_other_counts_than_the_loss_is_refused(gen):
+    acc = _acc(micro_batch_size=4)
+    before = copy.deepcopy(acc.model.state_dict())
+
+    def loss(model, batch):
+        x, y = batch
+        total = F.cross_entropy(model(x), y, reduction="sum")
+        return {"a": (total, y.shape[0]), "b": (0.5 * total, y.shape[0])}
+
+    def count_fn(batch):
+        return {"a": batch[1].shape[0], "b": batch[1].shape[0] + 1}  # one too many per piece
+
+    with pytest.raises(
+        ValueError,
+        match=r"^term 'b': count_fn counted 13 before the window, loss_fn's counts add up to 10: "
+        r"count_fn must return the counts loss_fn will\. Nothing changed\.$",
+    ):
+        acc.train_step(_batch(gen), loss, count_fn=count_fn)
+    after = acc.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in acc.model.parameters())

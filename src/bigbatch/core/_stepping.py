@@ -76,22 +76,31 @@ NONFINITE_FIX = (
 )
 
 
-def check_window_totals(count_total: float, bad_counts: float) -> None:
-    """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine).
+def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> None:
+    """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine), or
+    whose terms' counts are not the ones known before it (``expected``, several terms).
 
     Raises:
-        ValueError: a count was negative or not finite, or the total is not positive.
+        ValueError: a count was negative or not finite, the total is not positive, or a term's
+            count is not the one ``count_fn`` gave.
     """
     if bad_counts:
         raise ValueError(
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
             "number of items summed over. The window was discarded; nothing was changed."
         )
-    if not count_total > 0:
+    if not sum(counts.values()) > 0:
         raise ValueError(
-            f"the window's total count is {count_total:g}: no item to average over (every label "
+            f"the window's total count is {sum(counts.values()):g}: no item to average over (every label "
             "ignore_index?). The window was discarded, nothing changed: check the batch or count."
         )
+    for name, count in counts.items() if expected is not None and len(counts) > 1 else ():
+        want = float(expected.get(name, math.nan))
+        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            raise ValueError(
+                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
+                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
+            )
 
 
 def pair_grads(
@@ -268,8 +277,7 @@ class Stepper:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
         ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
         sums, counts, bad = self.totals(w)  # the one host sync per step
-        check_window_totals(sum(counts.values()), bad)
-        check_expected(w.expected, counts)
+        check_window(counts, bad, w.expected)
         terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
@@ -324,16 +332,3 @@ class Stepper:
             totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
         return sums, counts, totals[-1]  # then the bad counts
-
-
-def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:
-    """The counts known before the window must be the ones the loss returned (several terms)."""
-    if expected is None or len(counts) == 1:
-        return
-    for name, count in counts.items():
-        want = float(expected.get(name, math.nan))
-        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
-            raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
-                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
-            )
