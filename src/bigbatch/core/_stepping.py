@@ -199,10 +199,8 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
     Raises:
         TypeError: anything else, or a scheduler of another optimizer.
     """
-    if scheduler is None:
-        return None
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if not plateau and not _steppable_without_arguments(scheduler):
+    if scheduler is not None and not plateau and not _steppable_without_arguments(scheduler):
         raise TypeError(
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
             "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
@@ -301,10 +299,9 @@ class Stepper:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
         window's (Note [several forwards]), unscale and clip them; return their norm."""
         params, (first, count) = params_of(self.optimizer), next(iter(counts.items()))
-        if w.expected is not None and len(counts) > 1:  # every s_k is exactly 1 / C_k
-            factor = float(self.sync.world_size)
-        else:  # one term: whatever s was, W / (C s) makes it exact
-            factor = self.sync.world_size / (count * float(w.scales[first])) if count else 1.0
+        factor = float(self.sync.world_size)  # several terms: every s_k is exactly 1 / C_k
+        if w.expected is None or len(counts) == 1:  # one term: whatever s was, W / (C s) is exact
+            factor = factor / (count * float(w.scales[first])) if count else 1.0
         if w.deferred:  # each rank's own factor, then the average
             scale_grads_(params, factor)
             self.sync.reduce_grads(params)
