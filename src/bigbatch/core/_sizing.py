@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.core._units import format_bytes
+from bigbatch.core._units import format_bytes, parse_bytes
 from bigbatch.core.oom import MemoryBudgetExceeded
 from bigbatch.core.peak import PeakMemory, PeakProbe, fix_mmap_threshold
 from bigbatch.core.split import check_micro_batch_size
@@ -203,21 +203,24 @@ class WindowMeter:
 
     Args:
         device: where the window runs.
-        budget: bytes a window may add; ``None`` for no budget.
+        budget: what a window may add (``"6GiB"``, bytes: ``parse_bytes``); ``None``: no budget.
         always: auto mode: measure even without a budget (to report the adopted attempt's
             peak), and when a budget is below ``gradient_bytes`` say so at the first overrun
             instead of shrinking to one sample first.
-        gradient_bytes: what the gradients of the trained parameters take: the part of every
-            window no micro-batch size can shrink.
+        optimizer: whose trainable parameters' gradients (``gradient_bytes``) are the part of
+            every window no micro-batch size can shrink.
+
+    Raises:
+        ValueError: ``budget`` is not a size (``parse_bytes``).
     """
 
-    def __init__(
-        self, device: torch.device, budget: int | None, always: bool, gradient_bytes: int
-    ) -> None:
-        self.budget, self.auto, self.gradient_bytes = budget, always, gradient_bytes
-        self._probe = PeakProbe(device) if budget is not None or always else None
+    def __init__(self, device: torch.device, budget: object, always: bool, optimizer: Any) -> None:
+        self.budget, self.auto = parse_bytes(budget), always
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in params)
+        self._probe = PeakProbe(device) if self.budget is not None or always else None
         self._record: PeakMemory | None = None
-        if budget is not None and device.type == "cpu":
+        if self.budget is not None and device.type == "cpu":
             fix_mmap_threshold()  # Note [honest CPU peaks]: a failed attempt's pages leave
 
     def start(self) -> None:
@@ -254,9 +257,3 @@ class WindowMeter:
         if self._probe is None or self._record is None:
             return None
         return self._probe.finish(self._record).peak_bytes
-
-
-def gradient_bytes(optimizer: Any) -> int:
-    """Bytes the gradients of ``optimizer``'s trainable parameters take."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return sum(p.numel() * p.element_size() for p in params)

@@ -89,9 +89,9 @@ def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> 
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
             "number of items summed over. The window was discarded; nothing was changed."
         )
-    if not sum(counts.values()) > 0:
+    if not (total := sum(counts.values())) > 0:
         raise ValueError(
-            f"the window's total count is {sum(counts.values()):g}: no item to average over (every label "
+            f"the window's total count is {total:g}: no item to average over (every label "
             "ignore_index?). The window was discarded, nothing changed: check the batch or count."
         )
     for name, count in counts.items() if expected is not None and len(counts) > 1 else ():

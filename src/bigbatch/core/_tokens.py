@@ -158,8 +158,7 @@ class TokenCut(SampleCut):
     def _piece(
         self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int
     ) -> Piece:
-        n, width = batch_size(batch), _padded_length(batch)
-        rows = take(batch, index, n)
+        rows, width = take(batch, index, batch_size(batch)), _padded_length(batch)
         items = rows.items() if isinstance(rows, Mapping) else ()
         keys = {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}  # for pad values
 

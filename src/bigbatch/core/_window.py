@@ -194,8 +194,7 @@ class Backup:
         self.device, self.rng = device, _rng.capture(device)
         modules = list(model.modules())
         self.batchnorms = [m for m in modules if isinstance(m, _BatchNorm)]
-        buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-        self.tensors = buffers + tracked
+        self.tensors = [b for m in modules for b in m._buffers.values() if b is not None] + tracked
         copied = set(map(id, self.tensors)) if seen is None else seen
         copied |= {id(b) for m in self.batchnorms for b in m.buffers()}  # BatchNorm: always
         self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
@@ -328,7 +327,7 @@ class Runner:
         return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
 
 
-# ---------------------------------------------------------------------------- passes before the window
+# ------------------------------------------------------------------------- passes before the window
 def prepass(
     state: torch.nn.Module | Sequence[torch.Tensor],
     pieces: Sequence[Any],

@@ -27,11 +27,10 @@ import torch
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
-from bigbatch.core._sizing import WindowMeter, gradient_bytes
+from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
-from bigbatch.core._units import parse_bytes
 from bigbatch.core._window import Piece, Restart, Runner, Window, total_stats, with_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
@@ -120,8 +119,7 @@ class Accumulator:
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
         self._stepper = Stepper(optimizer, *settings, self._precision, self._sync)
-        budget = parse_bytes(memory_budget)
-        meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
+        meter = WindowMeter(self.device, memory_budget, sizing.retries, optimizer)
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
@@ -224,7 +222,7 @@ class Accumulator:
         if self._window.micro_batches:
             raise RuntimeError(
                 f"train_step() called while {self._window.micro_batches} micro-batch(es) from "
-                "backward() await a step(): call acc.step() first, or use only one of the two paths."
+                "backward() await a step(): call acc.step() first; use only one of the two paths."
             )
         if self._params_with_grad():
             raise RuntimeError(
