@@ -142,8 +142,7 @@ class Sizing:
 
     def __init__(self, size: object, name: str = "micro_batch_size") -> None:
         self.name, self.retries = name, size == "auto"  # retries: redo a window that ran out
-        fixed = None if self.retries else check_micro_batch_size(size, name)
-        self.state = AutoState(size=fixed)
+        self.state = AutoState(size=None if self.retries else check_micro_batch_size(size, name))
 
     def size_for(self, n_samples: int, floor: int = 1) -> int:
         """Samples (or tokens) per micro-batch for a window of ``n_samples``; a fixed size
@@ -167,9 +166,8 @@ class Sizing:
 
     def state_dict(self) -> dict[str, Any]:
         """What must be saved to take the same decisions after a restart."""
-        if self.retries:
-            return {"policy": "auto", **asdict(self.state)}
-        return {"policy": "fixed", "size": self.state.size}
+        fixed = {"policy": "fixed", "size": self.state.size}
+        return {"policy": "auto", **asdict(self.state)} if self.retries else fixed
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``'s result.

@@ -117,8 +117,7 @@ class _Swapped:
     """
 
     def __init__(self, original: _BatchNorm, norm: nn.GroupNorm) -> None:
-        self.original, self.norm = original, norm
-        self.handle = norm.register_forward_pre_hook(self)
+        self.original, self.norm, self.handle = original, norm, norm.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The hook itself does nothing: the record only rides on the GroupNorm."""
@@ -148,9 +147,8 @@ def _check_initialised(name: str, layer: _BatchNorm) -> None:
 
 
 def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
-    channels = layer.num_features
-    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(channels)
-    norm = nn.GroupNorm(groups, channels, eps=layer.eps, affine=layer.affine)
+    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(layer.num_features)
+    norm = nn.GroupNorm(groups, layer.num_features, eps=layer.eps, affine=layer.affine)
     if layer.affine:
         with torch.no_grad():
             norm.weight.copy_(layer.weight)
