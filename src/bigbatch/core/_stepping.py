@@ -279,8 +279,8 @@ class Stepper:
         terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
-        fp16 = self.precision.scaler is not None  # non-finite windows are the scaler's to skip
-        if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
+        # In fp16 non-finite windows are the loss scaler's to skip.
+        if not math.isfinite(loss) and self.nonfinite == "raise" and self.precision.scaler is None:
             raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
         grad_norm = self.normalise(w, counts)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))

@@ -295,10 +295,7 @@ class Accumulator:
             loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
         if hasattr(loss_fn, "prepare"):  # a WindowLoss (cached_loss): sees the window first
             if any(p.pad_rows for p in pieces):
-                raise ValueError(
-                    "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
-                    "when training a batch-coupled loss."
-                )
+                raise ValueError("cached_loss takes no pad rows: drop pad_to_multiple_of for it.")
             rows = None if pieces[0].rows is None else [p.rows for p in pieces]
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
                 loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
@@ -374,8 +371,7 @@ class Accumulator:
                 "`with acc.micro_batch(last=...):` (and backward() there or after it)."
             )
         if w.scales is None:  # the low-level path: nothing known before the window
-            w.scales = {"loss": 1.0}
-            w.follow = "all" if self._precision.scaler is not None else ""
+            w.scales, w.follow = {"loss": 1.0}, "all" if self._precision.scaler is not None else ""
         if terms.keys() != w.scales.keys():
             if len(terms) == len(w.scales) == 1 and w.expected is None:  # one term, any name
                 w.scales = {next(iter(terms)): next(iter(w.scales.values()))}
