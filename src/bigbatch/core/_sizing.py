@@ -121,11 +121,11 @@ def after_success(state: AutoState, used_size: int, grow_after: int = 10) -> Aut
     if state.size is None:
         return AutoState(size=used_size, ceiling=state.ceiling, fits=fits)
     clean = state.clean_windows + 1
-    # Only grow when the window was really cut at the current size (a short last batch says nothing).
-    if clean >= grow_after and state.ceiling is not None and used_size == state.size:
-        bigger = (state.size + state.ceiling) // 2
-        if bigger > state.size:
-            return AutoState(size=bigger, ceiling=state.ceiling, fits=fits)
+    # Grow half-way to the ceiling when there is room, and only when the window was really cut at
+    # the current size (a short last batch says nothing).
+    bigger = state.size if state.ceiling is None else (state.size + state.ceiling) // 2
+    if clean >= grow_after and used_size == state.size < bigger:
+        return AutoState(size=bigger, ceiling=state.ceiling, fits=fits)
     return replace(state, clean_windows=clean, fits=fits, rechecked=False)
 
 

@@ -131,8 +131,7 @@ class _RankSync(GradSync):
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def _all_reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        values = values.to(device, torch.float64, copy=True)
+        values = values.to(next(self.model.parameters()).device, torch.float64, copy=True)
         dist.all_reduce(values, op=op, group=self.group)  # type: ignore[arg-type]
         return values
 

@@ -39,8 +39,7 @@ class MemoryBudgetExceeded(RuntimeError):
         budget_bytes: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.micro_batch_size = micro_batch_size
-        self.used_bytes = used_bytes
+        self.micro_batch_size, self.used_bytes = micro_batch_size, used_bytes
         self.budget_bytes = budget_bytes
 
 

@@ -126,8 +126,7 @@ class PeakProbe:
     def _hand_peak_to_open_probes(self) -> None:
         for probe in list(_open_probes):
             if probe is not self and probe.device == self.device and probe._record is not None:
-                record = probe._record
-                record._carried_bytes = max(record._carried_bytes, self._raw_peak())
+                probe._record._carried_bytes = max(probe._record._carried_bytes, self._raw_peak())
 
 
 # Measurements still open: Note [one counter per process].
