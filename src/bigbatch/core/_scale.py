@@ -71,13 +71,11 @@ def follow(
     w.scales["loss"] = scale  # type: ignore[index]
 
 
-def global_counts(
-    local: dict[str, Any], samples: int, sync: GradSync
-) -> tuple[dict[str, Any], float]:
-    """``local`` counts and the samples summed over ranks (one all-reduce; none on one)."""
+def global_counts(local: dict[str, Any], n: int, sync: GradSync) -> tuple[dict[str, Any], float]:
+    """``local`` counts and the ``n`` samples summed over ranks (one all-reduce; none on one)."""
     if sync.world_size == 1:
-        return local, float(samples)
-    total = sync.all_reduce_sum(stack_values([*local.values(), float(samples)]))
+        return local, float(n)
+    total = sync.all_reduce_sum(stack_values([*local.values(), float(n)]))
     return dict(zip(local, total[:-1], strict=True)), float(total[-1])
 
 

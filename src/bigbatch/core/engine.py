@@ -237,13 +237,12 @@ class Accumulator:
     def _finish(self, pieces: list[Piece], size: int, retries: int, peak: int | None) -> StepResult:
         tokens = None if pieces[0].tokens is None else sum(p.tokens or 0 for p in pieces)
         padded = None if tokens is None else sum(p.padded_tokens or 0 for p in pieces)
-        result = self._apply(
+        if isinstance(self._runner.cut, TokenCut):  # the shapes this window was cut into
+            self._runner.cut.check_shapes(self.model)
+        return self._apply(
             micro_batch_size=size, oom_retries=retries, peak_bytes=peak, tokens=tokens,
             padded_tokens=padded,
         )  # fmt: skip
-        if isinstance(self._runner.cut, TokenCut):
-            self._runner.cut.check_shapes(self.model)
-        return result
 
     def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
