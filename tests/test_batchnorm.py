@@ -10,7 +10,7 @@ import torch.nn as nn
 from models import mean_ce
 
 import bigbatch
-from bigbatch.core._batchnorm import corrected_momentum
+from bigbatch.core.batchnorm import corrected_momentum
 
 
 def bn_model(momentum: float = 0.1) -> nn.Module:
@@ -148,7 +148,7 @@ def test_engine_warns_once_at_first_step(gen):
 
 
 def test_every_batchnorm_class_is_found_and_handled_ones_are_not():
-    from bigbatch.core._batchnorm import unhandled_batch_coupled
+    from bigbatch.core.batchnorm import unhandled_batch_coupled
 
     model = nn.Sequential(
         nn.BatchNorm3d(4), nn.SyncBatchNorm(4), nn.LazyBatchNorm1d(), nn.LayerNorm(4)

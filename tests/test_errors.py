@@ -377,8 +377,8 @@ def test_an_optimizer_missing_trainable_parameters_is_refused():
     with pytest.raises(
         ValueError,
         match=r"^the optimizer does not hold the trainable parameter\(s\) 4\.weight, 4\.bias: their "
-        r"gradients would grow step after step and never be used\. Give them to the optimizer, "
-        r"or call requires_grad_\(False\) on the parameters you do not train\.$",
+        r"gradients would grow, unused\. Give them to the optimizer, or call "
+        r"requires_grad_\(False\) on them\.$",
     ):
         bigbatch.Accumulator(model, torch.optim.SGD(list(model.parameters())[:4], lr=0.1))
     with pytest.raises(ValueError, match=r"^the optimizer holds none of the model's trainable"):
@@ -598,3 +598,45 @@ def test_cached_loss_refuses_per_sample_values_that_are_not_tensors(gen):
     ):
         acc.train_step(batch, loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_terms_other_than_the_counted_ones_are_refused(gen):
+    acc = _acc(micro_batch_size=4)
+    before = copy.deepcopy(acc.model.state_dict())
+
+    def loss(model, batch):
+        x, y = batch
+        return {"b": (F.cross_entropy(model(x), y, reduction="sum"), y.shape[0])}
+
+    with pytest.raises(
+        ValueError,
+        match=r"^loss_fn returned the terms \['b'\], but the counts known before the window are "
+        r"for \['a'\]: each term's count is needed before the first backward\. .*count_fn",
+    ):
+        acc.train_step(_batch(gen), loss, count_fn=lambda batch: {"a": batch[1].shape[0]})
+    after = acc.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in acc.model.parameters())
+
+
+def test_count_fn_counting_other_counts_than_the_loss_is_refused(gen):
+    acc = _acc(micro_batch_size=4)
+    before = copy.deepcopy(acc.model.state_dict())
+
+    def loss(model, batch):
+        x, y = batch
+        total = F.cross_entropy(model(x), y, reduction="sum")
+        return {"a": (total, y.shape[0]), "b": (0.5 * total, y.shape[0])}
+
+    def count_fn(batch):
+        return {"a": batch[1].shape[0], "b": batch[1].shape[0] + 1}  # one too many per piece
+
+    with pytest.raises(
+        ValueError,
+        match=r"^term 'b': count_fn counted 13 before the window, loss_fn's counts add up to 10: "
+        r"count_fn must return the counts loss_fn will\. Nothing changed\.$",
+    ):
+        acc.train_step(_batch(gen), loss, count_fn=count_fn)
+    after = acc.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in acc.model.parameters())

@@ -36,7 +36,7 @@ from reference import full_batch_step, max_relative_error  # noqa: E402
 
 import bigbatch  # noqa: E402
 import bigbatch.keras  # noqa: E402
-from bigbatch.core._auto import AutoState  # noqa: E402
+from bigbatch.core._sizing import AutoState  # noqa: E402
 
 # Keras' own np.array(tensor) calls warn under numpy 2 (keras/src/backend/torch/core.py).
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")

@@ -30,9 +30,9 @@ FLOORS = {
 TOP = 5  # the package's public face: __init__, __main__ and the short names (bigbatch.keras, ...)
 # Inside core/, the layers of STYLE.md's import rule: 0 pure (no model, no optimizer), 1 one step.
 CORE_LAYERS = {
-    "_tree": 0, "_warnings": 0, "_units": 0, "_rng": 0, "split": 0, "loss": 0, "_auto": 0,
+    "_tree": 0, "_warnings": 0, "_units": 0, "_rng": 0, "split": 0, "loss": 0,
     "engine": 1, "_precision": 1, "_sync": 1, "_window": 1, "_stepping": 1, "oom": 1, "peak": 1,
-    "_sizing": 1, "_batchnorm": 1, "_scale": 1, "_tokens": 1, "_passes": 1, "batchnorm": 2,
+    "_sizing": 1, "_scale": 1, "_tokens": 1, "batchnorm": 1,
 }  # fmt: skip
 ALLOWED: dict[tuple[str, str], str] = {}  # (module, dependency): reason; empty, and kept so
 THIRD_PARTY_AT_IMPORT = {"torch"}  # rule 12: `import bigbatch` needs only torch
@@ -79,7 +79,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
 
 
 def own(target: str) -> str | None:
-    """``"memory.auto"`` for ``"bigbatch.core._auto"``; ``None`` outside the package."""
+    """``"core._sizing"`` for ``"bigbatch.core._sizing"``; ``None`` outside the package."""
     if target == "bigbatch":
         return ""
     return target.removeprefix("bigbatch.") if target.startswith("bigbatch.") else None

@@ -184,6 +184,24 @@ def test_a_mean_loss_with_pad_rows_is_refused_and_changes_nothing(gen):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_cached_loss_with_pad_rows_is_refused_and_changes_nothing(gen):
+    model = PerToken().double()
+    before = copy.deepcopy(model.state_dict())
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=32,
+        pad_to_multiple_of=4,
+    )  # fmt: skip
+    loss = bigbatch.cached_loss(
+        lambda m, b: m(b["input_ids"]).mean(dim=1), lambda reps: reps.pow(2).sum(-1).mean()
+    )
+    with pytest.raises(
+        ValueError, match=r"^cached_loss takes no pad rows: drop pad_to_multiple_of for it\.$"
+    ):
+        acc.train_step(text_batch(10, gen), loss)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_sample_longer_than_the_budget_warns_once(gen):
     model = PerToken().double()
     acc = bigbatch.Accumulator(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bigbatch.core._auto import AutoState, after_oom, after_success, size_for
+from bigbatch.core._sizing import AutoState, after_oom, after_success, size_for
 from bigbatch.core._units import format_bytes, parse_bytes
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import bigbatch
-from bigbatch.core._auto import AutoState, after_oom, after_success
+from bigbatch.core._sizing import AutoState, after_oom, after_success
 from bigbatch.core.peak import small_mmap_threshold
 
 MiB = 2**20

@@ -35,9 +35,8 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Run the forward pass in this precision (no-op for fp32)."""
-        return (
-            torch.autocast(self.device_type, self.autocast_dtype) if self.autocast_dtype else _NULL
-        )
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device_type, dtype) if dtype else _NULL
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled for fp16), outside autocast as PyTorch recommends."""

@@ -42,7 +42,13 @@ def capture_all() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": (version, list(internal), gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state | _numpy_state()
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]  # legacy
+        # Plain lists, not arrays: the snapshot then loads with torch.load(weights_only=True).
+        state["numpy"] = (str(kind), list(map(int, keys)), int(pos), int(has_gauss), float(cached))
+    return state
 
 
 def restore_all(state: dict[str, Any]) -> None:
@@ -67,13 +73,3 @@ def seed_all(seed: int) -> None:
         import numpy as np
 
         np.random.seed(seed % 2**32)
-
-
-def _numpy_state() -> dict[str, Any]:
-    try:
-        import numpy as np
-    except ImportError:
-        return {}
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]  # legacy tuple
-    # Plain lists, not arrays: the snapshot then loads with torch.load(weights_only=True).
-    return {"numpy": (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached))}

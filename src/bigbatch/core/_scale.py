@@ -71,13 +71,11 @@ def follow(
     w.scales["loss"] = scale  # type: ignore[index]
 
 
-def global_counts(
-    local: dict[str, Any], samples: int, sync: GradSync
-) -> tuple[dict[str, Any], float]:
-    """``local`` counts and the samples summed over ranks (one all-reduce; none on one)."""
+def global_counts(local: dict[str, Any], n: int, sync: GradSync) -> tuple[dict[str, Any], float]:
+    """``local`` counts and the ``n`` samples summed over ranks (one all-reduce; none on one)."""
     if sync.world_size == 1:
-        return local, float(samples)
-    total = sync.all_reduce_sum(stack_values([*local.values(), float(samples)]))
+        return local, float(n)
+    total = sync.all_reduce_sum(stack_values([*local.values(), float(n)]))
     return dict(zip(local, total[:-1], strict=True)), float(total[-1])
 
 
@@ -113,8 +111,7 @@ def _reciprocal(count: Any) -> Any:
 
 def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:
     """Numbers and 0-dim tensors as one float64 vector (on ``device``, else the tensors' own)."""
-    if device is None:
-        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    device = device or next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     return torch.stack(
         [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
     )

@@ -76,40 +76,31 @@ NONFINITE_FIX = (
 )
 
 
-def check_empty_window(micro_batches: int, optimizer: Any) -> None:
-    """Refuse a ``train_step`` while a low-level window is open or ``.grad`` holds gradients.
+def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> None:
+    """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine), or
+    whose terms' counts are not the ones known before it (``expected``, several terms).
 
     Raises:
-        RuntimeError: naming what to call first.
-    """
-    if micro_batches:
-        raise RuntimeError(
-            f"train_step() called while {micro_batches} micro-batch(es) from backward() await a "
-            "step(): call acc.step() first, or use only one of the two paths."
-        )
-    if any(p.grad is not None for p in params_of(optimizer)):
-        raise RuntimeError(
-            "train_step() found gradients already in the parameters' .grad; they would be "
-            "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
-        )
-
-
-def check_window_totals(count_total: float, bad_counts: float) -> None:
-    """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine).
-
-    Raises:
-        ValueError: a count was negative or not finite, or the total is not positive.
+        ValueError: a count was negative or not finite, the total is not positive, or a term's
+            count is not the one ``count_fn`` gave.
     """
     if bad_counts:
         raise ValueError(
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
             "number of items summed over. The window was discarded; nothing was changed."
         )
-    if not count_total > 0:
+    if not (total := sum(counts.values())) > 0:
         raise ValueError(
-            f"the window's total count is {count_total:g}: no item to average over (every label "
+            f"the window's total count is {total:g}: no item to average over (every label "
             "ignore_index?). The window was discarded, nothing changed: check the batch or count."
         )
+    for name, count in counts.items() if expected is not None and len(counts) > 1 else ():
+        want = float(expected.get(name, math.nan))
+        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            raise ValueError(
+                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
+                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
+            )
 
 
 def pair_grads(
@@ -120,15 +111,14 @@ def pair_grads(
     Raises:
         ValueError: a list of the wrong length, or a gradient whose shape is not its parameter's.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = params_of(optimizer)
     if not isinstance(grads, Mapping) and len(grads) != len(params):
         raise ValueError(
             f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "
             "parameters: pass one per parameter (or None) in its order, or {parameter: gradient}."
         )
     given = grads.items() if isinstance(grads, Mapping) else zip(params, grads, strict=True)
-    pairs = [(p, g) for p, g in given if g is not None]
-    held = {id(p) for p in params}
+    pairs, held = [(p, g) for p, g in given if g is not None], set(map(id, params))
     for p, g in pairs:
         if id(p) not in held:
             raise ValueError(
@@ -139,17 +129,37 @@ def pair_grads(
             raise TypeError(f"accumulate_grads(): a gradient is {type(g).__name__}, not a tensor.")
         if g.shape != p.shape:
             raise ValueError(
-                f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a parameter of "
-                f"shape {tuple(p.shape)}."
+                f"accumulate_grads(): a gradient of shape {tuple(g.shape)} for a "
+                f"parameter of shape {tuple(p.shape)}."
             )
     return pairs
 
 
-def add_grads_(pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float | torch.Tensor) -> None:
-    """``p.grad += scale * g`` for every pair (``p.grad`` created where there is none)."""
-    for p, g in pairs:
-        scaled = g.detach().to(p.dtype) * scale
-        p.grad = scaled if p.grad is None else p.grad + scaled
+def check_step(
+    model: torch.nn.Module, optimizer: Any, scheduler: Any, max_grad_norm: object, nonfinite: object
+) -> tuple[Any, float | None, str]:
+    """The step's settings, checked when the ``Accumulator`` is built, as the ``Stepper`` takes
+    them: ``(scheduler, max_grad_norm, nonfinite)``.
+
+    Raises:
+        ValueError: ``max_grad_norm`` is not a positive finite number or ``None``; ``nonfinite``
+            is not one of ``NONFINITE``; see also ``check_optimizer`` and ``check_scheduler``.
+        TypeError: see ``check_optimizer`` and ``check_scheduler``.
+    """
+    real = isinstance(max_grad_norm, numbers.Real) and type(max_grad_norm) is not bool
+    clip = float(max_grad_norm) if real else math.nan  # type: ignore[arg-type]  # a Real
+    if max_grad_norm is not None and not 0 < clip < math.inf:
+        raise ValueError(
+            f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
+            "(finite, e.g. max_grad_norm=1.0)."
+        )
+    if nonfinite not in NONFINITE:
+        raise ValueError(
+            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
+        )
+    check_optimizer(model, optimizer)
+    clip_or_none = None if max_grad_norm is None else clip
+    return check_scheduler(scheduler, optimizer), clip_or_none, str(nonfinite)
 
 
 def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
@@ -164,7 +174,7 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
             f"optimizer={type(optimizer).__name__} is not an optimizer: pass a torch.optim.Optimizer,"
             " e.g. torch.optim.AdamW(model.parameters())."
         )
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = set(map(id, params_of(optimizer)))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in trainable if id(p) not in held]
     if trainable and len(missing) == len(trainable):
@@ -176,8 +186,7 @@ def check_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
         raise ValueError(
             f"the optimizer does not hold the trainable parameter(s) {shown}: their gradients "
-            "would grow step after step and never be used. Give them to the optimizer, or call "
-            "requires_grad_(False) on the parameters you do not train."
+            "would grow, unused. Give them to the optimizer, or call requires_grad_(False) on them."
         )
 
 
@@ -190,54 +199,18 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
     Raises:
         TypeError: anything else, or a scheduler of another optimizer.
     """
-    if scheduler is None:
-        return None
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if not plateau and not _steppable_without_arguments(scheduler):
+    if scheduler is not None and not plateau and not _steppable_without_arguments(scheduler):
         raise TypeError(
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
             "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
         )
-    bound = getattr(scheduler, "optimizer", optimizer)
-    if bound is not optimizer:
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise TypeError(
             "the scheduler steps another optimizer than the Accumulator's: build it over the "
             "same optimizer, e.g. LambdaLR(optimizer, ...)."
         )
     return scheduler
-
-
-def step_scheduler(scheduler: Any, loss: float) -> None:
-    """Step ``scheduler`` once (``ReduceLROnPlateau`` with the window's mean loss)."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(loss)
-    elif scheduler is not None:
-        scheduler.step()
-
-
-def check_max_grad_norm(max_grad_norm: object) -> float | None:
-    """Return ``max_grad_norm`` as a float (``None`` stays), else raise naming what is allowed."""
-    if max_grad_norm is None:
-        return None
-    if (
-        type(max_grad_norm) is bool
-        or not isinstance(max_grad_norm, numbers.Real)
-        or not (0 < float(max_grad_norm) < math.inf)
-    ):
-        raise ValueError(
-            f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
-            "(finite, e.g. max_grad_norm=1.0)."
-        )
-    return float(max_grad_norm)  # type: ignore[arg-type]  # a Real, checked above
-
-
-def check_nonfinite(nonfinite: object) -> str:
-    """Return ``nonfinite`` if it is one of ``NONFINITE``."""
-    if nonfinite not in NONFINITE:
-        raise ValueError(
-            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
-        )
-    return str(nonfinite)
 
 
 def scale_grads_(params: list[torch.Tensor], factor: float | torch.Tensor) -> None:
@@ -302,23 +275,20 @@ class Stepper:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
         ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
         sums, counts, bad = self.totals(w)  # the one host sync per step
-        check_window_totals(sum(counts.values()), bad)
-        check_expected(w.expected, counts)
+        check_window(counts, bad, w.expected)
         terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
-        fp16 = self.precision.scaler is not None  # non-finite windows are the scaler's to skip
-        if not math.isfinite(loss) and self.nonfinite == "raise" and not fp16:
+        # In fp16 non-finite windows are the loss scaler's to skip.
+        if not math.isfinite(loss) and self.nonfinite == "raise" and self.precision.scaler is None:
             raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
         grad_norm = self.normalise(w, counts)
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        skipped = self.skips(nonfinite, grad_norm, count)
-        if skipped:
-            self.precision.discard()
-        else:
-            skipped = self.precision.step(self.optimizer)
-        if not skipped:
-            step_scheduler(self.scheduler, loss)
+        skipped = self.skips(nonfinite, grad_norm, count) or self.precision.step(self.optimizer)
+        if not skipped and isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(loss)  # with the window's mean loss
+        elif not skipped and self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             loss, count, w.micro_batches, fields.pop("micro_batch_size", None), grad_norm,
@@ -329,10 +299,9 @@ class Stepper:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
         window's (Note [several forwards]), unscale and clip them; return their norm."""
         params, (first, count) = params_of(self.optimizer), next(iter(counts.items()))
-        if w.expected is not None and len(counts) > 1:  # every s_k is exactly 1 / C_k
-            factor = float(self.sync.world_size)
-        else:  # one term: whatever s was, W / (C s) makes it exact
-            factor = self.sync.world_size / (count * float(w.scales[first])) if count else 1.0
+        factor = float(self.sync.world_size)  # several terms: every s_k is exactly 1 / C_k
+        if w.expected is None or len(counts) == 1:  # one term: whatever s was, W / (C s) is exact
+            factor = factor / (count * float(w.scales[first])) if count else 1.0
         if w.deferred:  # each rank's own factor, then the average
             scale_grads_(params, factor)
             self.sync.reduce_grads(params)
@@ -343,13 +312,14 @@ class Stepper:
         return float(clip_or_norm_(with_grad, self.max_grad_norm))
 
     def skips(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
-        """Whether a non-finite window is skipped (fp16 leaves gradients to its loss scaler)."""
+        """Whether a non-finite window is skipped (then discarded: fp16 leaves it to the scaler)."""
         if not nonfinite or self.nonfinite == "apply" or self.precision.scaler is not None:
             return False  # fp16: the scaler skips it and lowers the scale, as a full batch would
         if self.nonfinite == "raise":
             raise NonFiniteError(
                 f"the window's gradient norm is {grad_norm} (count {count:g}); " + NONFINITE_FIX
             )
+        self.precision.discard()
         return True
 
     def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
@@ -357,22 +327,5 @@ class Stepper:
         totals = w.totals()
         if self.sync.world_size > 1:
             totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
-        names, sums, counts = list(w.factors), totals[0:-1:2], totals[1:-1:2]  # then the bad counts
-        return (
-            dict(zip(names, sums, strict=True)),
-            dict(zip(names, counts, strict=True)),
-            totals[-1],
-        )
-
-
-def check_expected(expected: dict[str, Any] | None, counts: dict[str, float]) -> None:
-    """The counts known before the window must be the ones the loss returned (several terms)."""
-    if expected is None or len(counts) == 1:
-        return
-    for name, count in counts.items():
-        want = float(expected.get(name, math.nan))
-        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
-            raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
-                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
-            )
+        sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
+        return sums, counts, totals[-1]  # then the bad counts

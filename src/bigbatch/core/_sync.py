@@ -73,7 +73,6 @@ Note [FSDP and no_sync memory]
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,8 +131,7 @@ class _RankSync(GradSync):
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
     def _all_reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        values = values.to(device, torch.float64, copy=True)
+        values = values.to(next(self.model.parameters()).device, torch.float64, copy=True)
         dist.all_reduce(values, op=op, group=self.group)  # type: ignore[arg-type]
         return values
 
@@ -175,8 +173,7 @@ class DDPSync(_RankSync):
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         for p in params:  # every rank all-reduces every parameter, in the same order
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         grads = [p.grad for p in params]
         works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]  # type: ignore[arg-type]
         for work in works:
@@ -192,9 +189,8 @@ class FSDPSync(_RankSync):
         if self.auto:
             raise ValueError(
                 f'micro_batch_size="auto" is not supported with FSDP on {self.world_size} ranks: '
-                "every forward all-gathers the parameters, so a rank out of memory mid-forward "
-                "would leave the others waiting. Use a fixed micro_batch_size "
-                "(Note [auto micro-batch across ranks] in bigbatch.core._sync)."
+                "every forward all-gathers the parameters, so a rank out of memory would strand "
+                "the others. Use a fixed micro_batch_size (Note [auto micro-batch across ranks])."
             )
 
     @contextlib.contextmanager
@@ -229,21 +225,7 @@ def wrapper_kind(model: torch.nn.Module) -> str:
     bigbatch that looks at a model's distributed wrapper type."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
-    return "fsdp" if _is_fsdp(model) else "plain"
-
-
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    for where, name in _FSDP_CLASSES:  # the FSDP1 wrapper, FSDP2 (moved in torch 2.6)
-        try:
-            if isinstance(model, getattr(importlib.import_module(where), name)):
-                return True
-        except (ImportError, AttributeError):  # builds without distributed, older torch
-            pass
-    return False
-
-
-_FSDP_CLASSES = (
-    ("torch.distributed.fsdp", "FullyShardedDataParallel"),
-    ("torch.distributed.fsdp", "FSDPModule"),
-    ("torch.distributed._composable.fsdp", "FSDPModule"),
-)
+    # The FSDP1 wrapper, or FSDP2's FSDPModule (which moved in torch 2.6), found by class name:
+    # no import, so builds without torch.distributed and every torch version answer the same.
+    fsdp = {"FullyShardedDataParallel", "FSDPModule"}
+    return "fsdp" if any(c.__name__ in fsdp for c in type(model).__mro__) else "plain"

@@ -36,7 +36,6 @@ Note [compile buckets]
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -59,20 +58,17 @@ PAD_ROWS_NEED_SUMS = (
 
 
 def make_cut(
-    micro_batch_size: int | str | None,
-    micro_batch_tokens: int | str | None,
-    pad_to_multiple_of: int | None = None,
-    lengths: Callable[[Any], Any] | None = None,
-    pad_values: Mapping[str, float] | None = None,
+    micro_batch_size: int | str | None, micro_batch_tokens: int | str | None, *options: Any
 ) -> tuple[Sizing, SampleCut]:
     """The ``Accumulator``'s sizing policy and cut: by samples, or by tokens with
-    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
+    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap); ``options``:
+    ``TokenCut``'s ``pad_to_multiple_of``, ``lengths`` and ``pad_values``.
 
     Raises:
         TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
     """
     if micro_batch_tokens is None:
-        if (pad_to_multiple_of, lengths, pad_values) != (None, None, None):
+        if any(option is not None for option in options):
             raise ValueError(
                 "pad_to_multiple_of, lengths and pad_values shape token windows: give "
                 "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
@@ -84,7 +80,7 @@ def make_cut(
             'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
         )
     sizing = make_sizing(micro_batch_tokens, "micro_batch_tokens")
-    return sizing, TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]
+    return sizing, TokenCut(micro_batch_size, *options)  # type: ignore[arg-type]  # not "auto"
 
 
 class TokenCut(SampleCut):
@@ -109,14 +105,10 @@ class TokenCut(SampleCut):
         lengths: Callable[[Any], Sequence[int] | torch.Tensor] | None = None,
         pad_values: Mapping[str, float] | None = None,
     ) -> None:
-        for name, value in (
-            ("micro_batch_size", max_rows),
-            ("pad_to_multiple_of", pad_to_multiple_of),
-        ):
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(
-                    f"{name}={value!r} is not allowed: use a positive integer or None."
-                )
+        counts = {"micro_batch_size": max_rows, "pad_to_multiple_of": pad_to_multiple_of}
+        for name, n in counts.items():
+            if n is not None and (type(n) is not int or n < 1):
+                raise ValueError(f"{name}={n!r} is not allowed: use a positive integer or None.")
         if lengths is not None and not callable(lengths):
             raise TypeError(f"lengths={lengths!r} is not callable: pass lengths(batch) -> ints.")
         if pad_values is not None and not isinstance(pad_values, Mapping):
@@ -141,7 +133,6 @@ class TokenCut(SampleCut):
         while start < n:
             longest = lengths[order[start]]
             length = self._round(longest)
-            fit = max(1, size // length)
             if length > size and not self.warned:
                 self.warned = True
                 warnings.warn(
@@ -150,35 +141,26 @@ class TokenCut(SampleCut):
                     BigBatchWarning,
                     stacklevel=5,
                 )
-            full = min(fit, self.max_rows or fit)
+            full = max(1, min(size // length, self.max_rows or size))  # rows a bucket holds
             rows = min(full, n - start)
             if not self.multiple:  # (buckets pad their rows to one shape anyway)
                 close = (1 - MAX_ROW_PADDING) * longest
                 rows = next((r for r in range(1, rows) if lengths[order[start + r]] < close), rows)
-            index = order[start : start + rows]
-            pieces.append(
-                self._piece(batch, index, lengths, length, full - rows if self.multiple else 0)
-            )
+            pad = full - rows if self.multiple else 0
+            pieces.append(self._piece(batch, order[start : start + rows], lengths, length, pad))
             start += rows
         return pieces
 
     def empty(self, batch: Any) -> Piece:
-        """One pad row of length 1 (or the smallest bucket): it counts nothing."""
-        pad = self._piece(batch, [0], [1] * batch_size(batch), self._round(1), 0, blank=True)
-        return dataclasses.replace(pad, samples=0, tokens=0, pad_rows=1)
+        """No sample and one pad row of length 1 (or the smallest bucket): it counts nothing."""
+        return self._piece(batch, [], [], self._round(1), 1)
 
     def _piece(
-        self,
-        batch: Any,
-        index: list[int],
-        lengths: list[int],
-        length: int,
-        pad: int,
-        blank: bool = False,
+        self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int
     ) -> Piece:
-        n, width = batch_size(batch), _padded_length(batch)
-        rows = take(batch, index, n)
-        keys = _keys_by_tensor(rows)
+        rows, width = take(batch, index, batch_size(batch)), _padded_length(batch)
+        items = rows.items() if isinstance(rows, Mapping) else ()
+        keys = {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}  # for pad values
 
         def fit(t: torch.Tensor) -> torch.Tensor:
             value = self.pad_values.get(keys.get(id(t), ""), 0)
@@ -187,8 +169,6 @@ class TokenCut(SampleCut):
                 if t.shape[1] < length:  # a bucket longer than the batch: pad columns
                     extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
                     t = torch.cat([t, extra], dim=1)
-            if blank:  # every value the pad value: a piece that counts nothing
-                return t.new_full(t.shape, value)
             return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
 
         self.shapes.add((len(index) + pad, length))
@@ -211,19 +191,15 @@ class TokenCut(SampleCut):
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise TypeError(
                 "micro_batch_tokens needs each sample's length: pass a mapping batch with a 2-D "
-                "attention_mask (the transformers convention), or lengths=fn returning one length "
-                "per sample."
+                "attention_mask (as transformers does), or lengths=fn, one length per sample."
             )
         ones = mask != 0
         counts = ones.sum(-1)
-        if not bool(
-            (ones == (torch.arange(ones.shape[1], device=ones.device) < counts[:, None])).all()
-        ):
+        if not torch.equal(ones, torch.arange(ones.shape[1], device=ones.device) < counts[:, None]):
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
-                "zeros): trimming a left-padded or gapped micro-batch would move its tokens to "
-                'other positions. Pad on the right (tokenizer.padding_side = "right", the '
-                "convention for training) or pass lengths=fn for a batch without a mask."
+                "zeros): trimming a left-padded or gapped micro-batch would move its tokens. Pad "
+                'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
         return [max(1, int(v)) for v in counts.tolist()]
 
@@ -253,10 +229,3 @@ def _padded_length(batch: Any) -> int:
     if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
         return int(batch["attention_mask"].shape[1])
     return next((int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2), 0)
-
-
-def _keys_by_tensor(batch: Any) -> dict[int, str]:
-    """The key of each tensor of a mapping batch, by tensor id (for its pad value)."""
-    if not isinstance(batch, Mapping):
-        return {}
-    return {id(v): str(k) for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -73,7 +73,7 @@ def take(tree: Any, index: slice | list[int], n: int) -> Any:
     {'x': tensor([3, 0]), 'id': ['d', 'a']}
     """
     if isinstance(tree, torch.Tensor):
-        return tree[index] if isinstance(index, slice) else tree[torch.as_tensor(index)]
+        return tree[index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)]
     if isinstance(tree, (tuple, list)):
         if hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
             return type(tree)(*[take(v, index, n) for v in tree])

@@ -7,8 +7,7 @@ calls ``attempt(pieces)``, which runs the micro-batches (the engine's loop, the 
 A real out-of-memory error discards the window, puts everything back, agrees with the other
 ranks on a smaller size and redoes it; any other error puts everything back and propagates.
 ``Window`` is the running record of the micro-batches seen so far, per loss term. Passes over
-the pieces before the window (counts, statistics, representations) live in
-``bigbatch.core._passes``.
+the pieces before the window (counts, statistics, representations) are ``prepass`` and ``agree``.
 
 Note [window buffers]
     Forwards in training mode mutate module buffers: BatchNorm's running statistics and
@@ -21,29 +20,47 @@ Note [window buffers]
     window copies every buffer, later windows only the buffers seen changing before (BatchNorm
     statistics always). A buffer that changes for the first time in a later window that then
     fails is not restored; no model known to us does that.
+
+Note [passes before the window]
+    Some windows need a value of the whole window before the first backward: the counts of a
+    loss of several terms (each term is divided by its own total: Note [named terms]), batch
+    statistics (``stats_fn``), every sample's representation (``cached_loss``). ``prepass`` runs
+    ``fn`` on every piece under ``torch.no_grad()`` (no activations kept), recording the random
+    state before each piece and putting the buffers back afterwards, so the main pass starts
+    from the same state, moves BatchNorm statistics once, and restoring ``states[i]`` before piece
+    ``i`` gives it the dropout masks it drew in the pre-pass (a later pass, or the main pass, does
+    that). On several ranks a pre-pass is followed by a
+    collective (the totals, the gathered representations), so its outcome is agreed first
+    (``agree``): if one rank failed, every rank raises, an out-of-memory error when it was one, and
+    the runner redoes the window everywhere instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core import _rng
-from bigbatch.core._batchnorm import momentum_window
 from bigbatch.core._sizing import Sizing, WindowMeter
 from bigbatch.core._sync import GradSync
-from bigbatch.core._tree import rows
+from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core.batchnorm import momentum_window
 from bigbatch.core.loss import Term
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory, release_memory
-from bigbatch.core.split import batch_size, micro_batch_sizes
+from bigbatch.core.split import batch_size, split
 
 T = TypeVar("T")
+Attempt = Callable[[list["Piece"], int], None]  # runs a window's micro-batches at a size
+Finish = Callable[[list["Piece"], int, int, int | None], T]  # the step: pieces, size, retries, peak
+Discard = Callable[[], None]  # drops a failed attempt's partial gradients and window record
 
 
 @dataclass
@@ -81,9 +98,7 @@ class SampleCut:
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        n = batch_size(batch)
-        sizes = micro_batch_sizes(n, size)
-        return [Piece(rows(batch, i * size, i * size + m, n), m) for i, m in enumerate(sizes)]
+        return [Piece(piece, batch_size(piece)) for piece in split(batch, size)]
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
@@ -132,10 +147,8 @@ class Window:
     def add(self, terms: Mapping[str, Term], factor: float = 1.0) -> None:
         """Record one micro-batch's terms (each ``loss_sum`` times ``factor`` is its sum)."""
         for name, (loss_sum, count, weight) in terms.items():
-            loss_sum = loss_sum.detach()
-            self.sums.setdefault(name, []).append(
-                loss_sum.reshape(()) if loss_sum.dim() else loss_sum
-            )
+            s = loss_sum.detach()
+            self.sums.setdefault(name, []).append(s.reshape(()) if s.dim() else s)
             self.counts.setdefault(name, []).append(count)
             self.factors.setdefault(name, []).append(factor)
             self.weights[name] = weight
@@ -176,21 +189,16 @@ class Backup:
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        tracked: list[torch.Tensor],
-        seen: set[int] | None,
-        device: torch.device,
+        self, model: nn.Module, tracked: list[Tensor], seen: set[int] | None, device: torch.device
     ) -> None:
         self.device, self.rng = device, _rng.capture(device)
         modules = list(model.modules())
         self.batchnorms = [m for m in modules if isinstance(m, _BatchNorm)]
-        buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-        self.tensors = buffers + tracked
+        self.tensors = [b for m in modules for b in m._buffers.values() if b is not None] + tracked
         copied = set(map(id, self.tensors)) if seen is None else seen
         copied |= {id(b) for m in self.batchnorms for b in m.buffers()}  # BatchNorm: always
         self.saved = [(b, b.detach().clone()) for b in self.tensors if id(b) in copied]
-        self.versions = self._versions()
+        self.versions = [_version(b) for b in self.tensors]
 
     def restore(self, discard: Callable[[], None]) -> None:
         """``discard()`` the attempt (its partial gradients), put the generators and tensors back."""
@@ -199,21 +207,17 @@ class Backup:
         with torch.no_grad():
             for buffer, value in self.saved:
                 buffer.copy_(value)
-        self.versions = self._versions()  # our own copy_ is not the model changing them
+        self.versions = [_version(b) for b in self.tensors]  # our copy_ is not the model's
 
     def changed(self) -> set[int]:
         """Ids of the tensors whose contents changed since the backup (or its last restore)."""
-        return {id(b) for b in self.tensors if self.versions[id(b)] != _version(b)}
-
-    def _versions(self) -> dict[int, int | None]:
-        return {id(b): _version(b) for b in self.tensors}
+        pairs = zip(self.tensors, self.versions, strict=True)
+        return {id(b) for b, version in pairs if version != _version(b)}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written)
-        return None
+    # An inference tensor keeps no version counter (and cannot be written).
+    return None if tensor.is_inference() else tensor._version
 
 
 # ---------------------------------------------------------------------------- the runner
@@ -245,17 +249,21 @@ class Runner:
     tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
     _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
 
-    def state(self) -> list[torch.Tensor]:
-        """The tensors a pass over the window may change: the buffers and the tracked tensors."""
-        return [*self.model.buffers(), *(t for tensors in self.tracked for t in tensors())]
+    def prepass(
+        self, pieces: list[Piece], fn: Callable[[Piece], T], states: Any = None
+    ) -> tuple[list[T], list[_rng.RngState]]:
+        """``prepass`` over the buffers and the tracked tensors, its outcome agreed across ranks
+        before the collective that follows it (Note [passes before the window])."""
+        state = [*self.model.buffers(), *(t for tensors in self.tracked for t in tensors())]
+        group, ranks = getattr(self.sync, "group", None), self.sync.world_size
+        try:
+            result = prepass(state, pieces, fn, self.device, states)
+        except Exception as exc:  # the other ranks must not wait for us in the collective
+            agree(exc, group, ranks, self.device)  # tells them, then raises it
+        agree(None, group, ranks, self.device)
+        return result
 
-    def run(
-        self,
-        batch: Any,
-        attempt: Callable[[list[Piece], int], None],
-        finish: Callable[[list[Piece], int, int, int | None], T],
-        discard: Callable[[], None],
-    ) -> T:
+    def run(self, batch: Any, attempt: Attempt, finish: Finish[T], discard: Discard) -> T:
         """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size,
         oom_retries, peak_bytes)`` (the peak of the attempt that completed, or ``None``).
 
@@ -293,12 +301,7 @@ class Runner:
         return value
 
     def _try(
-        self,
-        pieces: list[Piece],
-        size: int,
-        attempt: Callable[[list[Piece], int], None],
-        discard: Callable[[], None],
-        backup: Backup,
+        self, pieces: list[Piece], size: int, attempt: Attempt, discard: Discard, backup: Backup
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
@@ -322,3 +325,80 @@ class Runner:
             return pieces
         most = int(self.sync.all_reduce_max(torch.tensor([float(len(pieces))])).item())
         return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
+
+
+# ------------------------------------------------------------------------- passes before the window
+def prepass(
+    state: torch.nn.Module | Sequence[torch.Tensor],
+    pieces: Sequence[Any],
+    fn: Callable[[Any], T],
+    device: torch.device,
+    states: Sequence[_rng.RngState] | None = None,
+) -> tuple[list[T], list[_rng.RngState]]:
+    """``fn`` on every piece without gradients; the random state before each (with ``states``:
+    the one an earlier pass recorded, replayed); the mutable ``state`` (a module's buffers, or
+    the tensors an ``Accumulator`` tracks) put back.
+
+    Note [passes before the window]. The random state afterwards is the one after the pass.
+    """
+    tensors = list(state.buffers()) if isinstance(state, torch.nn.Module) else list(state)
+    saved = [b.detach().clone() for b in tensors]
+    recorded, outputs = [], []
+    try:
+        with torch.no_grad():
+            for i, piece in enumerate(pieces):
+                if states is not None:
+                    _rng.restore(states[i], device)
+                recorded.append(_rng.capture(device))
+                outputs.append(fn(piece))
+    finally:  # also after a failure: a redone window starts from the same buffers
+        with torch.no_grad():
+            for b, value in zip(tensors, saved, strict=True):
+                b.copy_(value)
+    return outputs, recorded
+
+
+def agree(
+    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
+) -> None:
+    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
+
+    Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
+    """
+    failed, oom = failure is not None, failure is not None and is_out_of_memory(failure)
+    if world_size > 1:
+        flags = torch.tensor([float(failed), float(oom)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        failed, oom = map(bool, flags.tolist())
+    if failure is not None:
+        raise failure
+    if failed:
+        what = "another rank failed before the window's collective; this rank stops it too"
+        raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
+
+
+def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:
+    """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
+    the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.
+
+    Raises:
+        TypeError: a piece's statistics hold no tensor, or not the same structure as the first's.
+    """
+    leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
+    if not leaves[0] or any(len(found) != len(leaves[0]) for found in leaves):
+        raise TypeError(
+            f"{name} must return additive statistics: a tensor, or a dict / tuple of tensors, the "
+            f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
+        )
+    sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
+    if sync.world_size > 1:
+        flat = sync.all_reduce_sum(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
+        sizes = [s.numel() for s in sums]
+        sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
+    found = iter(sums)
+    return map_tensors(lambda _: next(found), outputs[0])
+
+
+def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
+    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
+    return loss_fn(model, micro_batch, stats)

@@ -6,7 +6,7 @@ so an accumulated step is not the big-batch step. The policies:
 * ``"micro"``: keep ghost-batch semantics (statistics per micro-batch, what PyTorch does under
   accumulation anyway) and say so once with a ``BigBatchWarning`` naming the layers; inside the
   engine's windows the running statistics move once per optimizer step as far as one big-batch
-  update would (Note [momentum correction] in ``bigbatch.core._batchnorm``).
+  update would (Note [momentum correction]).
 * ``"freeze"``: normalise with the running statistics (eval-mode BatchNorm, for fine-tuning),
   even after ``model.train()``; the running statistics no longer change. The affine weight and
   bias stay trainable: call ``layer.requires_grad_(False)`` to freeze them too. Exact.
@@ -16,20 +16,32 @@ so an accumulated step is not the big-batch step. The policies:
   becomes the original BatchNorm again, with the affine weights it has learned since).
 
 Each policy is a record that holds what it changed (``BatchNormHook``: its hook handles and the
-layer's momentum; ``_Swapped``: the original BatchNorm), so undoing restores the model's behaviour
-and its ``state_dict`` exactly; nothing else is set on the user's layers.
+layer's momentum, found by ``hooks_of``; ``_Swapped``: the original BatchNorm), so undoing restores
+the model's behaviour and its ``state_dict`` exactly; nothing else is set on the user's layers.
+The engine itself needs only the last section: it tells the hooks how many samples the
+window holds (``momentum_window``) and warns once about BatchNorm layers no policy handles.
+
+Note [momentum correction]
+    A window of ``n`` samples cut into micro-batches of ``s_1..s_k`` samples runs k BatchNorm
+    updates ``r <- (1 - a_j) r + a_j stat_j``. With the momentum correction each update uses
+    ``a_j = 1 - (1 - m)^(s_j / n)``, so ``Π (1 - a_j) = 1 - m``: after one optimizer step the old
+    running value keeps exactly the weight ``1 - m`` that one big-batch update gives it, and the
+    new statistics together get weight ``m`` (not ``1 - (1 - m)^k``, k times as far). When every
+    micro-batch has the big batch's statistics the result equals the big-batch update exactly.
+    Outside a window (your own loop) the layers use their plain momentum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bigbatch.core._batchnorm import BatchNormHook, batchnorm_layers, hooks_of, label
 from bigbatch.core._warnings import BigBatchWarning
 
 POLICIES = ("micro", "freeze", "groupnorm", "keep")
@@ -72,7 +84,7 @@ def batchnorm(
     layers = batchnorm_layers(model)
     if policy == "groupnorm":
         for name, layer in layers:
-            _replace(model, name, _Swapped.install(layer))
+            _replace(model, name, _Swapped(layer, _to_groupnorm(layer)).norm)
     elif policy in ("micro", "freeze"):
         for _, layer in layers:
             BatchNormHook(layer, policy, momentum_correction)
@@ -104,23 +116,16 @@ class _Swapped:
     and ``_undo`` can find it; it changes nothing in the GroupNorm's forward.
     """
 
-    def __init__(self, original: _BatchNorm) -> None:
-        self.original, self.handle = original, cast(Any, None)
+    def __init__(self, original: _BatchNorm, norm: nn.GroupNorm) -> None:
+        self.original, self.norm, self.handle = original, norm, norm.register_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        return None
-
-    @classmethod
-    def install(cls, layer: _BatchNorm) -> nn.GroupNorm:
-        norm = _to_groupnorm(layer)
-        record = cls(layer)
-        record.handle = norm.register_forward_pre_hook(record)
-        return norm
+        """The hook itself does nothing: the record only rides on the GroupNorm."""
 
     @staticmethod
     def of(module: nn.Module) -> _Swapped | None:
-        found = [h for h in module._forward_pre_hooks.values() if isinstance(h, _Swapped)]
-        return found[0] if found else None
+        hooks = module._forward_pre_hooks.values()
+        return next((h for h in hooks if isinstance(h, _Swapped)), None)
 
     def restore(self, norm: nn.Module) -> _BatchNorm:
         """The original BatchNorm, holding the affine weights the GroupNorm learned."""
@@ -134,9 +139,7 @@ class _Swapped:
 
 
 def _check_initialised(name: str, layer: _BatchNorm) -> None:
-    if isinstance(layer.weight, nn.parameter.UninitializedParameter) or (
-        not layer.affine and layer.num_features == 0
-    ):
+    if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
         raise ValueError(
             f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
             'batchnorm(model, policy="groupnorm").'
@@ -144,9 +147,8 @@ def _check_initialised(name: str, layer: _BatchNorm) -> None:
 
 
 def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
-    channels = layer.num_features
-    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(channels)
-    norm = nn.GroupNorm(groups, channels, eps=layer.eps, affine=layer.affine)
+    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(layer.num_features)
+    norm = nn.GroupNorm(groups, layer.num_features, eps=layer.eps, affine=layer.affine)
     if layer.affine:
         with torch.no_grad():
             norm.weight.copy_(layer.weight)
@@ -168,3 +170,107 @@ def _dtype(layer: _BatchNorm) -> torch.dtype | None:
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, new)  # "" is the model itself
+
+
+# ---------------------------------------------------------------------------- what the engine needs
+class BatchNormHook:
+    """How one BatchNorm layer behaves under accumulation; removable (see the module docstring).
+
+    Args:
+        layer: the BatchNorm layer.
+        policy: ``"micro"`` (statistics per micro-batch, momentum-corrected windows) or
+            ``"freeze"`` (normalise with the running statistics even in training mode).
+        momentum_correction: for ``"micro"``, Note [momentum correction].
+    """
+
+    def __init__(self, layer: _BatchNorm, policy: str, momentum_correction: bool = True) -> None:
+        self.layer, self.policy, self.correct, self.momentum = (
+            layer, policy, momentum_correction, layer.momentum
+        )  # fmt: skip
+        self.window_samples: int | None = None
+        self._was_training = False
+        self._handles = [
+            layer.register_forward_pre_hook(self._before),
+            layer.register_forward_hook(self._after),
+        ]
+
+    def _before(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        bn = self.layer  # the same module as `layer`, typed
+        if self.policy == "freeze":
+            # eval-mode BatchNorm for this call only; _after puts the layer's mode back.
+            self._was_training, bn.training = bn.training, False
+            return
+        n, base = self.window_samples, self.momentum  # None: a cumulative average: no correction
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        bn.momentum = self.momentum
+        if n and base is not None and self.correct and bn.training and first is not None:
+            bn.momentum = corrected_momentum(base, first.shape[0], n)
+
+    def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.policy == "freeze":
+            layer.training = self._was_training
+
+    def remove(self) -> None:
+        """Take the hooks off and give the layer its own momentum back."""
+        for handle in self._handles:
+            handle.remove()
+        self.layer.momentum = self.momentum
+
+
+def hooks_of(layer: nn.Module) -> list[BatchNormHook]:
+    """The ``BatchNormHook``\\ s installed on ``layer``."""
+    owners = (getattr(hook, "__self__", None) for hook in layer._forward_pre_hooks.values())
+    return [owner for owner in owners if isinstance(owner, BatchNormHook)]
+
+
+def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """The model's BatchNorm layers (every dimension, SyncBatchNorm, lazy) with their names."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def unhandled_batch_coupled(model: nn.Module) -> list[str]:
+    """Labels of BatchNorm layers in training mode that no ``batchnorm`` policy handles."""
+    return [label(name, m) for name, m in batchnorm_layers(model) if m.training and not hooks_of(m)]
+
+
+def label(name: str, module: nn.Module) -> str:
+    """How messages name a module: ``'features.1' (BatchNorm2d)``."""
+    return f"'{name}' ({type(module).__name__})" if name else type(module).__name__
+
+
+def warn_batch_coupled(model: nn.Module) -> None:
+    """Warn (``BigBatchWarning``) when the model holds unhandled BatchNorm layers in training mode."""
+    names = unhandled_batch_coupled(model)
+    if names:
+        warnings.warn(
+            f"{', '.join(names)} normalise with batch statistics in training mode: each "
+            "micro-batch sees its own, so accumulation is not exact. Choose a policy with "
+            'bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm") (`bigbatch check` '
+            "shows the effect).",
+            BigBatchWarning,
+            stacklevel=4,
+        )
+
+
+@contextlib.contextmanager
+def momentum_window(layers: Sequence[nn.Module], samples: int) -> Iterator[None]:
+    """Tell the momentum-corrected hooks of the BatchNorm ``layers`` that the next forwards form a
+    window of ``samples`` (Note [momentum correction])."""
+    hooks = [h for m in layers for h in hooks_of(m) if h.correct]
+    for hook in hooks:
+        hook.window_samples = samples
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.window_samples = None
+            hook.layer.momentum = hook.momentum
+
+
+def corrected_momentum(momentum: float, samples: int, window_samples: int) -> float:
+    """Momentum for a micro-batch of ``samples`` in a window of ``window_samples`` (Note above).
+
+    >>> round(corrected_momentum(0.1, 5, 10), 6)  # half the window: 1 - 0.9 ** 0.5
+    0.051317
+    """
+    return 1.0 - (1.0 - momentum) ** (samples / window_samples)

@@ -6,7 +6,7 @@ micro-batch's loss *sum*, and steps once; ``micro_batch`` / ``backward`` / ``ste
 parts for users who keep their own loop. See Note [window normalisation] and Note [named terms]
 in ``bigbatch.core.loss``, Note [backward scale] in ``bigbatch.core._scale``, Note [global
 normalisation] in ``bigbatch.core._sync``, Note [fp16 and accumulation] in
-``bigbatch.core._precision`` and Note [auto micro-batch] in ``bigbatch.core._auto``.
+``bigbatch.core._precision`` and Note [auto micro-batch] in ``bigbatch.core._sizing``.
 
 Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
@@ -25,27 +25,14 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._batchnorm import warn_batch_coupled
-from bigbatch.core._passes import run_prepass, total_stats, with_stats
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
-from bigbatch.core._sizing import WindowMeter, gradient_bytes
-from bigbatch.core._stepping import (
-    Stepper,
-    StepResult,
-    add_grads_,
-    check_empty_window,
-    check_max_grad_norm,
-    check_nonfinite,
-    check_optimizer,
-    check_scheduler,
-    pair_grads,
-    params_of,
-)
+from bigbatch.core._sizing import WindowMeter
+from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
-from bigbatch.core._units import parse_bytes
-from bigbatch.core._window import Piece, Restart, Runner, Window
+from bigbatch.core._window import Piece, Restart, Runner, Window, total_stats, with_stats
+from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
@@ -125,27 +112,20 @@ class Accumulator:
         sizing, cut = make_cut(
             micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
         )
-        clip, nonfinite = check_max_grad_norm(max_grad_norm), check_nonfinite(nonfinite)
-        check_optimizer(model, optimizer)
-        scheduler = check_scheduler(scheduler, optimizer)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.max_grad_norm, self.nonfinite, self.micro_batch_size = (
-            clip,
-            nonfinite,
-            micro_batch_size,
-        )
+        settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
+        self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
+        self.scheduler, self.max_grad_norm, self.nonfinite = settings
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(optimizer, scheduler, clip, nonfinite, self._precision, self._sync)
-        budget = parse_bytes(memory_budget)
-        meter = WindowMeter(self.device, budget, sizing.retries, gradient_bytes(optimizer))
+        self._stepper = Stepper(optimizer, *settings, self._precision, self._sync)
+        meter = WindowMeter(self.device, memory_budget, sizing.retries, optimizer)
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
-        self._warned = False  # about batch-coupled layers, once (bigbatch.core._batchnorm)
+        self._warned = False  # about batch-coupled layers, once (bigbatch.core.batchnorm)
 
     @property
     def precision(self) -> str:
@@ -239,7 +219,16 @@ class Accumulator:
                 micro-batch).
             MemoryError: ``micro_batch_size="auto"`` and not even one sample fits.
         """
-        check_empty_window(self._window.micro_batches, self.optimizer)
+        if self._window.micro_batches:
+            raise RuntimeError(
+                f"train_step() called while {self._window.micro_batches} micro-batch(es) from "
+                "backward() await a step(): call acc.step() first; use only one of the two paths."
+            )
+        if self._params_with_grad():
+            raise RuntimeError(
+                "train_step() found gradients already in the parameters' .grad; they would be "
+                "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
+            )
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
@@ -248,13 +237,12 @@ class Accumulator:
     def _finish(self, pieces: list[Piece], size: int, retries: int, peak: int | None) -> StepResult:
         tokens = None if pieces[0].tokens is None else sum(p.tokens or 0 for p in pieces)
         padded = None if tokens is None else sum(p.padded_tokens or 0 for p in pieces)
-        result = self._apply(
+        if isinstance(self._runner.cut, TokenCut):  # the shapes this window was cut into
+            self._runner.cut.check_shapes(self.model)
+        return self._apply(
             micro_batch_size=size, oom_retries=retries, peak_bytes=peak, tokens=tokens,
             padded_tokens=padded,
         )  # fmt: skip
-        if isinstance(self._runner.cut, TokenCut):
-            self._runner.cut.check_shapes(self.model)
-        return result
 
     def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
@@ -300,21 +288,18 @@ class Accumulator:
         """What runs before the window's backwards (Note [passes before the window]): the
         statistics pass, ``cached_loss``'s, the counts and the scales. Returns the loss of the
         pieces and the random states their forwards replay (``None``: no pass ran)."""
-        states = None
+        states = counts = None
         if stats_fn is not None:
             outputs, states = self._prepass(lambda p: stats_fn(self.model, p.batch), pieces)
             loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
         if hasattr(loss_fn, "prepare"):  # a WindowLoss (cached_loss): sees the window first
             if any(p.pad_rows for p in pieces):
-                raise ValueError(
-                    "cached_loss takes no pad rows: drop pad_to_multiple_of (compile buckets) "
-                    "when training a batch-coupled loss."
-                )
+                raise ValueError("cached_loss takes no pad rows: drop pad_to_multiple_of for it.")
             rows = None if pieces[0].rows is None else [p.rows for p in pieces]
             with self._sync.micro_batch(False), self._precision.autocast():  # no backward
                 loss_fn = loss_fn.prepare(self.model, batch, [p.batch for p in pieces], rows)
         if count_fn is not None:
-            counts: list[Any] | None = [count_fn(p.batch) for p in pieces]
+            counts = [count_fn(p.batch) for p in pieces]
         elif self._known is not None:  # a window redone at its known count (fp16 overflow)
             counts, self._known = [self._known], None
         elif self._count_pass:  # Note [named terms]
@@ -324,8 +309,6 @@ class Accumulator:
                 return {name: t.count for name, t in terms.items()}
 
             counts, states = self._prepass(count, pieces, states)
-        else:
-            counts = None
         plan(self._window, batch, counts, sum(p.samples for p in pieces), self._sync,
              self._precision.scaler is not None)  # fmt: skip
         return loss_fn, states
@@ -335,7 +318,7 @@ class Accumulator:
     ) -> tuple[list[Any], list[Any]]:
         """``fn`` on every piece under autocast without gradients, agreed across ranks."""
         with self._precision.autocast():
-            return run_prepass(self._runner.state(), pieces, fn, self.device, self._sync, states)
+            return self._runner.prepass(pieces, fn, states)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -387,8 +370,7 @@ class Accumulator:
                 "`with acc.micro_batch(last=...):` (and backward() there or after it)."
             )
         if w.scales is None:  # the low-level path: nothing known before the window
-            w.scales = {"loss": 1.0}
-            w.follow = "all" if self._precision.scaler is not None else ""
+            w.scales, w.follow = {"loss": 1.0}, "all" if self._precision.scaler is not None else ""
         if terms.keys() != w.scales.keys():
             if len(terms) == len(w.scales) == 1 and w.expected is None:  # one term, any name
                 w.scales = {next(iter(terms)): next(iter(w.scales.values()))}
@@ -408,9 +390,9 @@ class Accumulator:
             raise Restart
         raise ValueError(
             f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
-            f"are for {sorted(self._window.scales or {})}: a loss of several terms needs each "
-            "term's count before the first backward. Return the same terms for every micro-batch, "
-            "give count_fn returning {name: count}, or use train_step (it counts first)."
+            f"are for {sorted(self._window.scales or {})}: each term's count is needed before the "
+            "first backward. Return the same terms each time, give count_fn -> {name: count}, "
+            "or use train_step."
         )
 
     def accumulate_grads(
@@ -446,7 +428,9 @@ class Accumulator:
         w.scales = w.scales or {"loss": 1.0}
         if set(w.scales) != {"loss"}:
             self._need_counts({"loss": Term(value, count)})
-        add_grads_(pairs, w.scales["loss"])
+        for p, g in pairs:  # p.grad += s · g
+            scaled = g.detach().to(p.dtype) * w.scales["loss"]
+            p.grad = scaled if p.grad is None else p.grad + scaled
         w.deferred = w.deferred or self._sync.can_defer  # DDP saw no backward: sync at step
         w.add({"loss": Term(value, count)})
 

@@ -39,9 +39,11 @@ class MemoryBudgetExceeded(RuntimeError):
         budget_bytes: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.micro_batch_size = micro_batch_size
-        self.used_bytes = used_bytes
+        self.micro_batch_size, self.used_bytes = micro_batch_size, used_bytes
         self.budget_bytes = budget_bytes
+
+
+_OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryBudgetExceeded, MemoryError)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -57,11 +59,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (torch.OutOfMemoryError, MemoryBudgetExceeded, MemoryError)):
-            return True
-        if isinstance(current, RuntimeError) and any(
-            t in str(current) for t in _ALLOCATOR_FAILURES
-        ):
+        text = str(current) if isinstance(current, RuntimeError) else ""
+        if isinstance(current, _OUT_OF_MEMORY) or any(t in text for t in _ALLOCATOR_FAILURES):
             return True
         hidden = current.__suppress_context__ and current.__cause__ is None
         current = current.__cause__ or (None if hidden else current.__context__)

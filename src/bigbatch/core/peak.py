@@ -90,15 +90,14 @@ class PeakProbe:
 
     def reset(self) -> PeakMemory:
         """Start a new measurement; return a record holding the baseline."""
+        self._hand_peak_to_open_probes()  # the allocator's statistics need no synchronisation
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self._hand_peak_to_open_probes()
             torch.cuda.reset_peak_memory_stats(self.device)
             record = PeakMemory(
                 str(self.device), baseline_bytes=torch.cuda.memory_allocated(self.device)
             )
         else:
-            self._hand_peak_to_open_probes()
             _libc_call("malloc_trim", 0)
             exact = _reset_rss_high_water_mark()
             record = PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
@@ -127,8 +126,7 @@ class PeakProbe:
     def _hand_peak_to_open_probes(self) -> None:
         for probe in list(_open_probes):
             if probe is not self and probe.device == self.device and probe._record is not None:
-                record = probe._record
-                record._carried_bytes = max(record._carried_bytes, self._raw_peak())
+                probe._record._carried_bytes = max(probe._record._carried_bytes, self._raw_peak())
 
 
 # Measurements still open: Note [one counter per process].
@@ -190,7 +188,7 @@ def _reset_rss_high_water_mark() -> bool:
 def small_mmap_threshold() -> Iterator[None]:
     """Inside the block, glibc maps every allocation over 64 KiB on its own (Note [honest CPU
     peaks]); a no-op where the C library is not glibc."""
-    _mallopt_mmap_threshold(64 * 1024)
+    _libc_call("mallopt", -3, 64 * 1024)  # -3: glibc's M_MMAP_THRESHOLD
     try:
         yield
     finally:
@@ -200,16 +198,10 @@ def small_mmap_threshold() -> Iterator[None]:
 def fix_mmap_threshold() -> None:
     """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB (Note
     [honest CPU peaks]); a no-op where the C library is not glibc."""
-    _mallopt_mmap_threshold(128 * 1024)
-
-
-def _mallopt_mmap_threshold(value: int) -> None:
-    _libc_call("mallopt", -3, value)  # -3: glibc's M_MMAP_THRESHOLD
+    _libc_call("mallopt", -3, 128 * 1024)  # -3: glibc's M_MMAP_THRESHOLD
 
 
 def _libc_call(name: str, *args: int) -> None:
     """Call the C library's ``name(*args)``; nothing where it is not glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # no C library, or not glibc
         getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)(*args)
-    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
-        pass

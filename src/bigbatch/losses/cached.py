@@ -64,8 +64,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bigbatch.core import _rng
-from bigbatch.core._passes import agree, prepass
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
+from bigbatch.core._window import agree, prepass
 from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, check_scalar_loss, mean_of
 from bigbatch.core.split import Batch, batch_size
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from bigbatch.core._batchnorm import label
 from bigbatch.core._tree import map_tensors, tensor_leaves
+from bigbatch.core.batchnorm import label
 from bigbatch.core.loss import LossFn, WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import checkpointed_blocks
