@@ -284,8 +284,47 @@ def float64_compiled_vs_eager() -> None:
     )
 
 
+def bucket_padding(windows: int = 50, budget: int = 4096, multiple: int = 64) -> None:
+    """Padding of the ways to give a compiler few shapes, computed on the cut alone (no model)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor(lognormal_lengths(gen))
+    ways = {  # rows padded to: a one-shape bucket, a power of two, none (rows left dynamic)
+        "rows padded to the bucket's row count (one shape per bucket)": ("mixed", "full"),
+        "rows padded to a power of two": ("mixed", "pow2"),
+        "rows dynamic, one length bucket per micro-batch": ("bucket", "none"),
+    }
+    rows = []
+    for name, (group, pad_rows) in ways.items():
+        real = computed = 0
+        shapes = set()
+        for _ in range(windows):
+            order = sorted(lengths[torch.randint(len(lengths), (N,), generator=gen)].tolist())[::-1]
+            real, start = real + sum(order), 0
+            while start < N:
+                length = -(-order[start] // multiple) * multiple
+                full = max(1, budget // length)
+                take = min(full, N - start)
+                if group == "bucket":  # only samples of this length bucket
+                    shorter = (r for r in range(1, take) if order[start + r] <= length - multiple)
+                    take = next(shorter, take)
+                pow2 = min(full, 1 << (take - 1).bit_length())
+                padded = {"full": full, "pow2": pow2}.get(pad_rows, take)
+                computed += padded * length
+                shapes.add((padded if pad_rows != "none" else 0, length))
+                start += take
+        rows.append([name, f"{1 - real / computed:.0%}", len(shapes)])
+    print_table(
+        f"Padding for few shapes: {windows} windows of {N} log-normal lengths, {budget} tokens, "
+        f"pad_to_multiple_of={multiple} (no model run)",
+        ["rows", "padding", "shapes"],
+        rows,
+    )
+
+
 def ceiling(rounds: int) -> None:
     import torch._dynamo as dynamo
+
+    bucket_padding()
 
     shapes = [(8, 512), (16, 256), (32, 128), (64, 64)]
     base, gen = make_model("gpt2"), torch.Generator().manual_seed(3)
