@@ -173,7 +173,8 @@ class TokenCut(SampleCut):
 
         self.shapes.add((len(index) + pad, length))
         tokens, padded = sum(lengths[i] for i in index), (len(index) + pad) * length
-        return Piece(map_tensors(fit, rows), len(index), torch.tensor(index), tokens, padded, pad)
+        order = torch.tensor(index, dtype=torch.long)  # long when empty too
+        return Piece(map_tensors(fit, rows), len(index), order, tokens, padded, pad)
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens)."""
