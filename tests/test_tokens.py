@@ -168,19 +168,30 @@ def test_batches_without_lengths_and_masks_with_gaps_are_refused(gen):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_mean_loss_with_pad_rows_is_refused_and_changes_nothing(gen):
+@pytest.mark.parametrize(
+    ("precision", "form"),  # fp16 with a tuple batch: nothing counted first, the scale follows
+    [("fp32", "mapping"), ("fp16", "mapping"), ("fp16", "tuple")],
+)
+def test_a_mean_loss_with_pad_rows_is_refused_and_changes_nothing(gen, precision, form):
     torch.manual_seed(0)
-    model = PerToken().double()
+    model = PerToken().to(torch.float64 if precision == "fp32" else torch.float32)
     before = copy.deepcopy(model.state_dict())
     acc = bigbatch.Accumulator(
         model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_tokens=32,
-        pad_to_multiple_of=4,
+        pad_to_multiple_of=4, precision=precision,
+        lengths=(lambda b: b[1].sum(-1)) if form == "tuple" else None,
     )  # fmt: skip
+    batch = text_batch(3, gen)  # 3 full rows at 2 per micro-batch: the second has a pad row
+    batch["attention_mask"].fill_(1)
+    batch["labels"] = batch["input_ids"].clone()
+    if form == "tuple":
+        batch = (batch["input_ids"], batch["attention_mask"], batch["labels"])
     mean = lambda m, b: torch.nn.functional.cross_entropy(  # noqa: E731
-        m(b["input_ids"]).flatten(0, 1), b["labels"].flatten(), ignore_index=PAD
-    )
+        m(b[0] if form == "tuple" else b["input_ids"]).float().flatten(0, 1),
+        (b[2] if form == "tuple" else b["labels"]).flatten(), ignore_index=PAD,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="loss_fn returned a mean, which would average over"):
-        acc.train_step(text_batch(10, gen), mean)
+        acc.train_step(batch, mean)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

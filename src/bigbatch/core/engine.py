@@ -274,10 +274,10 @@ class Accumulator:
         """Back-propagate what ``loss_fn`` returned for ``piece``. A mean of one term goes in one
         multiply, ``mean · (n · s)``; the window multiplies it by ``n`` at step time."""
         w, scales = self._window, self._window.scales or {}
+        if isinstance(out, torch.Tensor) and piece.pad_rows:  # a mean, on any path (fp16 too)
+            raise ValueError(PAD_ROWS_NEED_SUMS)
         if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
             return self._backward(as_terms(out, piece.samples))
-        if piece.pad_rows:
-            raise ValueError(PAD_ROWS_NEED_SUMS)
         check_scalar_loss(out, "loss_fn's return value")
         self._precision.backward(out * (piece.samples * scales["loss"]))
         w.add({"loss": Term(out, piece.samples)}, factor=piece.samples)
