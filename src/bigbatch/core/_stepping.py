@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.core.split import check_choice
+
 NONFINITE = ("raise", "skip", "apply")
 
 
@@ -153,10 +155,7 @@ def check_step(
             f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
             "(finite, e.g. max_grad_norm=1.0)."
         )
-    if nonfinite not in NONFINITE:
-        raise ValueError(
-            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
-        )
+    check_choice("nonfinite", nonfinite, NONFINITE)
     check_optimizer(model, optimizer)
     clip_or_none = None if max_grad_norm is None else clip
     return check_scheduler(scheduler, optimizer), clip_or_none, str(nonfinite)

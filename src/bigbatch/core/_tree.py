@@ -2,8 +2,8 @@
 
 A batch is whatever a DataLoader yields: a tensor, a tuple ``(x, y)``, a dict, a tokenizer's
 ``BatchEncoding`` (a ``Mapping`` that is not a ``dict``), nested any way. Non-tensor leaves
-(strings, ints, ``None``) are carried through untouched by ``map_tensors``; ``rows`` also cuts
-per-sample columns that are not tensors (see ``rows``).
+(strings, ints, ``None``) are carried through untouched by ``map_tensors``; ``take`` also cuts
+per-sample columns that are not tensors (see ``take``).
 """
 
 from __future__ import annotations
@@ -52,23 +52,16 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Any:
         return items
 
 
-def rows(tree: Any, start: int, stop: int, n: int) -> Any:
-    """``tree`` with every per-sample leaf cut to its rows ``start:stop`` of ``n``.
+def take(tree: Any, index: slice | list[int], n: int) -> Any:
+    """``tree`` with every per-sample leaf cut to the rows ``index`` (a slice or positions) of ``n``.
 
     Per-sample leaves are tensors (cut along their first dimension) and **columns**: a list or
     tuple of exactly ``n`` values that are not containers, such as the list of ``n`` ids or
     strings that ``default_collate`` makes from a dataset of ``(x, y, "id")`` items. Anything
     else that is not a tensor (a per-batch constant, a list of another length) is passed whole.
 
-    >>> rows({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, 1, 3, 4)
+    >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, slice(1, 3), 4)
     {'x': tensor([1, 2]), 'id': ['b', 'c'], 'lr': 0.1}
-    """
-    return take(tree, slice(start, stop), n)
-
-
-def take(tree: Any, index: slice | list[int], n: int) -> Any:
-    """``tree`` with every per-sample leaf (see ``rows``) reduced to the rows ``index`` of ``n``.
-
     >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"]}, [3, 0], 4)
     {'x': tensor([3, 0]), 'id': ['d', 'a']}
     """
@@ -86,6 +79,6 @@ def take(tree: Any, index: slice | list[int], n: int) -> Any:
 
 
 def is_column(values: tuple | list, n: int) -> bool:
-    """A list / tuple of ``n`` non-container values: one value per sample (see ``rows``)."""
+    """A list / tuple of ``n`` non-container values: one value per sample (see ``take``)."""
     containers = (torch.Tensor, Mapping, tuple, list)
     return len(values) == n and not any(isinstance(v, containers) for v in values)

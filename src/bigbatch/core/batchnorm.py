@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.split import check_choice
 
 POLICIES = ("micro", "freeze", "groupnorm", "keep")
 
@@ -73,13 +74,13 @@ def batchnorm(
         >>> type(batchnorm(model, "keep")[1]).__name__
         'BatchNorm2d'
     """
-    if policy not in POLICIES:
-        raise ValueError(
-            f"policy={policy!r} is not allowed: use one of {', '.join(map(repr, POLICIES))}."
-        )
-    if policy == "groupnorm":
-        for name, layer in batchnorm_layers(model):  # checked before anything changes
-            _check_initialised(name, layer)
+    check_choice("policy", policy, POLICIES)
+    for name, layer in batchnorm_layers(model) if policy == "groupnorm" else ():
+        if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
+            raise ValueError(
+                f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
+                'batchnorm(model, policy="groupnorm").'
+            )  # checked before anything changes
     _undo(model)
     layers = batchnorm_layers(model)
     if policy == "groupnorm":
@@ -138,33 +139,18 @@ class _Swapped:
         return self.original
 
 
-def _check_initialised(name: str, layer: _BatchNorm) -> None:
-    if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
-        raise ValueError(
-            f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
-            'batchnorm(model, policy="groupnorm").'
-        )
-
-
 def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
-    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(layer.num_features)
+    # The largest of 32, 16, 8, 4, 2, 1 that divides the channels (32 as in Wu & He 2018).
+    sizes = (1,) if isinstance(layer, nn.BatchNorm1d) else (32, 16, 8, 4, 2, 1)
+    groups = next(g for g in sizes if layer.num_features % g == 0)
     norm = nn.GroupNorm(groups, layer.num_features, eps=layer.eps, affine=layer.affine)
     if layer.affine:
         with torch.no_grad():
             norm.weight.copy_(layer.weight)
             norm.bias.copy_(layer.bias)
     norm.train(layer.training)
-    return norm.to(device=layer.weight.device if layer.affine else None, dtype=_dtype(layer))
-
-
-def _groups(channels: int) -> int:
-    """The largest of 32, 16, 8, 4, 2, 1 that divides ``channels`` (32 as in Wu & He 2018)."""
-    return next(g for g in (32, 16, 8, 4, 2, 1) if channels % g == 0)
-
-
-def _dtype(layer: _BatchNorm) -> torch.dtype | None:
-    tensors = (layer.weight, layer.running_mean)
-    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor)), None)
+    found = (t.dtype for t in (layer.weight, layer.running_mean) if isinstance(t, torch.Tensor))
+    return norm.to(device=layer.weight.device if layer.affine else None, dtype=next(found, None))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
