@@ -159,11 +159,6 @@ class Sizing:
         if self.retries:
             self.state = after_success(self.state, used_size)
 
-    @property
-    def adopted(self) -> int | None:
-        """The size the next full window is cut at; ``None`` while unknown (auto, first window)."""
-        return self.state.size
-
     def state_dict(self) -> dict[str, Any]:
         """What must be saved to take the same decisions after a restart."""
         fixed = {"policy": "fixed", "size": self.state.size}
@@ -188,9 +183,6 @@ class Sizing:
                 f"{self.state.size}: build it with {self.name}={state['size']} to load it."
             )
         self.state = AutoState(**{k: v for k, v in state.items() if k != "policy"})
-
-
-make_sizing = Sizing  # the name bigbatch.keras checks a micro_batch_size with
 
 
 class WindowMeter:

@@ -325,6 +325,6 @@ class Stepper:
         """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
         totals = w.totals()
         if self.sync.world_size > 1:
-            totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
+            totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
         return sums, counts, totals[-1]  # then the bad counts

@@ -51,8 +51,5 @@ def format_bytes(n: float) -> str:
     >>> format_bytes(1536 * 2**20)
     '1.50 GiB'
     """
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+    k = next((k for k in range(3) if abs(n) < 1024 ** (k + 1)), 3)
+    return f"{n / 1024**k:.{2 if k else 0}f} {('B', 'KiB', 'MiB', 'GiB')[k]}"

@@ -323,7 +323,7 @@ class Runner:
         up across ranks (Note [micro-batches per rank] in ``bigbatch.core._sync``)."""
         if not self.sync.equal_micro_batches:
             return pieces
-        most = int(self.sync.all_reduce_max(torch.tensor([float(len(pieces))])).item())
+        most = int(self.sync.all_reduce(torch.tensor([float(len(pieces))]), "max").item())
         return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
 
 
@@ -392,7 +392,7 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
         )
     sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
     if sync.world_size > 1:
-        flat = sync.all_reduce_sum(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
+        flat = sync.all_reduce(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
         sizes = [s.numel() for s in sums]
         sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
     found = iter(sums)

@@ -135,7 +135,7 @@ class Accumulator:
     @property
     def current_micro_batch_size(self) -> int | None:
         """The micro-batch the next full window is cut at (``None``: auto before its first window)."""
-        return self._runner.sizing.adopted
+        return self._runner.sizing.state.size
 
     def track(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
         """Also save and restore ``tensors()`` around each window, besides the buffers.
