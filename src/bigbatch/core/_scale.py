@@ -55,11 +55,12 @@ def plan(
     elif sync.world_size > 1 and not fp16:
         w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
     else:
-        labelled = labelled_tokens(batch) if fp16 else None
-        local = {"loss": labelled} if labelled is not None else {}
-        totals, n = global_counts(local, samples, sync)
+        # fp16: the labelled tokens (labels != -100) of a batch in the transformers convention
+        labels: Any = batch.get("labels") if fp16 and isinstance(batch, Mapping) else None
+        tokens = torch.is_tensor(labels) and labels.dim() >= 2 and not labels.is_floating_point()
+        totals, n = global_counts({"loss": (labels != -100).sum()} if tokens else {}, samples, sync)
         w.scales = {"loss": 1.0 / clamp_count(totals.get("loss", n))}
-        w.follow = "tensors" if labelled is None and fp16 else ""
+        w.follow = "tensors" if fp16 and not tokens else ""
 
 
 def follow(
@@ -82,14 +83,6 @@ def global_counts(local: dict[str, Any], n: int, sync: GradSync) -> tuple[dict[s
         return local, float(n)
     total = sync.all_reduce(stack_values([*local.values(), float(n)]))
     return dict(zip(local, total[:-1], strict=True)), float(total[-1])
-
-
-def labelled_tokens(batch: Any) -> torch.Tensor | None:
-    """``labels != -100`` counted, for a batch in the transformers convention; else ``None``."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
-        return (labels != -100).sum()
-    return None
 
 
 def overflowed(

@@ -128,11 +128,10 @@ class _RankSync(GradSync):
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         if not self.auto:
             return failed_size, measured
-        inf = float("inf")
         allocator_failed = float(failed_size is not None and not measured)
-        local = torch.tensor([-(failed_size or inf), allocator_failed], dtype=torch.float64)
+        local = torch.tensor([-(failed_size or torch.inf), allocator_failed], dtype=torch.float64)
         neg_failed, any_allocator = self.all_reduce(local, "max").tolist()
-        return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
+        return (None if neg_failed == -torch.inf else int(-neg_failed)), not any_allocator
 
 
 class DDPSync(_RankSync):
@@ -148,9 +147,7 @@ class DDPSync(_RankSync):
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
         super().__init__(model, getattr(model, "process_group", None), auto)
-        self.equal_micro_batches = bool(
-            model.broadcast_buffers and any(True for _ in model.buffers())
-        )
+        self.equal_micro_batches = bool(model.broadcast_buffers and list(model.buffers()))
         if self.auto and self.equal_micro_batches:
             raise ValueError(
                 'micro_batch_size="auto" on several ranks cannot use DDP broadcasting buffers every '
