@@ -229,10 +229,9 @@ def warn_batch_coupled(model: nn.Module) -> None:
     names = unhandled_batch_coupled(model)
     if names:
         warnings.warn(
-            f"{', '.join(names)} normalise with batch statistics in training mode: each "
-            "micro-batch sees its own, so accumulation is not exact. Choose a policy with "
-            'bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm") (`bigbatch check` '
-            "shows the effect).",
+            f"{', '.join(names)} normalise with batch statistics in training mode: accumulation "
+            "is not exact (each micro-batch sees its own; `bigbatch check` shows the effect). "
+            'Choose a policy: bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm").',
             BigBatchWarning,
             stacklevel=4,
         )
