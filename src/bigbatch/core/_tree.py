@@ -24,8 +24,9 @@ def tensor_leaves(tree: Any, path: str = "batch") -> Iterator[tuple[str, torch.T
             yield from tensor_leaves(value, f"{path}[{key!r}]")
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Return ``tree`` with ``fn`` applied to every tensor, keeping the container types.
+def map_tensors(fn: Callable[[Any], Any], tree: Any, n: int | None = None) -> Any:
+    """Return ``tree`` with ``fn`` applied to every tensor (and, given ``n``, to every column of
+    ``n`` values: see ``take``), keeping the container types.
 
     Named tuples, dict subclasses and mappings such as ``transformers.BatchEncoding`` are
     rebuilt with their own type so that ``loss_fn`` sees the same kind of object it would see
@@ -34,11 +35,13 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: map_tensors(fn, v) for k, v in tree.items()})
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
-        return type(tree)(*(map_tensors(fn, v) for v in tree))
+        return _rebuild_mapping(tree, {k: map_tensors(fn, v, n) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
+        return type(tree)(*(map_tensors(fn, v, n) for v in tree))
+    if isinstance(tree, (tuple, list)) and n is not None and is_column(tree, n):
+        return fn(tree)
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors(fn, v) for v in tree)
+        return type(tree)(map_tensors(fn, v, n) for v in tree)
     return tree
 
 
@@ -65,17 +68,14 @@ def take(tree: Any, index: slice | list[int], n: int) -> Any:
     >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"]}, [3, 0], 4)
     {'x': tensor([3, 0]), 'id': ['d', 'a']}
     """
-    if isinstance(tree, torch.Tensor):
-        return tree[index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)]
-    if isinstance(tree, (tuple, list)):
-        if hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
-            return type(tree)(*[take(v, index, n) for v in tree])
-        if is_column(tree, n):
-            return type(tree)(tree[index] if isinstance(index, slice) else [tree[i] for i in index])
-        return type(tree)([take(v, index, n) for v in tree])
-    if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: take(v, index, n) for k, v in tree.items()})
-    return tree
+    rows = index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)
+
+    def cut(leaf: Any) -> Any:  # a tensor or a column
+        if isinstance(leaf, torch.Tensor):
+            return leaf[rows]
+        return type(leaf)(leaf[index] if isinstance(index, slice) else [leaf[i] for i in index])
+
+    return map_tensors(cut, tree, n)
 
 
 def is_column(values: tuple | list, n: int) -> bool:

@@ -186,10 +186,10 @@ class BatchNormHook:
             # eval-mode BatchNorm for this call only; _after puts the layer's mode back.
             self._was_training, bn.training = bn.training, False
             return
-        n, base = self.window_samples, self.momentum  # None: a cumulative average: no correction
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        bn.momentum = self.momentum
-        if n and base is not None and self.correct and bn.training and first is not None:
+        # base None: a cumulative average, no correction
+        n, base, first = self.window_samples, self.momentum, args[0] if args else None
+        bn.momentum = base
+        if n and base is not None and self.correct and bn.training and torch.is_tensor(first):
             bn.momentum = corrected_momentum(base, first.shape[0], n)
 
     def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
