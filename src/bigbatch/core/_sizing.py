@@ -98,8 +98,7 @@ def after_oom(
         MemoryError: ``failed_size`` was already ``floor`` (one sample per micro-batch: 1, or the
             longest sample's tokens for ``name="micro_batch_tokens"``); nothing smaller exists.
     """
-    known_good = state.fits is not None and failed_size <= state.fits
-    if measured and known_good and not state.rechecked:
+    if measured and failed_size <= (state.fits or 0) and not state.rechecked:  # a size that fit
         return replace(state, rechecked=True)
     if failed_size <= max(1, floor):
         one = "" if floor <= 1 else f" (one sample per micro-batch: the longest has {floor} tokens)"

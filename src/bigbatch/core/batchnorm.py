@@ -105,8 +105,7 @@ def _undo(model: nn.Module) -> None:
     for name, module in list(model.named_modules()):
         for hook in hooks_of(module):
             hook.remove()
-        swapped = _Swapped.of(module)
-        if swapped is not None:
+        for swapped in hooks_of(module, _Swapped):
             _replace(model, name, swapped.restore(module))
 
 
@@ -114,7 +113,7 @@ class _Swapped:
     """Kept on a GroupNorm that ``"groupnorm"`` put in place of a BatchNorm: the BatchNorm itself.
 
     Registered as a no-op forward pre-hook of the GroupNorm, so it lives and dies with the module
-    and ``_undo`` can find it; it changes nothing in the GroupNorm's forward.
+    and ``_undo`` can find it (``hooks_of``); it changes nothing in the GroupNorm's forward.
     """
 
     def __init__(self, original: _BatchNorm, norm: nn.GroupNorm) -> None:
@@ -122,11 +121,6 @@ class _Swapped:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The hook itself does nothing: the record only rides on the GroupNorm."""
-
-    @staticmethod
-    def of(module: nn.Module) -> _Swapped | None:
-        hooks = module._forward_pre_hooks.values()
-        return next((h for h in hooks if isinstance(h, _Swapped)), None)
 
     def restore(self, norm: nn.Module) -> _BatchNorm:
         """The original BatchNorm, holding the affine weights the GroupNorm learned."""
@@ -203,10 +197,11 @@ class BatchNormHook:
         self.layer.momentum = self.momentum
 
 
-def hooks_of(layer: nn.Module) -> list[BatchNormHook]:
-    """The ``BatchNormHook``\\ s installed on ``layer``."""
-    owners = (getattr(hook, "__self__", None) for hook in layer._forward_pre_hooks.values())
-    return [owner for owner in owners if isinstance(owner, BatchNormHook)]
+def hooks_of(layer: nn.Module, kind: type = BatchNormHook) -> list[Any]:
+    """The records of ``kind`` riding on ``layer``'s forward pre-hooks: the ``BatchNormHook``\\ s
+    installed on it (their bound methods' owner), or the ``_Swapped`` that is the hook itself."""
+    owners = (getattr(hook, "__self__", hook) for hook in layer._forward_pre_hooks.values())
+    return [owner for owner in owners if isinstance(owner, kind)]
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
