@@ -211,8 +211,7 @@ class Backup:
 
     def changed(self) -> set[int]:
         """Ids of the tensors whose contents changed since the backup (or its last restore)."""
-        pairs = zip(self.tensors, self.versions, strict=True)
-        return {id(b) for b, version in pairs if version != _version(b)}
+        return {id(b) for b, v in zip(self.tensors, self.versions, strict=True) if v != _version(b)}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
