@@ -427,9 +427,9 @@ def test_warnings_are_one_line_each(tmp_path):
         f"bigbatch train: warning: --resume: the run in {str(out)!r} was stopped before its first "
         "snapshot: it starts again from step 0.",
         "bigbatch train: warning: '1' (BatchNorm2d) normalise with batch statistics in training "
-        "mode: each micro-batch sees its own, so accumulation is not exact. Choose a policy with "
-        'bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm") (`bigbatch check` '
-        "shows the effect).",
+        "mode: accumulation is not exact (each micro-batch sees its own; `bigbatch check` shows "
+        'the effect). Choose a policy: bigbatch.batchnorm(model, policy="micro" | "freeze" | '
+        '"groupnorm").',
     ]
 
 

@@ -11,7 +11,7 @@ from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.core._sizing import make_sizing
+from bigbatch.core._sizing import Sizing as make_sizing
 
 
 def _failing_above(limit: int):

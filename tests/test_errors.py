@@ -271,7 +271,7 @@ def test_bad_memory_budget_string(value):
 def test_non_positive_memory_budget(value):
     with pytest.raises(
         ValueError,
-        match=rf"memory_budget={re.escape(repr(value))} must be positive, e\.g\. memory_budget=\"6GiB\"",
+        match=rf"memory_budget={re.escape(repr(value))} is not a positive finite size: e\.g\. memory_budget=\"6GiB\"",
     ):
         _acc(memory_budget=value)
 
@@ -465,7 +465,7 @@ def test_max_grad_norm_must_be_a_finite_number(value):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_memory_budget_must_be_finite(value):
     with pytest.raises(
-        ValueError, match=rf"^memory_budget={value!r} is not a finite size: write e\.g\."
+        ValueError, match=rf"^memory_budget={value!r} is not a positive finite size: e\.g\."
     ):
         _acc(memory_budget=value)
 

@@ -86,7 +86,7 @@ def test_parse_bytes_rejects_text(bad):
 
 @pytest.mark.parametrize("bad", [0, -5, "0GiB", 0.1])
 def test_parse_bytes_rejects_non_positive(bad):
-    with pytest.raises(ValueError, match=rf"memory_budget={bad!r} must be positive"):
+    with pytest.raises(ValueError, match=rf"memory_budget={bad!r} is not a positive finite size"):
         parse_bytes(bad)
 
 

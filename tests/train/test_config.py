@@ -103,7 +103,7 @@ def test_toml_file(tmp_path):
          r"takes a number \(or is left out\)\.$"),
         ({"max_grad_norm": float("inf")}, ValueError, r"^max_grad_norm=inf is not allowed: use a "
          r"positive number \(finite, e\.g\. 1\.0\), or leave it out for no clipping\.$"),
-        ({"memory_budget": float("nan")}, ValueError, r"^memory_budget=nan is not a finite size"),
+        ({"memory_budget": float("nan")}, ValueError, r"^memory_budget=nan is not a positive finite size"),
         ({"memory_budget": "inf"}, ValueError, r"^memory_budget='inf' is not a size"),
         ({"lr": float("inf")}, ValueError, r"^lr=inf is not allowed: use a positive number"),
         ({"lr": float("nan")}, ValueError, r"^lr=nan is not allowed: use a positive number"),

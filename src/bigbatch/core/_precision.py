@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.core.split import check_choice
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 _NULL = contextlib.nullcontext()  # reusable: it holds no state
 
@@ -98,9 +100,6 @@ def make_precision(precision: object, device: torch.device) -> Precision:
     """
     if all(hasattr(precision, a) for a in ("autocast", "backward", "step", "unscale_")):
         return precision  # type: ignore[return-value]  # duck-typed: Precision's methods
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not allowed: use one of {', '.join(map(repr, PRECISIONS))}."
-        )
+    check_choice("precision", precision, PRECISIONS)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return Precision(precision, device.type, scaler)
+    return Precision(str(precision), device.type, scaler)

@@ -45,16 +45,22 @@ def plan(
 ) -> None:
     """Choose the window's scales before it runs (``counts``: each piece's, when known)."""
     if counts is not None:  # exactly 1 / C_k (a count may be a fraction: a sum of weights)
-        w.expected = global_counts(total_counts(counts), samples, sync)[0]
+        totals: dict[str, Any] = {}  # each term's total over the pieces: a number or {name: count}
+        for c in counts:
+            for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
+                count = check_count(value, f"count_fn's result {name!r}")
+                totals[name] = totals.get(name, 0.0) + count
+        w.expected = global_counts(totals, samples, sync)[0]
         w.scales = {k: _reciprocal(c) for k, c in w.expected.items()}
     elif sync.world_size > 1 and not fp16:
         w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
     else:
-        labelled = labelled_tokens(batch) if fp16 else None
-        local = {"loss": labelled} if labelled is not None else {}
-        totals, n = global_counts(local, samples, sync)
+        # fp16: the labelled tokens (labels != -100) of a batch in the transformers convention
+        labels: Any = batch.get("labels") if fp16 and isinstance(batch, Mapping) else None
+        tokens = torch.is_tensor(labels) and labels.dim() >= 2 and not labels.is_floating_point()
+        totals, n = global_counts({"loss": (labels != -100).sum()} if tokens else {}, samples, sync)
         w.scales = {"loss": 1.0 / clamp_count(totals.get("loss", n))}
-        w.follow = "tensors" if labelled is None and fp16 else ""
+        w.follow = "tensors" if fp16 and not tokens else ""
 
 
 def follow(
@@ -64,7 +70,7 @@ def follow(
     already accumulated; on several ranks agreed at the backward that synchronises."""
     seen = w.count("loss") + count
     if last and sync.world_size > 1 and not w.deferred:  # DDP all-reduces in this backward
-        seen = sync.all_reduce_sum(torch.as_tensor(seen, dtype=torch.float64).reshape(()))
+        seen = sync.all_reduce(torch.as_tensor(seen, dtype=torch.float64).reshape(()))
     scale = 1.0 / clamp_count(seen)
     if w.micro_batches:
         scale_grads_(grads(), scale / w.scales["loss"])  # type: ignore[index]
@@ -75,16 +81,8 @@ def global_counts(local: dict[str, Any], n: int, sync: GradSync) -> tuple[dict[s
     """``local`` counts and the ``n`` samples summed over ranks (one all-reduce; none on one)."""
     if sync.world_size == 1:
         return local, float(n)
-    total = sync.all_reduce_sum(stack_values([*local.values(), float(n)]))
+    total = sync.all_reduce(stack_values([*local.values(), float(n)]))
     return dict(zip(local, total[:-1], strict=True)), float(total[-1])
-
-
-def labelled_tokens(batch: Any) -> torch.Tensor | None:
-    """``labels != -100`` counted, for a batch in the transformers convention; else ``None``."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
-        return (labels != -100).sum()
-    return None
 
 
 def overflowed(
@@ -97,7 +95,7 @@ def overflowed(
     norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=device)]
     bad = (~torch.isfinite(torch.stack([n.to(device) for n in norms]).sum())).to(torch.float64)
     local = stack_values([bad, w.count("loss")], device)
-    any_bad = float(sync.all_reduce_sum(local)[0]) if sync.world_size > 1 else float(bad)
+    any_bad = float(sync.all_reduce(local)[0]) if sync.world_size > 1 else float(bad)
     return float(local[1]) if any_bad else None
 
 
@@ -122,12 +120,3 @@ def clamp_count(count: torch.Tensor | float) -> torch.Tensor | float:
     if isinstance(count, torch.Tensor):
         return count.to(torch.float64).clamp_min(1.0)
     return max(float(count), 1.0)
-
-
-def total_counts(counts: Sequence[Any], what: str = "count_fn's result") -> dict[str, Any]:
-    """Each term's total over the pieces: ``count_fn`` gives a number or ``{name: count}``."""
-    totals: dict[str, Any] = {}
-    for c in counts:
-        for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
-            totals[name] = totals.get(name, 0.0) + check_count(value, f"{what} {name!r}")
-    return totals

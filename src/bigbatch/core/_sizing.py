@@ -98,8 +98,7 @@ def after_oom(
         MemoryError: ``failed_size`` was already ``floor`` (one sample per micro-batch: 1, or the
             longest sample's tokens for ``name="micro_batch_tokens"``); nothing smaller exists.
     """
-    known_good = state.fits is not None and failed_size <= state.fits
-    if measured and known_good and not state.rechecked:
+    if measured and failed_size <= (state.fits or 0) and not state.rechecked:  # a size that fit
         return replace(state, rechecked=True)
     if failed_size <= max(1, floor):
         one = "" if floor <= 1 else f" (one sample per micro-batch: the longest has {floor} tokens)"
@@ -159,11 +158,6 @@ class Sizing:
         if self.retries:
             self.state = after_success(self.state, used_size)
 
-    @property
-    def adopted(self) -> int | None:
-        """The size the next full window is cut at; ``None`` while unknown (auto, first window)."""
-        return self.state.size
-
     def state_dict(self) -> dict[str, Any]:
         """What must be saved to take the same decisions after a restart."""
         fixed = {"policy": "fixed", "size": self.state.size}
@@ -188,9 +182,6 @@ class Sizing:
                 f"{self.state.size}: build it with {self.name}={state['size']} to load it."
             )
         self.state = AutoState(**{k: v for k, v in state.items() if k != "policy"})
-
-
-make_sizing = Sizing  # the name bigbatch.keras checks a micro_batch_size with
 
 
 class WindowMeter:

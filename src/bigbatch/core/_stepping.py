@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from bigbatch.core.split import check_choice
+
 NONFINITE = ("raise", "skip", "apply")
 
 
@@ -153,10 +155,7 @@ def check_step(
             f"max_grad_norm={max_grad_norm!r} is not allowed: use a positive number or None "
             "(finite, e.g. max_grad_norm=1.0)."
         )
-    if nonfinite not in NONFINITE:
-        raise ValueError(
-            f"nonfinite={nonfinite!r} is not allowed: use one of {', '.join(map(repr, NONFINITE))}."
-        )
+    check_choice("nonfinite", nonfinite, NONFINITE)
     check_optimizer(model, optimizer)
     clip_or_none = None if max_grad_norm is None else clip
     return check_scheduler(scheduler, optimizer), clip_or_none, str(nonfinite)
@@ -274,8 +273,11 @@ class Stepper:
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
         ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
-        sums, counts, bad = self.totals(w)  # the one host sync per step
-        check_window(counts, bad, w.expected)
+        totals = w.totals()  # the one host sync per step; then over all ranks (one all-reduce)
+        if self.sync.world_size > 1:
+            totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
+        sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
+        check_window(counts, totals[-1], w.expected)  # then the bad counts
         terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
@@ -321,11 +323,3 @@ class Stepper:
             )
         self.precision.discard()
         return True
-
-    def totals(self, w: Any) -> tuple[dict[str, float], dict[str, float], float]:
-        """Each term's sum and count and the bad counts, over all ranks (one all-reduce)."""
-        totals = w.totals()
-        if self.sync.world_size > 1:
-            totals = self.sync.all_reduce_sum(torch.tensor(totals, dtype=torch.float64)).tolist()
-        sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
-        return sums, counts, totals[-1]  # then the bad counts

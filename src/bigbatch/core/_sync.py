@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,12 +92,9 @@ class GradSync:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
         return contextlib.nullcontext()
 
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum ``values`` over ranks (identity on one process)."""
-        return values
-
-    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        """Maximum of ``values`` over ranks (identity on one process)."""
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The ``op`` (``"sum"`` or ``"max"``) of ``values`` over ranks, in float64 on the model's
+        device (identity on one process)."""
         return values
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
@@ -124,25 +120,18 @@ class _RankSync(GradSync):
         self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]  # None: the world
         self.auto = self.defers_sync = auto and self.world_size > 1  # Note [... across ranks]
 
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(values, dist.ReduceOp.SUM)
-
-    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(values, dist.ReduceOp.MAX)
-
-    def _all_reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         values = values.to(next(self.model.parameters()).device, torch.float64, copy=True)
-        dist.all_reduce(values, op=op, group=self.group)  # type: ignore[arg-type]
+        dist.all_reduce(values, op=getattr(dist.ReduceOp, op.upper()), group=self.group)  # type: ignore[arg-type]
         return values
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         if not self.auto:
             return failed_size, measured
-        inf = float("inf")
         allocator_failed = float(failed_size is not None and not measured)
-        local = torch.tensor([-(failed_size or inf), allocator_failed], dtype=torch.float64)
-        neg_failed, any_allocator = self.all_reduce_max(local).tolist()
-        return (None if neg_failed == -inf else int(-neg_failed)), not any_allocator
+        local = torch.tensor([-(failed_size or torch.inf), allocator_failed], dtype=torch.float64)
+        neg_failed, any_allocator = self.all_reduce(local, "max").tolist()
+        return (None if neg_failed == -torch.inf else int(-neg_failed)), not any_allocator
 
 
 class DDPSync(_RankSync):
@@ -158,9 +147,7 @@ class DDPSync(_RankSync):
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
         super().__init__(model, getattr(model, "process_group", None), auto)
-        self.equal_micro_batches = bool(
-            model.broadcast_buffers and any(True for _ in model.buffers())
-        )
+        self.equal_micro_batches = bool(model.broadcast_buffers and list(model.buffers()))
         if self.auto and self.equal_micro_batches:
             raise ValueError(
                 'micro_batch_size="auto" on several ranks cannot use DDP broadcasting buffers every '

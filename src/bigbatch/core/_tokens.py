@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.core._sizing import Sizing, make_sizing
+from bigbatch.core._sizing import Sizing
 from bigbatch.core._tree import map_tensors, take, tensor_leaves
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core._window import Piece, SampleCut
@@ -73,13 +73,13 @@ def make_cut(
                 "pad_to_multiple_of, lengths and pad_values shape token windows: give "
                 "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
             )
-        return make_sizing(32 if micro_batch_size is None else micro_batch_size), SampleCut()
+        return Sizing(32 if micro_batch_size is None else micro_batch_size), SampleCut()
     if micro_batch_size == "auto":
         raise ValueError(
             'micro_batch_size="auto" with micro_batch_tokens: the token budget is what auto '
             'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
         )
-    sizing = make_sizing(micro_batch_tokens, "micro_batch_tokens")
+    sizing = Sizing(micro_batch_tokens, "micro_batch_tokens")
     return sizing, TokenCut(micro_batch_size, *options)  # type: ignore[arg-type]  # not "auto"
 
 

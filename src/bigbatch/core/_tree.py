@@ -2,8 +2,8 @@
 
 A batch is whatever a DataLoader yields: a tensor, a tuple ``(x, y)``, a dict, a tokenizer's
 ``BatchEncoding`` (a ``Mapping`` that is not a ``dict``), nested any way. Non-tensor leaves
-(strings, ints, ``None``) are carried through untouched by ``map_tensors``; ``rows`` also cuts
-per-sample columns that are not tensors (see ``rows``).
+(strings, ints, ``None``) are carried through untouched by ``map_tensors``; ``take`` also cuts
+per-sample columns that are not tensors (see ``take``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def tensor_leaves(tree: Any, path: str = "batch") -> Iterator[tuple[str, torch.T
             yield from tensor_leaves(value, f"{path}[{key!r}]")
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Return ``tree`` with ``fn`` applied to every tensor, keeping the container types.
+def map_tensors(fn: Callable[[Any], Any], tree: Any, n: int | None = None) -> Any:
+    """Return ``tree`` with ``fn`` applied to every tensor (and, given ``n``, to every column of
+    ``n`` values: see ``take``), keeping the container types.
 
     Named tuples, dict subclasses and mappings such as ``transformers.BatchEncoding`` are
     rebuilt with their own type so that ``loss_fn`` sees the same kind of object it would see
@@ -34,11 +35,13 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: map_tensors(fn, v) for k, v in tree.items()})
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
-        return type(tree)(*(map_tensors(fn, v) for v in tree))
+        return _rebuild_mapping(tree, {k: map_tensors(fn, v, n) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
+        return type(tree)(*(map_tensors(fn, v, n) for v in tree))
+    if isinstance(tree, (tuple, list)) and n is not None and is_column(tree, n):
+        return fn(tree)
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors(fn, v) for v in tree)
+        return type(tree)(map_tensors(fn, v, n) for v in tree)
     return tree
 
 
@@ -52,40 +55,30 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Any:
         return items
 
 
-def rows(tree: Any, start: int, stop: int, n: int) -> Any:
-    """``tree`` with every per-sample leaf cut to its rows ``start:stop`` of ``n``.
+def take(tree: Any, index: slice | list[int], n: int) -> Any:
+    """``tree`` with every per-sample leaf cut to the rows ``index`` (a slice or positions) of ``n``.
 
     Per-sample leaves are tensors (cut along their first dimension) and **columns**: a list or
     tuple of exactly ``n`` values that are not containers, such as the list of ``n`` ids or
     strings that ``default_collate`` makes from a dataset of ``(x, y, "id")`` items. Anything
     else that is not a tensor (a per-batch constant, a list of another length) is passed whole.
 
-    >>> rows({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, 1, 3, 4)
+    >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"], "lr": 0.1}, slice(1, 3), 4)
     {'x': tensor([1, 2]), 'id': ['b', 'c'], 'lr': 0.1}
-    """
-    return take(tree, slice(start, stop), n)
-
-
-def take(tree: Any, index: slice | list[int], n: int) -> Any:
-    """``tree`` with every per-sample leaf (see ``rows``) reduced to the rows ``index`` of ``n``.
-
     >>> take({"x": torch.arange(4), "id": ["a", "b", "c", "d"]}, [3, 0], 4)
     {'x': tensor([3, 0]), 'id': ['d', 'a']}
     """
-    if isinstance(tree, torch.Tensor):
-        return tree[index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)]
-    if isinstance(tree, (tuple, list)):
-        if hasattr(tree, "_fields"):  # a namedtuple: a record, not a column
-            return type(tree)(*[take(v, index, n) for v in tree])
-        if is_column(tree, n):
-            return type(tree)(tree[index] if isinstance(index, slice) else [tree[i] for i in index])
-        return type(tree)([take(v, index, n) for v in tree])
-    if isinstance(tree, Mapping):
-        return _rebuild_mapping(tree, {k: take(v, index, n) for k, v in tree.items()})
-    return tree
+    rows = index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)
+
+    def cut(leaf: Any) -> Any:  # a tensor or a column
+        if isinstance(leaf, torch.Tensor):
+            return leaf[rows]
+        return type(leaf)(leaf[index] if isinstance(index, slice) else [leaf[i] for i in index])
+
+    return map_tensors(cut, tree, n)
 
 
 def is_column(values: tuple | list, n: int) -> bool:
-    """A list / tuple of ``n`` non-container values: one value per sample (see ``rows``)."""
+    """A list / tuple of ``n`` non-container values: one value per sample (see ``take``)."""
     containers = (torch.Tensor, Mapping, tuple, list)
     return len(values) == n and not any(isinstance(v, containers) for v in values)

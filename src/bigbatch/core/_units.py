@@ -20,7 +20,7 @@ def parse_bytes(value: object, name: str = "memory_budget") -> int | None:
         name: the setting's name, for the error message.
 
     Raises:
-        ValueError: not a finite, positive size.
+        ValueError: not a positive finite size.
 
     Example:
         >>> parse_bytes("1.5KiB")
@@ -38,10 +38,8 @@ def parse_bytes(value: object, name: str = "memory_budget") -> int | None:
                 f'{name}="6GiB", "512MiB", "8GB", or a number of bytes.'
             )
         number, unit = float(match.group(1)), match.group(2).lower()
-    if not math.isfinite(number):
-        raise ValueError(f'{name}={value!r} is not a finite size: write e.g. {name}="6GiB".')
-    if number * _UNITS[unit] < 1:
-        raise ValueError(f'{name}={value!r} must be positive, e.g. {name}="6GiB".')
+    if not math.isfinite(number) or number * _UNITS[unit] < 1:
+        raise ValueError(f'{name}={value!r} is not a positive finite size: e.g. {name}="6GiB".')
     return int(number * _UNITS[unit])
 
 
@@ -51,8 +49,5 @@ def format_bytes(n: float) -> str:
     >>> format_bytes(1536 * 2**20)
     '1.50 GiB'
     """
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+    k = next((k for k in range(3) if abs(n) < 1024 ** (k + 1)), 3)
+    return f"{n / 1024**k:.{2 if k else 0}f} {('B', 'KiB', 'MiB', 'GiB')[k]}"

@@ -211,8 +211,7 @@ class Backup:
 
     def changed(self) -> set[int]:
         """Ids of the tensors whose contents changed since the backup (or its last restore)."""
-        pairs = zip(self.tensors, self.versions, strict=True)
-        return {id(b) for b, version in pairs if version != _version(b)}
+        return {id(b) for b, v in zip(self.tensors, self.versions, strict=True) if v != _version(b)}
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -249,20 +248,6 @@ class Runner:
     tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
     _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
 
-    def prepass(
-        self, pieces: list[Piece], fn: Callable[[Piece], T], states: Any = None
-    ) -> tuple[list[T], list[_rng.RngState]]:
-        """``prepass`` over the buffers and the tracked tensors, its outcome agreed across ranks
-        before the collective that follows it (Note [passes before the window])."""
-        state = [*self.model.buffers(), *(t for tensors in self.tracked for t in tensors())]
-        group, ranks = getattr(self.sync, "group", None), self.sync.world_size
-        try:
-            result = prepass(state, pieces, fn, self.device, states)
-        except Exception as exc:  # the other ranks must not wait for us in the collective
-            agree(exc, group, ranks, self.device)  # tells them, then raises it
-        agree(None, group, ranks, self.device)
-        return result
-
     def run(self, batch: Any, attempt: Attempt, finish: Finish[T], discard: Discard) -> T:
         """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size,
         oom_retries, peak_bytes)`` (the peak of the attempt that completed, or ``None``).
@@ -279,7 +264,10 @@ class Runner:
         while True:
             size = self.sizing.size_for(units, floor)
             self.meter.start()
-            pieces = self._equalise(self.cut(batch, size), batch)
+            pieces = self.cut(batch, size)
+            if self.sync.equal_micro_batches:  # Note [micro-batches per rank] in core._sync
+                most = int(self.sync.all_reduce(torch.tensor([float(len(pieces))]), "max").item())
+                pieces += [self.cut.empty(batch) for _ in range(most - len(pieces))]  # pair up
             failure = self._try(pieces, size, attempt, discard, backup)
             if failure is None:  # a restart: the same size again
                 continue
@@ -317,14 +305,6 @@ class Runner:
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
             return size, isinstance(exc, MemoryBudgetExceeded)
-
-    def _equalise(self, pieces: list[Piece], batch: Any) -> list[Piece]:
-        """Pad with empty micro-batches up to the most any rank runs, where forwards must pair
-        up across ranks (Note [micro-batches per rank] in ``bigbatch.core._sync``)."""
-        if not self.sync.equal_micro_batches:
-            return pieces
-        most = int(self.sync.all_reduce_max(torch.tensor([float(len(pieces))])).item())
-        return pieces + [self.cut.empty(batch) for _ in range(most - len(pieces))]
 
 
 # ------------------------------------------------------------------------- passes before the window
@@ -392,13 +372,8 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
         )
     sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
     if sync.world_size > 1:
-        flat = sync.all_reduce_sum(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
+        flat = sync.all_reduce(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
         sizes = [s.numel() for s in sums]
         sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
     found = iter(sums)
     return map_tensors(lambda _: next(found), outputs[0])
-
-
-def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
-    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
-    return loss_fn(model, micro_batch, stats)

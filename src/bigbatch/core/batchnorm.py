@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.split import check_choice
 
 POLICIES = ("micro", "freeze", "groupnorm", "keep")
 
@@ -73,13 +74,13 @@ def batchnorm(
         >>> type(batchnorm(model, "keep")[1]).__name__
         'BatchNorm2d'
     """
-    if policy not in POLICIES:
-        raise ValueError(
-            f"policy={policy!r} is not allowed: use one of {', '.join(map(repr, POLICIES))}."
-        )
-    if policy == "groupnorm":
-        for name, layer in batchnorm_layers(model):  # checked before anything changes
-            _check_initialised(name, layer)
+    check_choice("policy", policy, POLICIES)
+    for name, layer in batchnorm_layers(model) if policy == "groupnorm" else ():
+        if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
+            raise ValueError(
+                f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
+                'batchnorm(model, policy="groupnorm").'
+            )  # checked before anything changes
     _undo(model)
     layers = batchnorm_layers(model)
     if policy == "groupnorm":
@@ -104,8 +105,7 @@ def _undo(model: nn.Module) -> None:
     for name, module in list(model.named_modules()):
         for hook in hooks_of(module):
             hook.remove()
-        swapped = _Swapped.of(module)
-        if swapped is not None:
+        for swapped in hooks_of(module, _Swapped):
             _replace(model, name, swapped.restore(module))
 
 
@@ -113,7 +113,7 @@ class _Swapped:
     """Kept on a GroupNorm that ``"groupnorm"`` put in place of a BatchNorm: the BatchNorm itself.
 
     Registered as a no-op forward pre-hook of the GroupNorm, so it lives and dies with the module
-    and ``_undo`` can find it; it changes nothing in the GroupNorm's forward.
+    and ``_undo`` can find it (``hooks_of``); it changes nothing in the GroupNorm's forward.
     """
 
     def __init__(self, original: _BatchNorm, norm: nn.GroupNorm) -> None:
@@ -121,11 +121,6 @@ class _Swapped:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The hook itself does nothing: the record only rides on the GroupNorm."""
-
-    @staticmethod
-    def of(module: nn.Module) -> _Swapped | None:
-        hooks = module._forward_pre_hooks.values()
-        return next((h for h in hooks if isinstance(h, _Swapped)), None)
 
     def restore(self, norm: nn.Module) -> _BatchNorm:
         """The original BatchNorm, holding the affine weights the GroupNorm learned."""
@@ -138,33 +133,18 @@ class _Swapped:
         return self.original
 
 
-def _check_initialised(name: str, layer: _BatchNorm) -> None:
-    if layer.num_features == 0:  # a LazyBatchNorm before its first forward (affine or not)
-        raise ValueError(
-            f"{name} is a lazy BatchNorm not initialised yet: run one forward pass before "
-            'batchnorm(model, policy="groupnorm").'
-        )
-
-
 def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
-    groups = 1 if isinstance(layer, nn.BatchNorm1d) else _groups(layer.num_features)
+    # The largest of 32, 16, 8, 4, 2, 1 that divides the channels (32 as in Wu & He 2018).
+    sizes = (1,) if isinstance(layer, nn.BatchNorm1d) else (32, 16, 8, 4, 2, 1)
+    groups = next(g for g in sizes if layer.num_features % g == 0)
     norm = nn.GroupNorm(groups, layer.num_features, eps=layer.eps, affine=layer.affine)
     if layer.affine:
         with torch.no_grad():
             norm.weight.copy_(layer.weight)
             norm.bias.copy_(layer.bias)
     norm.train(layer.training)
-    return norm.to(device=layer.weight.device if layer.affine else None, dtype=_dtype(layer))
-
-
-def _groups(channels: int) -> int:
-    """The largest of 32, 16, 8, 4, 2, 1 that divides ``channels`` (32 as in Wu & He 2018)."""
-    return next(g for g in (32, 16, 8, 4, 2, 1) if channels % g == 0)
-
-
-def _dtype(layer: _BatchNorm) -> torch.dtype | None:
-    tensors = (layer.weight, layer.running_mean)
-    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor)), None)
+    found = (t.dtype for t in (layer.weight, layer.running_mean) if isinstance(t, torch.Tensor))
+    return norm.to(device=layer.weight.device if layer.affine else None, dtype=next(found, None))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -200,10 +180,10 @@ class BatchNormHook:
             # eval-mode BatchNorm for this call only; _after puts the layer's mode back.
             self._was_training, bn.training = bn.training, False
             return
-        n, base = self.window_samples, self.momentum  # None: a cumulative average: no correction
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        bn.momentum = self.momentum
-        if n and base is not None and self.correct and bn.training and first is not None:
+        # base None: a cumulative average, no correction
+        n, base, first = self.window_samples, self.momentum, args[0] if args else None
+        bn.momentum = base
+        if n and base is not None and self.correct and bn.training and torch.is_tensor(first):
             bn.momentum = corrected_momentum(base, first.shape[0], n)
 
     def _after(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -217,10 +197,11 @@ class BatchNormHook:
         self.layer.momentum = self.momentum
 
 
-def hooks_of(layer: nn.Module) -> list[BatchNormHook]:
-    """The ``BatchNormHook``\\ s installed on ``layer``."""
-    owners = (getattr(hook, "__self__", None) for hook in layer._forward_pre_hooks.values())
-    return [owner for owner in owners if isinstance(owner, BatchNormHook)]
+def hooks_of(layer: nn.Module, kind: type = BatchNormHook) -> list[Any]:
+    """The records of ``kind`` riding on ``layer``'s forward pre-hooks: the ``BatchNormHook``\\ s
+    installed on it (their bound methods' owner), or the ``_Swapped`` that is the hook itself."""
+    owners = (getattr(hook, "__self__", hook) for hook in layer._forward_pre_hooks.values())
+    return [owner for owner in owners if isinstance(owner, kind)]
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -243,10 +224,9 @@ def warn_batch_coupled(model: nn.Module) -> None:
     names = unhandled_batch_coupled(model)
     if names:
         warnings.warn(
-            f"{', '.join(names)} normalise with batch statistics in training mode: each "
-            "micro-batch sees its own, so accumulation is not exact. Choose a policy with "
-            'bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm") (`bigbatch check` '
-            "shows the effect).",
+            f"{', '.join(names)} normalise with batch statistics in training mode: accumulation "
+            "is not exact (each micro-batch sees its own; `bigbatch check` shows the effect). "
+            'Choose a policy: bigbatch.batchnorm(model, policy="micro" | "freeze" | "groupnorm").',
             BigBatchWarning,
             stacklevel=4,
         )

@@ -31,7 +31,7 @@ from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
-from bigbatch.core._window import Piece, Restart, Runner, Window, total_stats, with_stats
+from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
@@ -135,7 +135,7 @@ class Accumulator:
     @property
     def current_micro_batch_size(self) -> int | None:
         """The micro-batch the next full window is cut at (``None``: auto before its first window)."""
-        return self._runner.sizing.adopted
+        return self._runner.sizing.state.size
 
     def track(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
         """Also save and restore ``tensors()`` around each window, besides the buffers.
@@ -316,9 +316,17 @@ class Accumulator:
     def _prepass(
         self, fn: Callable[[Piece], Any], pieces: list[Piece], states: list[Any] | None = None
     ) -> tuple[list[Any], list[Any]]:
-        """``fn`` on every piece under autocast without gradients, agreed across ranks."""
-        with self._precision.autocast():
-            return self._runner.prepass(pieces, fn, states)
+        """``prepass`` under autocast over the buffers and the tracked tensors, its outcome agreed
+        across ranks before the collective that follows it (Note [passes before the window])."""
+        state = [*self.model.buffers(), *(t for tensors in self._runner.tracked for t in tensors())]
+        group, ranks = getattr(self._sync, "group", None), self._sync.world_size
+        try:
+            with self._precision.autocast():
+                result = prepass(state, pieces, fn, self.device, states)
+        except Exception as exc:  # the other ranks must not wait for us in the collective
+            agree(exc, group, ranks, self.device)  # tells them, then raises it
+        agree(None, group, ranks, self.device)
+        return result
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager
@@ -477,3 +485,8 @@ def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.T
     factors = [(t.loss_sum, t.weight * scales[name]) for name, t in terms.items()]
     parts = [s if isinstance(f, float) and f == 1.0 else s * f for s, f in factors]
     return sum(parts[1:], parts[0])
+
+
+def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
+    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
+    return loss_fn(model, micro_batch, stats)

@@ -170,8 +170,7 @@ def check_count(count: Any, name: str) -> torch.Tensor | float:
     if not math.isfinite(value) or value < 0:
         what = "negative" if value < 0 else "not finite"
         raise ValueError(
-            f"{name}={count!r} is {what}; it must count the items summed over (a finite number "
-            ">= 0)."
+            f"{name}={count!r} is {what}; it must count the items summed over (finite, >= 0)."
         )
     return value
 

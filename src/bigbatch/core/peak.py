@@ -90,7 +90,9 @@ class PeakProbe:
 
     def reset(self) -> PeakMemory:
         """Start a new measurement; return a record holding the baseline."""
-        self._hand_peak_to_open_probes()  # the allocator's statistics need no synchronisation
+        for probe in list(_open_probes):  # the peak so far (the statistics need no synchronisation)
+            if probe is not self and probe.device == self.device and probe._record is not None:
+                probe._record._carried_bytes = max(probe._record._carried_bytes, self._raw_peak())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -99,7 +101,9 @@ class PeakProbe:
             )
         else:
             _libc_call("malloc_trim", 0)
-            exact = _reset_rss_high_water_mark()
+            exact = False
+            with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
+                exact = clear_refs.write("5") == 1
             record = PeakMemory("cpu", baseline_bytes=_proc_status_bytes("VmRSS"), exact=exact)
         self._record = record
         _open_probes.add(self)
@@ -122,11 +126,6 @@ class PeakProbe:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return _proc_status_bytes("VmHWM")
-
-    def _hand_peak_to_open_probes(self) -> None:
-        for probe in list(_open_probes):
-            if probe is not self and probe.device == self.device and probe._record is not None:
-                probe._record._carried_bytes = max(probe._record._carried_bytes, self._raw_peak())
 
 
 # Measurements still open: Note [one counter per process].
@@ -176,12 +175,6 @@ def _proc_status_bytes(field: str) -> int:
     import resource  # not Linux: ru_maxrss is the best available (never reset)
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _reset_rss_high_water_mark() -> bool:
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
-        return clear_refs.write("5") == 1
-    return False
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bigbatch.core._tree import rows, tensor_leaves
+from bigbatch.core._tree import take, tensor_leaves
 
 Batch = Any
 """A tensor, or a nested tuple / list / dict / mapping of tensors sharing the first dimension."""
@@ -52,17 +52,6 @@ def batch_size(batch: Batch) -> int:
     return distinct[0]
 
 
-def micro_batch_sizes(n: int, micro_batch_size: int) -> list[int]:
-    """Sizes of the micro-batches that ``split`` makes: ``[m, m, ..., n % m]``.
-
-    >>> micro_batch_sizes(10, 4)
-    [4, 4, 2]
-    """
-    check_micro_batch_size(micro_batch_size)
-    full, rest = divmod(n, micro_batch_size)
-    return [micro_batch_size] * full + ([rest] if rest else [])
-
-
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Cut ``batch`` into consecutive micro-batches of ``micro_batch_size`` samples (views, no copy).
 
@@ -73,8 +62,8 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     >>> [t.shape[0] for t in split(torch.zeros(10, 3), 4)]
     [4, 4, 2]
     """
-    n, m = batch_size(batch), micro_batch_size
-    return [rows(batch, i * m, i * m + size, n) for i, size in enumerate(micro_batch_sizes(n, m))]
+    n, m = batch_size(batch), check_micro_batch_size(micro_batch_size)
+    return [take(batch, slice(i, i + m), n) for i in range(0, n, m)]
 
 
 def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_size") -> int:
@@ -86,3 +75,11 @@ def check_micro_batch_size(micro_batch_size: object, name: str = "micro_batch_si
     if micro_batch_size <= 0:
         raise ValueError(f"{name}={micro_batch_size} is not allowed: {allowed}")
     return micro_batch_size
+
+
+def check_choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    """Raise a ``ValueError`` naming ``name``, ``value`` and ``allowed`` unless ``value`` is one."""
+    if value not in allowed:
+        raise ValueError(
+            f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}."
+        )

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from bigbatch.core._precision import Precision
-from bigbatch.core._sizing import AutoState, make_sizing
+from bigbatch.core._sizing import AutoState
+from bigbatch.core._sizing import Sizing as make_sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.split import batch_size
