@@ -10,7 +10,7 @@ Note [audit]
     trainer's own loss on the joined batch once with gradients (the one extra forward and
     backward), compares, and puts the gradients and the random state back: training goes on as
     if nothing had happened. The tolerance is the rounding of the lowest precision that forward
-    really computes in (Note [float32 islands] in ``bigbatch.verifier._probes``), so a float64
+    really computes in (Note [float32 islands] in ``bigbatch.verifier._runs``), so a float64
     model with float32 islands is not a false alarm. On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
     read over every rank's count (``window_mean``), as the window normalises it.
@@ -46,8 +46,7 @@ from bigbatch.core import _rng
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
-from bigbatch.verifier._probes import ROUNDING, observe
-from bigbatch.verifier._runs import differences
+from bigbatch.verifier._runs import ROUNDING, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count

@@ -5,7 +5,7 @@ as they were), with the same seed for both runs and dropout off (Note [dropout i
 computes the full-batch gradient of the mean loss and the gradient that
 ``Accumulator.train_step`` really accumulates (Σ loss_sum / Σ count), and compares them per
 parameter, within the rounding of the precision the copy really computes in (Note [float32
-islands] in ``_probes``). When they differ it diagnoses why: non-finite inputs, weights, outputs
+islands] in ``_runs``). When they differ it diagnoses why: non-finite inputs, weights, outputs
 or losses; modules whose output for one sample depends on the other samples (found by replaying
 every module, not by class name: Note [replay without caches]); a loss that returns a mean as if
 it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
@@ -31,8 +31,7 @@ from bigbatch.core.loss import LossFn, WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import checkpointed_blocks
 from bigbatch.verifier import _runs
-from bigbatch.verifier._probes import LOSS_FN, ROUNDING, finite, probe_coupling
-from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, full_run, seeded
+from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, finite, full_run
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def check(
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     case = Case(model, batch, loss_fn, size, seed)
     full = full_run(case)
-    tolerance = max(tolerance, ROUNDING.get(full.observed.dtype, 0.0))
+    tolerance = max(tolerance, _runs.ROUNDING.get(full.observed.dtype, 0.0))
     acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
     diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     found = nonfinite(case, full, acc, acc_loss)
@@ -227,7 +226,7 @@ def _check_arguments(
 
 
 def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:
-    return tuple(n if n == LOSS_FN else label(n, model.get_submodule(n)) for n in names)
+    return tuple(n if n == _runs.LOSS_FN else label(n, model.get_submodule(n)) for n in names)
 
 
 # ---------------------------------------------------------------------------- diagnoses
@@ -287,9 +286,9 @@ def diagnose(
     ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
     found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
-    coupled, unprobed = probe_coupling(
+    coupled, unprobed = _runs.probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
-        lambda: seeded(case.seed), rtol,
+        lambda: _runs.seeded(case.seed), rtol,
     )  # fmt: skip
     found += [_naming("batch-statistics", case.model, coupled)] * bool(coupled)
     differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
