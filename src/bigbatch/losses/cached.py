@@ -252,18 +252,15 @@ def _encode(
     """Pass 1 on the runner's ``prepass`` (no graph; the random state before each micro-batch
     recorded; the buffers put back): the first micro-batch's reps (the structure), the
     per-sample tensors of every micro-batch concatenated, the 0-dim ones, the random states."""
-    parts: list[tuple[Any, Leaves, Leaves]] = []
-
-    def encode(piece: Batch) -> None:
-        paths = [p for p, _ in parts[0][1] + parts[0][2]] if parts else None
-        reps, where = encode_fn(model, piece), f"micro-batch {len(parts)}"
+    reps, states = prepass(model, pieces, lambda piece: encode_fn(model, piece), device)
+    parts: list[tuple[Leaves, Leaves]] = []
+    for j, (r, piece) in enumerate(zip(reps, pieces, strict=True)):
+        paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
         floats = torch.is_floating_point  # a graph in pass 2 needs them
-        parts.append((reps, *_split_leaves(reps, batch_size(piece), where, paths, floats)))
-
-    _, states = prepass(model, pieces, encode, device)
-    template, first, per_batch = parts[0]
-    rows = [(path, torch.cat([p[1][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
-    return template, rows, per_batch, states
+        parts.append(_split_leaves(r, batch_size(piece), f"micro-batch {j}", paths, floats))
+    first, per_batch = parts[0]
+    rows = [(path, torch.cat([p[0][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
+    return reps[0], rows, per_batch, states
 
 
 def _split_leaves(
