@@ -188,10 +188,9 @@ def barrier() -> None:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """``obj`` of every rank, indexed by rank (``[obj]`` without a process group)."""
-    if not in_group() or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [obj] * (dist.get_world_size() if in_group() else 1)
+    if len(gathered) > 1:
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 
@@ -291,6 +290,5 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(
-            f"environment variable {name}={value!r} is not an integer: {_LAUNCH}"
-        ) from None
+        message = f"environment variable {name}={value!r} is not an integer: {_LAUNCH}"
+        raise ValueError(message) from None
