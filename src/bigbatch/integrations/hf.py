@@ -158,10 +158,9 @@ class TrainerWindow:
         model.train()
         batch = self.reader.join([t._prepare_inputs(b) for b in window])
         loss_fn: Any = self.loss_fn
-        if not isinstance(self.loss_fn, WindowLoss):
-            if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
-                num_items = self.window_count(batch)
-            loss_fn = functools.partial(self.loss, self.loss_fn, num_items)
+        if not isinstance(loss_fn, WindowLoss):  # the Trainer's count may miss the shift: recount
+            n = None if num_items is None else self.window_count(batch)  # (GPT-2)
+            loss_fn = functools.partial(self.loss, self.loss_fn, n)
         count_fn = self.reader.count if self.plain and self.loss_fn is None else None
         with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)

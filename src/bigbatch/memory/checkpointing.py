@@ -182,9 +182,8 @@ def selective_policy(
         >>> selective_policy(None, torch.ops.aten.mm.default, a, a).name
         'MUST_SAVE'
     """
-    if func in _EXPENSIVE and not _draws_random(func, args, kwargs):
-        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
-    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    saved = func in _EXPENSIVE and not _draws_random(func, args, kwargs)
+    return torch_checkpoint.CheckpointPolicy["MUST_SAVE" if saved else "PREFER_RECOMPUTE"]
 
 
 def _recorded(
