@@ -206,8 +206,11 @@ class Reader:
     """How a trainer's batches read: paired (TRL's DPO, reward), joined, counted."""
 
     def __init__(self, trainer: Any) -> None:
-        self.paired, self.pad_id = _named(type(trainer), PAIRED), pad_id(trainer)
-        self.shifts = shifts_labels(trainer.model)
+        # the tokenizer's pad id, else the model's, else 0
+        owners = getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)
+        ids = (getattr(owner, "pad_token_id", None) for owner in owners)
+        self.pad_id = next((i for i in ids if isinstance(i, int)), 0)
+        self.paired, self.shifts = _named(type(trainer), PAIRED), shifts_labels(trainer.model)
 
     def join(self, batches: list[Any]) -> Any:
         """The batches as one, rows of pairs for a paired trainer."""
@@ -278,19 +281,11 @@ def shifts_labels(model: Any) -> bool:
     """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
-        # the loss it computes (GPT-2's loss_type is None)
-        if isinstance(m, _transformers.PreTrainedModel):
-            decoder_only = not getattr(m.config, "is_encoder_decoder", False)
-            return decoder_only and m.loss_function is ForCausalLMLoss
-    return False
-
-
-def pad_id(trainer: Any) -> int:
-    """The tokenizer's pad id, else the model's, else 0."""
-    owners = (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None))
-    ids = (getattr(owner, "pad_token_id", None) for owner in owners)
-    return next((i for i in ids if isinstance(i, int)), 0)
+    modules = model.modules() if isinstance(model, torch.nn.Module) else []
+    m = next((m for m in modules if isinstance(m, _transformers.PreTrainedModel)), None)
+    if m is None or getattr(m.config, "is_encoder_decoder", False):
+        return False
+    return m.loss_function is ForCausalLMLoss  # the loss it computes (GPT-2's loss_type is None)
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:

@@ -178,8 +178,14 @@ class Accumulation:
             self.accumulator = self._build()
         model.zero_grad(set_to_none=True)  # as Keras' own step: leftovers are not this step's
         result = self.accumulator.train_step(batch, self._loss)
-        data_terms = {int(k[len("loss_") :]): v for k, v in result.terms.items() if k != "loss"}
-        add_to_trackers(model, data_terms, self._samples)
+        # Keras updated its per-output loss trackers on every micro-batch with what each term
+        # returned, weighted by its samples: right for the terms left in its total, 0 for the
+        # data-dependent ones, whose value Σ S / Σ D is known only after the window (Note [keras
+        # loss terms]): those get their window values here.
+        trackers = model._compile_loss.metrics  # one per compiled term when there are several
+        for name, value in result.terms.items():
+            if name != "loss" and len(trackers) > (k := int(name[len("loss_") :])):
+                trackers[k].total.assign_add(value * self._samples)
         model._loss_tracker.update_state(result.loss, sample_weight=self._samples)
         self.last = StepInfo(
             self._samples, result.micro_batches, int(result.micro_batch_size or 0),
@@ -467,16 +473,3 @@ def recording(model: Any, record: Recording, y: Any, y_pred: Any, weight: Any) -
         yield
     finally:
         entries[:] = original
-
-
-def add_to_trackers(model: Any, values: dict[int, float], samples: int) -> None:
-    """Give the per-output loss trackers their data-dependent terms' window values.
-
-    Keras updated them on every micro-batch with what each term returned, weighted by its
-    samples: right for the terms left in its total, 0 for the data-dependent ones, whose value
-    ``Σ S / Σ D`` is known only after the window (Note [keras loss terms]).
-    """
-    trackers = model._compile_loss.metrics  # one per compiled term when there are several
-    for k, value in values.items():
-        if len(trackers) > k:
-            trackers[k].total.assign_add(value * samples)
