@@ -114,9 +114,7 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
         ValueError: a variable that is not an integer or out of range, or the rendezvous
             address missing for several processes; the message names the variable.
     """
-    rank, world_size, local_rank = (
-        _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
+    rank, world_size, local_rank = map(_env_int, ("RANK", "WORLD_SIZE", "LOCAL_RANK"), (0, 1, 0))
     devices = torch.cuda.device_count() if on_cuda else world_size
     where = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
     for wrong, what in (

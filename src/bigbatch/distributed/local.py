@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,13 +102,8 @@ class LocalStepResult:
     outer: OuterStepResult | None = None
 
 
-@dataclass
-class _Round:
-    """Where this rank is in the round: inner steps taken, and their count and loss sums."""
-
-    steps: int = 0
-    count: float = 0.0
-    loss_sum: float = 0.0
+# Where this rank is in the round: inner steps taken, and their count and loss sums.
+_Round = namedtuple("_Round", "steps count loss_sum", defaults=(0, 0.0, 0.0))
 
 
 class LocalAccumulation:
@@ -232,7 +228,7 @@ class LocalAccumulation:
 
     def _after_inner(self, result: StepResult) -> LocalStepResult:
         r, c = self._round, result.count
-        r.steps, r.count, r.loss_sum = r.steps + 1, r.count + c, r.loss_sum + result.loss * c
+        self._round = r = _Round(r.steps + 1, r.count + c, r.loss_sum + result.loss * c)
         return LocalStepResult(result, self.outer_step() if r.steps == self.local_steps else None)
 
     @torch.no_grad()

@@ -84,8 +84,7 @@ def _import_keras() -> Any:
             raise ImportError('bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
                               "KERAS_BACKEND=torch.") from None  # fmt: skip
         raise ImportError(  # Keras is there; the backend it was asked for is not
-            f"bigbatch.keras needs Keras' torch backend, but Keras failed to start it ({exc}; "
-            f"{setting})."
+            f"bigbatch.keras needs Keras' torch backend, which failed to start ({exc}; {setting})."
         ) from exc
     for wrong, needs in (
         (not keras.__version__.startswith("3."), f"Keras 3, found {keras.__version__}: pip "
@@ -395,9 +394,8 @@ def _kind(loss: Any, values: Any, y_pred: Any, sample_weight: Any) -> str:
         return "sum"
     if reduction not in MEAN_REDUCTIONS:
         raise ValueError(
-            f"loss {getattr(loss, 'name', loss)!r} has reduction={reduction!r}; fit needs a "
-            'scalar loss: compile with reduction="sum_over_batch_size" (the default), "mean", '
-            '"mean_with_sample_weight" or "sum".'
+            f"loss {getattr(loss, 'name', loss)!r} has reduction={reduction!r}, not a scalar loss: "
+            'use "sum_over_batch_size" (the default), "mean", "mean_with_sample_weight" or "sum".'
         )
     masked = _mask(y_pred) is not None or _mask(values) is not None
     weighted = reduction == "mean_with_sample_weight" and sample_weight is not None

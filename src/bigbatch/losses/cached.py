@@ -213,7 +213,7 @@ class CachedLoss:
         elif not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(
                 f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean "
-                "over the batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
+                "over the batch), a pair (loss_sum, count) or named terms {name: (sum, count)}."
             )
         loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
         return loss_sum.reshape(()), count

@@ -262,11 +262,9 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     # kind "non-finite", by where the NaN or inf first appears (``nonfinite``)
     "non-finite inputs": "non-finite inputs: {}. Every gradient computed from them is NaN: clean "
     "the data (drop those samples, or torch.nan_to_num) before training.",
-    "non-finite weights": "the model's weights hold NaN or inf ({}): load good weights or "
-    "initialise them again.",
-    "non-finite outputs": "non-finite outputs: {} is the first module whose output holds NaN or "
-    "inf, from finite inputs and weights (an overflow, a log or division by zero...): fix that "
-    "computation.",
+    "non-finite weights": "model weights hold NaN or inf ({}): load good ones or re-initialise.",
+    "non-finite outputs": "non-finite outputs: {} is the first module to output NaN or inf from "
+    "finite inputs and weights (an overflow, a log or division by zero...): fix that computation.",
     "non-finite loss": "non-finite loss: loss_fn returns a loss of {} from finite model outputs (a "
     "log of 0, a division by a zero count, ...): fix loss_fn.",
     "non-finite micro-batch": "non-finite loss on micro-batch {} while the whole batch's is finite"
