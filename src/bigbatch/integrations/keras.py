@@ -360,8 +360,7 @@ class _Term:
         self.weight = 1.0 if weight is None else float(weight)
 
     def __call__(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        seen: list[Any] = []
-        real_call = self.loss.call
+        seen, real_call = list[Any](), self.loss.call
 
         def recording_call(y_t: Any, y_p: Any) -> Any:
             seen.append(real_call(y_t, y_p))

@@ -119,8 +119,7 @@ class _CheckpointedForward:
         stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
                          for name, b in sub.named_buffers(recurse=False)
                          if name in _RUNNING_STATS]  # fmt: skip
-        saved: _Saved = []
-        ran: list[bool] = []  # the first call is the forward, later ones recompute
+        saved, ran = _Saved(), list[bool]()  # ran: the first call is the forward, later recompute
 
         def run(*inputs: Any) -> Any:
             if ran:

@@ -249,10 +249,9 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
     "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
     "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
-    "batch-coupled-loss": "each sample's loss depends on the other samples (in-batch negatives): a "
-    "micro-batch sees fewer. If only through per-sample representations, bigbatch.cached_loss("
-    "encode, batch_loss) (encode(model, micro_batch) gives them, batch_loss(reps, batch) the "
-    "batch's loss) is exact (docs/contrastive.md); else accept the smaller pool.",
+    "batch-coupled-loss": "each sample's loss depends on the others (in-batch negatives): a "
+    "micro-batch sees fewer. If only through reps = encode(model, micro_batch), bigbatch."
+    "cached_loss(encode, batch_loss) is exact (docs/contrastive.md); else accept a smaller pool.",
     "term-mean": "term {!r} is normalised inside each micro-batch ((x.mean(), 1), (x.sum() / len("
     "micro_batch), 1)): micro-batch means are added up. Return its sum and count, (x.sum(), n).",
     "term-batch-statistic": "term {!r} of a sample depends on the other samples of its micro-batch"
