@@ -434,9 +434,8 @@ def _calling(loss: Any, call: Any, reduction: Any = None) -> Iterator[None]:
         yield
     finally:
         loss.reduction = own_reduction
-        if own_call is None:
-            del loss.call
-        else:
+        del loss.call  # ours; then the instance's own, if it had one
+        if own_call is not None:
             loss.call = own_call
 
 
