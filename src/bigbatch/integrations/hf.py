@@ -46,7 +46,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -368,8 +368,7 @@ class _Watch:
         plain = unpairs(batch) if self.reader.paired else batch
         n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
         if window is None:
-            out: torch.Tensor = t.compute_loss(model, dict(plain), num_items_in_batch=n)
-            return out
+            return cast(torch.Tensor, t.compute_loss(model, dict(plain), num_items_in_batch=n))
         n = None if n is None else window.window_count(batch)
         return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 

@@ -203,8 +203,7 @@ def probe_coupling(
         other samples (a container of a BatchNorm is coupled through it), and those whose replay
         raised or did not repeat itself (Note [replay without caches]).
     """
-    names = {m: name for name, m in work.named_modules()}
-    inputs: dict[nn.Module, dict[Any, Any]] = {}
+    names, inputs = {m: name for name, m in work.named_modules()}, dict[nn.Module, dict[Any, Any]]()
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         inputs.setdefault(module, {**dict(enumerate(args)), **kwargs})
