@@ -393,8 +393,9 @@ def _kind(loss: Any, values: Any, y_pred: Any, sample_weight: Any) -> str:
         return "sum"
     if reduction not in MEAN_REDUCTIONS:
         raise ValueError(
-            f"loss {getattr(loss, 'name', loss)!r} has reduction={reduction!r}, not a scalar loss: "
-            'use "sum_over_batch_size" (the default), "mean", "mean_with_sample_weight" or "sum".'
+            f"loss {getattr(loss, 'name', loss)!r} has reduction={reduction!r}; fit needs a "
+            'scalar loss: compile with reduction="sum_over_batch_size" (the default), "mean", '
+            '"mean_with_sample_weight" or "sum".'
         )
     masked = _mask(y_pred) is not None or _mask(values) is not None
     weighted = reduction == "mean_with_sample_weight" and sample_weight is not None
