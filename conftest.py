@@ -7,7 +7,7 @@ import importlib.util
 NEEDS_EXTRA = {
     "hf.py": "transformers", "integrations/hf.py": "transformers",
     "lightning.py": "lightning", "integrations/lightning.py": "lightning",
-    "keras.py": "keras", "integrations/keras.py": "keras", "integrations/_keras_loss.py": "keras",
+    "keras.py": "keras", "integrations/keras.py": "keras",
 }  # fmt: skip
 
 

@@ -18,8 +18,7 @@ import torch.nn as nn
 
 import bigbatch
 from bigbatch.verifier._check import check
-from bigbatch.verifier._probes import probe_coupling
-from bigbatch.verifier._runs import copy_float64, seeded
+from bigbatch.verifier._runs import copy_float64, probe_coupling, seeded
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: pip install -e '.[test]'"

@@ -114,9 +114,7 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
         ValueError: a variable that is not an integer or out of range, or the rendezvous
             address missing for several processes; the message names the variable.
     """
-    rank, world_size, local_rank = (
-        _env_int(k, d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
+    rank, world_size, local_rank = map(_env_int, ("RANK", "WORLD_SIZE", "LOCAL_RANK"), (0, 1, 0))
     devices = torch.cuda.device_count() if on_cuda else world_size
     where = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
     for wrong, what in (
@@ -188,10 +186,9 @@ def barrier() -> None:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """``obj`` of every rank, indexed by rank (``[obj]`` without a process group)."""
-    if not in_group() or dist.get_world_size() == 1:
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [obj] * (dist.get_world_size() if in_group() else 1)
+    if len(gathered) > 1:
+        dist.all_gather_object(gathered, obj)
     return gathered
 
 
@@ -291,6 +288,5 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(
-            f"environment variable {name}={value!r} is not an integer: {_LAUNCH}"
-        ) from None
+        message = f"environment variable {name}={value!r} is not an integer: {_LAUNCH}"
+        raise ValueError(message) from None

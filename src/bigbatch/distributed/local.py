@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,13 +102,8 @@ class LocalStepResult:
     outer: OuterStepResult | None = None
 
 
-@dataclass
-class _Round:
-    """Where this rank is in the round: inner steps taken, and their count and loss sums."""
-
-    steps: int = 0
-    count: float = 0.0
-    loss_sum: float = 0.0
+# Where this rank is in the round: inner steps taken, and their count and loss sums.
+_Round = namedtuple("_Round", "steps count loss_sum", defaults=(0, 0.0, 0.0))
 
 
 class LocalAccumulation:
@@ -231,10 +227,8 @@ class LocalAccumulation:
         return self._after_inner(self.accumulator.step())
 
     def _after_inner(self, result: StepResult) -> LocalStepResult:
-        r = self._round
-        r.steps += 1
-        r.count += result.count
-        r.loss_sum += result.loss * result.count
+        r, c = self._round, result.count
+        self._round = r = _Round(r.steps + 1, r.count + c, r.loss_sum + result.loss * c)
         return LocalStepResult(result, self.outer_step() if r.steps == self.local_steps else None)
 
     @torch.no_grad()
@@ -276,18 +270,17 @@ class LocalAccumulation:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One flat tensor and its views: [θ | buffers], or for a round's end (``count`` c given)
         [c·(θ − θ_start) | c·floating buffers | integer buffers | c, loss_sum]."""
-        tensors = self._params + self._buffers
-        sizes = [t.numel() for t in tensors] + [0 if count is None else 2]
+        tensors, end = self._params + self._buffers, [] if count is None else [count, loss_sum]
+        sizes = [t.numel() for t in tensors] + [len(end)]
         bucket = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
         views = list(bucket.split(sizes))
+        views[-1].copy_(torch.tensor(end, dtype=self._dtype))
         for j, (view, t) in enumerate(zip(views, tensors, strict=False)):
             view.copy_(t.reshape(-1))
             if count is not None and j < len(self._start):
                 view.sub_(self._start[j].reshape(-1))
             if count is not None and t.is_floating_point():
                 view.mul_(count)
-        if count is not None:
-            views[-1].copy_(torch.tensor([count, loss_sum], dtype=self._dtype))
         return bucket, views
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ Note [audit]
     trainer's own loss on the joined batch once with gradients (the one extra forward and
     backward), compares, and puts the gradients and the random state back: training goes on as
     if nothing had happened. The tolerance is the rounding of the lowest precision that forward
-    really computes in (Note [float32 islands] in ``bigbatch.verifier._probes``), so a float64
+    really computes in (Note [float32 islands] in ``bigbatch.verifier._runs``), so a float64
     model with float32 islands is not a false alarm. On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
     read over every rank's count (``window_mean``), as the window normalises it.
@@ -32,11 +32,10 @@ Note [audit diagnosis]
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +45,10 @@ from bigbatch.core import _rng
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
-from bigbatch.verifier._probes import ROUNDING, observe
-from bigbatch.verifier._runs import differences
+from bigbatch.verifier._runs import ROUNDING, Grads, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
-Grads = dict[str, torch.Tensor]
 
 
 def need(module: str, extra: str) -> Any:
@@ -187,22 +184,6 @@ def gradients(model: torch.nn.Module) -> Grads:
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in named}
 
 
-@contextlib.contextmanager
-def aside(model: torch.nn.Module, window: Window, device: torch.device) -> Iterator[None]:
-    """Within the block: no gradients, the window's first random state; afterwards the gradients,
-    the buffers and the random state as they were (Note [audit])."""
-    params = list(model.parameters())
-    kept, backup = [p.grad for p in params], Backup(model, [], None, device)  # buffers, rng
-    model.zero_grad(set_to_none=True)
-    _rng.restore(window.rng, device)
-    try:
-        yield
-    finally:
-        backup.restore(lambda: None)
-        for p, g in zip(params, kept, strict=True):
-            p.grad = g
-
-
 def check(
     log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
     own: Own | None, average: bool, scope: Any,
@@ -215,18 +196,26 @@ def check(
     ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis (``None`` when the
     trainer weighs micro-batches right by construction: bigbatch's own).
     """
-    acc = gradients(model)
-    with aside(model, window, next(model.parameters()).device), scope:
-        with observe(model) as precision:
-            value = loss()
-        value.backward()
-        grads = gradients(model)
-        if average:
-            for g in grads.values():
+    acc, params = gradients(model), list(model.parameters())
+    device, kept = params[0].device, [p.grad for p in params]
+    backup = Backup(model, [], None, device)  # the buffers and the random state (Note [audit])
+    model.zero_grad(set_to_none=True)
+    _rng.restore(window.rng, device)  # the window's first
+    try:
+        with scope:
+            with observe(model) as precision:
+                value = loss()
+            value.backward()
+            grads = gradients(model)
+            for g in grads.values() if average else ():
                 torch.distributed.all_reduce(g)
                 g /= torch.distributed.get_world_size()
-        tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
-        log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, own))
+            tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
+            log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, own))
+    finally:  # the gradients, the buffers and the random state as they were
+        backup.restore(lambda: None)
+        for p, old in zip(params, kept, strict=True):
+            p.grad = old
 
 
 def judge(

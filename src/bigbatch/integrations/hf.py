@@ -46,7 +46,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -158,10 +158,9 @@ class TrainerWindow:
         model.train()
         batch = self.reader.join([t._prepare_inputs(b) for b in window])
         loss_fn: Any = self.loss_fn
-        if not isinstance(self.loss_fn, WindowLoss):
-            if num_items is not None:  # the Trainer's count may miss the shift (GPT-2): recount
-                num_items = self.window_count(batch)
-            loss_fn = functools.partial(self.loss, self.loss_fn, num_items)
+        if not isinstance(loss_fn, WindowLoss):  # the Trainer's count may miss the shift: recount
+            n = None if num_items is None else self.window_count(batch)  # (GPT-2)
+            loss_fn = functools.partial(self.loss, self.loss_fn, n)
         count_fn = self.reader.count if self.plain and self.loss_fn is None else None
         with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
@@ -207,8 +206,11 @@ class Reader:
     """How a trainer's batches read: paired (TRL's DPO, reward), joined, counted."""
 
     def __init__(self, trainer: Any) -> None:
-        self.paired, self.pad_id = _named(type(trainer), PAIRED), pad_id(trainer)
-        self.shifts = shifts_labels(trainer.model)
+        # the tokenizer's pad id, else the model's, else 0
+        owners = getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)
+        ids = (getattr(owner, "pad_token_id", None) for owner in owners)
+        self.pad_id = next((i for i in ids if isinstance(i, int)), 0)
+        self.paired, self.shifts = _named(type(trainer), PAIRED), shifts_labels(trainer.model)
 
     def join(self, batches: list[Any]) -> Any:
         """The batches as one, rows of pairs for a paired trainer."""
@@ -279,19 +281,11 @@ def shifts_labels(model: Any) -> bool:
     """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
-        # the loss it computes (GPT-2's loss_type is None)
-        if isinstance(m, _transformers.PreTrainedModel):
-            decoder_only = not getattr(m.config, "is_encoder_decoder", False)
-            return decoder_only and m.loss_function is ForCausalLMLoss
-    return False
-
-
-def pad_id(trainer: Any) -> int:
-    """The tokenizer's pad id, else the model's, else 0."""
-    owners = (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None))
-    ids = (getattr(owner, "pad_token_id", None) for owner in owners)
-    return next((i for i in ids if isinstance(i, int)), 0)
+    modules = model.modules() if isinstance(model, torch.nn.Module) else []
+    m = next((m for m in modules if isinstance(m, _transformers.PreTrainedModel)), None)
+    if m is None or getattr(m.config, "is_encoder_decoder", False):
+        return False
+    return m.loss_function is ForCausalLMLoss  # the loss it computes (GPT-2's loss_type is None)
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
@@ -374,8 +368,7 @@ class _Watch:
         plain = unpairs(batch) if self.reader.paired else batch
         n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
         if window is None:
-            out: torch.Tensor = t.compute_loss(model, dict(plain), num_items_in_batch=n)
-            return out
+            return cast(torch.Tensor, t.compute_loss(model, dict(plain), num_items_in_batch=n))
         n = None if n is None else window.window_count(batch)
         return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
 

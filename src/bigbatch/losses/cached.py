@@ -201,8 +201,22 @@ class CachedLoss:
                           loss_sum.detach() / count, counts, 1.0 / ranks.size)  # fmt: skip
 
     def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples.
+
+        Named terms are all computed over the whole batch here, so their value ``Σ w_k S_k / C_k``
+        is already the window's (Note [named terms]): it is carried as a mean over the samples."""
         out = self.batch_loss_fn(reps, batch) if self.takes_batch else self.batch_loss_fn(reps)
-        return _sum_and_count(out, n)
+        if isinstance(out, (Mapping, Term)):
+            out = mean_of(as_terms(out, n))
+        if isinstance(out, torch.Tensor):
+            check_scalar_loss(out, "batch_loss_fn's return value")
+        elif not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(
+                f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean "
+                "over the batch), a pair (loss_sum, count) or named terms {name: (sum, count)}."
+            )
+        loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
+        return loss_sum.reshape(()), count
 
 
 @dataclass
@@ -252,18 +266,15 @@ def _encode(
     """Pass 1 on the runner's ``prepass`` (no graph; the random state before each micro-batch
     recorded; the buffers put back): the first micro-batch's reps (the structure), the
     per-sample tensors of every micro-batch concatenated, the 0-dim ones, the random states."""
-    parts: list[tuple[Any, Leaves, Leaves]] = []
-
-    def encode(piece: Batch) -> None:
-        paths = [p for p, _ in parts[0][1] + parts[0][2]] if parts else None
-        reps, where = encode_fn(model, piece), f"micro-batch {len(parts)}"
+    reps, states = prepass(model, pieces, lambda piece: encode_fn(model, piece), device)
+    parts: list[tuple[Leaves, Leaves]] = []
+    for j, (r, piece) in enumerate(zip(reps, pieces, strict=True)):
+        paths = [p for p, _ in parts[0][0] + parts[0][1]] if parts else None
         floats = torch.is_floating_point  # a graph in pass 2 needs them
-        parts.append((reps, *_split_leaves(reps, batch_size(piece), where, paths, floats)))
-
-    _, states = prepass(model, pieces, encode, device)
-    template, first, per_batch = parts[0]
-    rows = [(path, torch.cat([p[1][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
-    return template, rows, per_batch, states
+        parts.append(_split_leaves(r, batch_size(piece), f"micro-batch {j}", paths, floats))
+    first, per_batch = parts[0]
+    rows = [(path, torch.cat([p[0][k][1] for p in parts])) for k, (path, _) in enumerate(first)]
+    return reps[0], rows, per_batch, states
 
 
 def _split_leaves(
@@ -307,24 +318,6 @@ def _column_in(tree: Any, n: int, path: str = "reps") -> str | None:
     items = enumerate(tree) if listed else tree.items() if isinstance(tree, Mapping) else ()
     found = (_column_in(v, n, f"{path}[{k!r}]") for k, v in items)
     return next((f for f in found if f is not None), None)
-
-
-def _sum_and_count(out: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples.
-
-    Named terms are all computed over the whole batch here, so their value ``Σ w_k S_k / C_k``
-    is already the window's (Note [named terms]): it is carried as a mean over the samples."""
-    if isinstance(out, (Mapping, Term)):
-        out = mean_of(as_terms(out, n))
-    if isinstance(out, torch.Tensor):
-        check_scalar_loss(out, "batch_loss_fn's return value")
-    elif not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError(
-            f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean over "
-            "the batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
-        )
-    loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
-    return loss_sum.reshape(()), count
 
 
 def _gradients(

@@ -76,12 +76,11 @@ def z_loss(
 def sequence_logps(
     logits: torch.Tensor, labels: torch.Tensor, shift: bool = True, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Each sequence's log-probability of its labelled tokens, ``[n]`` (a DPO policy score)."""
-    if shift:
-        logits, labels = logits[..., :-1, :], labels[..., 1:]
-    kept = labels != ignore_index
-    picked = logits.log_softmax(-1).gather(-1, labels.clamp_min(0)[..., None]).squeeze(-1)
-    return (picked * kept).sum(-1)
+    """Each sequence's log-probability of its labelled tokens, ``[n]`` (a DPO policy score;
+    half-precision logits are upcast, as for ``token_nll``)."""
+    flat, target, kept = _shifted(logits, labels, shift, ignore_index)
+    picked = flat.log_softmax(-1).gather(-1, target.clamp_min(0)[:, None]).squeeze(-1)
+    return (picked * kept).reshape(*labels.shape[:-1], -1).sum(-1)
 
 
 def dpo(

@@ -119,8 +119,7 @@ class _CheckpointedForward:
         stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
                          for name, b in sub.named_buffers(recurse=False)
                          if name in _RUNNING_STATS]  # fmt: skip
-        saved: _Saved = []
-        ran: list[bool] = []  # the first call is the forward, later ones recompute
+        saved, ran = _Saved(), list[bool]()  # ran: the first call is the forward, later recompute
 
         def run(*inputs: Any) -> Any:
             if ran:
@@ -182,9 +181,8 @@ def selective_policy(
         >>> selective_policy(None, torch.ops.aten.mm.default, a, a).name
         'MUST_SAVE'
     """
-    if func in _EXPENSIVE and not _draws_random(func, args, kwargs):
-        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
-    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    saved = func in _EXPENSIVE and not _draws_random(func, args, kwargs)
+    return torch_checkpoint.CheckpointPolicy["MUST_SAVE" if saved else "PREFER_RECOMPUTE"]
 
 
 def _recorded(

@@ -288,8 +288,7 @@ def _measure_peaks(
 ) -> tuple[list[Candidate], list[MemoryFit]]:
     """Every option at every size, then every token budget, smallest first, until one does not
     fit (the larger ones are predicted); then the fits."""
-    candidates: list[Candidate] = []
-    fits: list[MemoryFit] = []
+    candidates, fits = list[Candidate](), list[MemoryFit]()
     for option, tokens in ((o, t) for o in options for t in (False, True)):
         larger = [setup.shape(m, tokens, option) for m in (budgets if tokens else sizes)]
         measured: list[Candidate] = []

@@ -5,7 +5,7 @@ as they were), with the same seed for both runs and dropout off (Note [dropout i
 computes the full-batch gradient of the mean loss and the gradient that
 ``Accumulator.train_step`` really accumulates (Σ loss_sum / Σ count), and compares them per
 parameter, within the rounding of the precision the copy really computes in (Note [float32
-islands] in ``_probes``). When they differ it diagnoses why: non-finite inputs, weights, outputs
+islands] in ``_runs``). When they differ it diagnoses why: non-finite inputs, weights, outputs
 or losses; modules whose output for one sample depends on the other samples (found by replaying
 every module, not by class name: Note [replay without caches]); a loss that returns a mean as if
 it were a ``(loss_sum, count)`` pair (a mean over samples or over tokens); a batch-coupled loss
@@ -31,8 +31,7 @@ from bigbatch.core.loss import LossFn, WindowLoss
 from bigbatch.core.split import Batch, batch_size, split
 from bigbatch.memory.checkpointing import checkpointed_blocks
 from bigbatch.verifier import _runs
-from bigbatch.verifier._probes import LOSS_FN, ROUNDING, finite, probe_coupling
-from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, full_run, seeded
+from bigbatch.verifier._runs import Case, FullRun, copy_float64, differences, finite, full_run
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def check(
     batch = map_tensors(lambda t: t.double() if t.is_floating_point() else t, batch)
     case = Case(model, batch, loss_fn, size, seed)
     full = full_run(case)
-    tolerance = max(tolerance, ROUNDING.get(full.observed.dtype, 0.0))
+    tolerance = max(tolerance, _runs.ROUNDING.get(full.observed.dtype, 0.0))
     acc, acc_loss = _runs.accumulated_grads(case) if full.finite else ({}, math.nan)
     diffs = differences(acc, full.grads) if full.finite else dict.fromkeys(full.grads, math.nan)
     found = nonfinite(case, full, acc, acc_loss)
@@ -227,7 +226,7 @@ def _check_arguments(
 
 
 def _labels(model: nn.Module, names: list[str]) -> tuple[str, ...]:
-    return tuple(n if n == LOSS_FN else label(n, model.get_submodule(n)) for n in names)
+    return tuple(n if n == _runs.LOSS_FN else label(n, model.get_submodule(n)) for n in names)
 
 
 # ---------------------------------------------------------------------------- diagnoses
@@ -250,10 +249,9 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
     "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
     "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
-    "batch-coupled-loss": "each sample's loss depends on the other samples (in-batch negatives): a "
-    "micro-batch sees fewer. If only through per-sample representations, bigbatch.cached_loss("
-    "encode, batch_loss) (encode(model, micro_batch) gives them, batch_loss(reps, batch) the "
-    "batch's loss) is exact (docs/contrastive.md); else accept the smaller pool.",
+    "batch-coupled-loss": "each sample's loss depends on the others (in-batch negatives): a "
+    "micro-batch sees fewer. If only through reps = encode(model, micro_batch), bigbatch."
+    "cached_loss(encode, batch_loss) is exact (docs/contrastive.md); else accept a smaller pool.",
     "term-mean": "term {!r} is normalised inside each micro-batch ((x.mean(), 1), (x.sum() / len("
     "micro_batch), 1)): micro-batch means are added up. Return its sum and count, (x.sum(), n).",
     "term-batch-statistic": "term {!r} of a sample depends on the other samples of its micro-batch"
@@ -263,11 +261,9 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     # kind "non-finite", by where the NaN or inf first appears (``nonfinite``)
     "non-finite inputs": "non-finite inputs: {}. Every gradient computed from them is NaN: clean "
     "the data (drop those samples, or torch.nan_to_num) before training.",
-    "non-finite weights": "the model's weights hold NaN or inf ({}): load good weights or "
-    "initialise them again.",
-    "non-finite outputs": "non-finite outputs: {} is the first module whose output holds NaN or "
-    "inf, from finite inputs and weights (an overflow, a log or division by zero...): fix that "
-    "computation.",
+    "non-finite weights": "model weights hold NaN or inf ({}): load good ones or re-initialise.",
+    "non-finite outputs": "non-finite outputs: {} is the first module to output NaN or inf from "
+    "finite inputs and weights (an overflow, a log or division by zero...): fix that computation.",
     "non-finite loss": "non-finite loss: loss_fn returns a loss of {} from finite model outputs (a "
     "log of 0, a division by a zero count, ...): fix loss_fn.",
     "non-finite micro-batch": "non-finite loss on micro-batch {} while the whole batch's is finite"
@@ -287,9 +283,9 @@ def diagnose(
     ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
     found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
-    coupled, unprobed = probe_coupling(
+    coupled, unprobed = _runs.probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
-        lambda: seeded(case.seed), rtol,
+        lambda: _runs.seeded(case.seed), rtol,
     )  # fmt: skip
     found += [_naming("batch-statistics", case.model, coupled)] * bool(coupled)
     differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
