@@ -11,7 +11,7 @@ from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.core._sizing import Sizing as make_sizing
+from bigbatch.core._sizing import Sizing
 
 
 def _failing_above(limit: int):
@@ -78,12 +78,12 @@ def test_state_dict_is_refused_mid_window_and_across_policies(gen):
 
 
 def test_sizing_is_chosen_once():
-    assert make_sizing("auto").retries and not make_sizing(3).retries  # auto redoes; fixed raises
+    assert Sizing("auto").retries and not Sizing(3).retries  # auto redoes; fixed raises
     with pytest.raises(
         ValueError, match=r'micro_batch_size=0 is not allowed: use a positive integer or "auto"'
     ):
-        make_sizing(0)
-    assert make_sizing(4).size_for(3) == 3 and make_sizing("auto").size_for(7) == 7
+        Sizing(0)
+    assert Sizing(4).size_for(3) == 3 and Sizing("auto").size_for(7) == 7
 
 
 @pytest.mark.parametrize("as_dict", [False, True])

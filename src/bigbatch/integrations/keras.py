@@ -64,8 +64,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._precision import Precision
-from bigbatch.core._sizing import AutoState
-from bigbatch.core._sizing import Sizing as make_sizing
+from bigbatch.core._sizing import AutoState, Sizing
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import Term
@@ -272,7 +271,7 @@ def accumulate(model: Any, micro_batch_size: int | str | None = 64) -> Accumulat
             del model.train_step
         return None
     try:
-        make_sizing(micro_batch_size)
+        Sizing(micro_batch_size)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} Or None to undo accumulate.") from None
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
