@@ -5,7 +5,9 @@ key of a ``--config`` TOML file; the CLI overrides the file, the file overrides 
 Each field carries its help text, its allowed values (imported from the module that owns them),
 the least value of an integer and the other names users type for it (``setting(...)``): the
 command line, its reference (docs/cli.md), the TOML reader and the checks are all made from this
-one list, so adding a setting is one field here (docs/design-settings.md).
+one list, so adding a setting is one field here (docs/design-settings.md). Below the settings:
+what ``fit`` builds from them before the first step, one function each (the batch a step trains
+on, the learning rate, the model, the default schedule, the run's identity).
 
 Note [batch arithmetic]
     ``batch_size`` is the effective batch, the samples one optimizer step averages over.
@@ -35,15 +37,21 @@ import math
 import re
 import sys
 import typing
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+import torch
+
+from bigbatch.app.task import Task, canonical_path
 from bigbatch.core._precision import PRECISIONS
 from bigbatch.core._stepping import NONFINITE
 from bigbatch.core._units import parse_bytes
+from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
-from bigbatch.distributed.launch import DEVICES
+from bigbatch.core.batchnorm import batchnorm as apply_batchnorm
+from bigbatch.distributed import launch as distributed
 
 BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
 DEFAULT_BATCH_SIZE = 32
@@ -165,7 +173,7 @@ class TrainConfig:
     resume: bool | str = setting(False, choices=(False, True, "auto"), resumable=True)
     eval_every: int = setting(0, low=0, resumable=True)
     log_every: int = setting(0, low=0, resumable=True)
-    device: str | None = setting(None, choices=(None, *DEVICES))
+    device: str | None = setting(None, choices=(None, *distributed.DEVICES))
     local_steps: int = setting(1, low=1, allowed="a whole number >= 1, the optimizer steps each "
                                "rank takes between two exchanges (1, the default: the exact "
                                "data-parallel step)")  # fmt: skip
@@ -390,6 +398,79 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}.") from None
     except OSError as exc:
         raise ValueError(f"config file {path!r} cannot be read: {exc.strerror}.") from None
+
+
+# ---------------------------------------------------------------------------- what fit builds from them
+def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
+    """The batch a step trains on: ``batch_size``, or every sample when the data hold fewer
+    (said in a warning: the learning rate is then scaled for the batch really trained)."""
+    batch_size = resolve_batch(config)[0]
+    if batch_size <= samples:
+        return batch_size
+    if is_main:
+        scaled = config.lr_scaling != "none"
+        lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
+        warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
+                      f"samples: every step trains on all {samples} (full-batch gradient descent)"
+                      f"{lr}. Give --batch-size {samples} or less.", BigBatchWarning, stacklevel=5)  # fmt: skip
+    return samples
+
+
+def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> float:
+    """The scaled learning rate, refused when an optimizer's step would overflow the model's
+    floats inside torch (Adam's first steps move by up to 1,000 x lr).
+
+    Raises:
+        ValueError: naming ``--lr``, the rate at ``batch_size``, the dtype and a rate that works.
+    """
+    lr = scaled_lr(config, batch_size)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
+    largest = torch.finfo(dtype).max
+    if not lr < largest / 1000:
+        raise ValueError(f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
+                         f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
+                         f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
+    return lr
+
+
+def prepare_model(model: torch.nn.Module, config: TrainConfig,
+                  ranks: distributed.Ranks) -> torch.nn.Module:  # fmt: skip
+    """Checkpointing and the BatchNorm policy on; DDP around it (not under local rounds)."""
+    if config.gradient_checkpointing:
+        from bigbatch.memory.checkpointing import enable_checkpointing
+
+        enable_checkpointing(model)
+    if config.batchnorm != "keep":
+        apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
+    model.train()
+    # under local rounds each rank steps its own replica (Note [local rounds])
+    model = model.to(ranks.device) if config.local_steps > 1 else distributed.wrap(model, ranks)
+    return torch.compile(model) if config.compile else model  # type: ignore[return-value]
+
+
+def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
+             total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+    """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
+    warmup = config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_schedule == "cosine" else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What makes a run the same run: the task, the settings that change the result, the model,
+    the optimizer's class (its state only loads into the same kind)."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
+    settings["task"] = canonical_path(config.task) if config.task else None
+    shapes = {k: list(p.shape) for k, p in distributed.unwrap(task.model).state_dict().items()}
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return {**settings, "model": shapes, "train_samples": len(task.train_data), "optimizer": kind}
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from bigbatch.app import prepare, resume, rounds, stops
-from bigbatch.app.config import TrainConfig, make_config, resolve_batch, run_length
+from bigbatch.app import config as cfg
+from bigbatch.app import resume, rounds, stops
+from bigbatch.app.config import TrainConfig, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
@@ -206,21 +207,21 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
 
 
 def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
-    batch_size = prepare.trained_batch(config, len(task.train_data), ranks.is_main)
-    steps_per_epoch, total_steps = run_length(config, len(task.train_data))
+    batch_size = cfg.trained_batch(config, len(task.train_data), ranks.is_main)
+    steps_per_epoch, total_steps = cfg.run_length(config, len(task.train_data))
     if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
         distributed.check_batch_sizes(len(task.train_data), batch_size, ranks.world_size)
-    model = prepare.prepare_model(task.model, config, ranks)
-    lr = prepare.checked_lr(config, batch_size, model)
+    model = cfg.prepare_model(task.model, config, ranks)
+    lr = cfg.checked_lr(config, batch_size, model)
     optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
-    schedule = task.scheduler or functools.partial(prepare.schedule, config)
+    schedule = task.scheduler or functools.partial(cfg.schedule, config)
     acc = Accumulator(
-        model, optimizer, resolve_batch(config)[1], schedule(optimizer, total_steps),
+        model, optimizer, cfg.resolve_batch(config)[1], schedule(optimizer, total_steps),
         config.max_grad_norm, config.precision, config.memory_budget, nonfinite=config.nonfinite,
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    local, identity = rounds.make_local(acc, config), prepare.identity(task, config, optimizer)
+    local, identity = rounds.make_local(acc, config), cfg.identity(task, config, optimizer)
     return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
                 StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
 
