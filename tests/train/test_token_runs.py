@@ -52,8 +52,7 @@ def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
 
 
 def test_compile_wraps_the_model_and_snapshots_the_plain_one():
-    from bigbatch.app.config import TrainConfig
-    from bigbatch.app.config import prepare_model
+    from bigbatch.app.config import TrainConfig, prepare_model
     from bigbatch.distributed import launch
 
     model = tasks.text().model
