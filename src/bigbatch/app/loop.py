@@ -91,7 +91,7 @@ class _Progress:
     elapsed_s: float = 0.0
     snapshot_step: int | None = None
     skipped_in_a_row: int = 0
-    tally: rounds.Tally = field(default_factory=rounds.Tally)
+    tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds.tally
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
@@ -147,7 +147,8 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
         row = _step(run, progress, step, samples, batch)
         ended = rounds.round_end(step, run.config.local_steps, run.total_steps)
         if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
-            signum, summed = run.stop.requested(progress.tally.take() if run.local else ())
+            signum, summed = run.stop.requested(progress.tally if run.local else ())
+            progress.tally = [0.0, 0.0, 0.0]  # the next round starts from zero
             row.update(rounds.columns(summed) if run.local else {})
         # evaluate at multiples of eval_every (under local rounds: at the end of the round)
         if rounds.crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
@@ -197,7 +198,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
         raise stops.OutOfMemoryRun(stops.out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
-    progress.tally.add(result)
+    progress.tally = rounds.tally(progress.tally, result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
@@ -221,7 +222,10 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    local, identity = rounds.make_local(acc, config), cfg.identity(task, config, optimizer)
+    local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # a collective
+        acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
+        nesterov=config.outer_nesterov)  # fmt: skip
+    identity = cfg.identity(task, config, optimizer)
     return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
                 StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
 

@@ -42,7 +42,6 @@ Note [local rounds]
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from bigbatch.app.config import TrainConfig
@@ -77,18 +76,6 @@ def check(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
                         f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
 
 
-def make_local(acc: Accumulator, c: TrainConfig) -> LocalAccumulation | None:
-    """The ``LocalAccumulation`` around ``acc`` (its plain model), or ``None`` when λ = 1.
-
-    A collective: every rank takes rank 0's parameters and buffers (one broadcast).
-    """
-    if c.local_steps == 1:
-        return None
-    return LocalAccumulation.from_accumulator(acc, c.local_steps, outer_lr=c.outer_lr,
-                                              outer_momentum=c.outer_momentum,
-                                              nesterov=c.outer_nesterov)  # fmt: skip
-
-
 def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task,
                last: bool) -> tuple[StepResult, dict[str, Any]]:  # fmt: skip
     """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
@@ -102,31 +89,16 @@ def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, 
     return result.step, {} if outer is None else {"round_count": outer.count}
 
 
-@dataclass
-class Tally:
-    """This rank's sums over the round in flight (Note [local rounds])."""
-
-    loss_sum: float = 0.0  # over the inner steps applied
-    count: float = 0.0
-    skipped: int = 0
-
-    def add(self, result: StepResult) -> None:
-        """Count one inner step."""
-        if result.skipped:  # its loss may be NaN: it is not part of the round's loss
-            self.skipped += 1
-        else:
-            self.loss_sum += result.loss * result.count
-            self.count += result.count
-
-    def take(self) -> list[float]:
-        """The sums, for the all-reduce at the round's end; the next round starts from zero."""
-        sums = [self.loss_sum, self.count, float(self.skipped)]
-        self.loss_sum, self.count, self.skipped = 0.0, 0.0, 0
-        return sums
+def tally(sums: list[float], result: StepResult) -> list[float]:
+    """This rank's sums over the round in flight, ``[loss sum, count, skipped]``, with one more
+    inner step counted (Note [local rounds]): the loss sum and count are over the inner steps
+    applied; a skipped step's loss may be NaN, so it only counts as skipped."""
+    step = [0.0, 0.0, 1.0] if result.skipped else [result.loss * result.count, result.count, 0.0]
+    return [total + value for total, value in zip(sums, step, strict=True)]
 
 
 def columns(summed: list[float]) -> dict[str, Any]:
-    """``round_loss`` and ``round_skipped`` from the ``Tally`` sums summed over the ranks."""
+    """``round_loss`` and ``round_skipped`` from the ``tally`` sums summed over the ranks."""
     loss_sum, count, skipped = summed
     return {"round_loss": loss_sum / count if count else math.nan, "round_skipped": int(skipped)}
 
