@@ -60,7 +60,12 @@ class RunLog:
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         self._text = open(os.path.join(out, "train.log"), "a", opener=no_follow)
         self._write(f"{'resumed after' if start_step else 'started at'} step {start_step}")
-        self._tensorboard = _tensorboard_writer(out)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard: Any = SummaryWriter(os.path.join(out, "tensorboard"))
+        except ImportError:  # optional: pip install tensorboard
+            self._tensorboard = None
         self._total, self._every = total_steps, every or math.ceil(total_steps / LINES_PER_RUN)
         self._start, self._first, self._line = time.monotonic(), start_step, ""
         self._bar = None if quiet else _progress_bar(total_steps, start_step)
@@ -172,11 +177,3 @@ def _progress_bar(total: int, done: int) -> Any:
     bar.add_task("train", total=total, completed=done, info="")
     bar.start()
     return bar
-
-
-def _tensorboard_writer(out: str) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # optional: pip install tensorboard
-        return None
-    return SummaryWriter(os.path.join(out, "tensorboard"))

@@ -222,7 +222,7 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )  # fmt: skip
-    local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # a collective
+    local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # collective
         acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
         nesterov=config.outer_nesterov)  # fmt: skip
     identity = cfg.identity(task, config, optimizer)

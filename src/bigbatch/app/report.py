@@ -285,8 +285,8 @@ def print_plan(result: Plan) -> None:
         f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
         f"{usable} of the {budget} budget",
         *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
-          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
-          f"largest that fits: {_largest(fit.largest_fitting(result.usable_bytes))}"
+          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; largest"
+          f" that fits: {'any' if (n := fit.largest_fitting(result.usable_bytes)) >= 2**31 else n}"
           for fit in result.fits),
         *(f"not tried: {skipped}" for skipped in result.skipped),
         f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
@@ -314,10 +314,6 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
         "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",
         f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-", fits + mark.get(id(c), ""),
     )  # fmt: skip
-
-
-def _largest(size: int) -> str:
-    return "any" if size >= 2**31 else str(size)
 
 
 def print_check(report: CheckReport, title: str) -> None:
