@@ -94,7 +94,16 @@ class RunFolder:
     def _lock(self) -> None:
         import fcntl
 
-        _make_folder(self.out)
+        try:
+            os.makedirs(self.out, exist_ok=True)
+        except FileExistsError:
+            text = "is a file, not a folder: choose another --out"
+            raise NotADirectoryError(errno.ENOTDIR, text, self.out) from None
+        except OSError as exc:
+            text = f"cannot be used as the run folder ({exc.strerror})"
+            raise OSError(exc.errno, text, self.out) from None
+        if not os.access(self.out, os.W_OK):
+            raise PermissionError(errno.EACCES, "is not writable: choose another --out", self.out)
         links = planted_links(self.out)  # before anything is written (Note [no links])
         if links:
             raise OSError(errno.ELOOP, f"holds symbolic links where bigbatch writes ("
@@ -232,16 +241,3 @@ def _no_room(path: str, need: int, folder: str, kept: str) -> OSError:
     free = format_bytes(shutil.disk_usage(folder).free)
     text = f"needs {format_bytes(need)}, {free} free on its disk: {kept}"
     return OSError(errno.ENOSPC, text, path)
-
-
-def _make_folder(out: str) -> None:
-    try:
-        os.makedirs(out, exist_ok=True)
-    except FileExistsError:
-        text = "is a file, not a folder: choose another --out"
-        raise NotADirectoryError(errno.ENOTDIR, text, out) from None
-    except OSError as exc:
-        text = f"cannot be used as the run folder ({exc.strerror})"
-        raise OSError(exc.errno, text, out) from None
-    if not os.access(out, os.W_OK):
-        raise PermissionError(errno.EACCES, "is not writable: choose another --out", out)

@@ -144,6 +144,14 @@ def latest_path(out: str) -> str | None:
     return path if os.path.exists(path) else older[-1][1] if older else None
 
 
+_TYPES: dict[str, tuple[type, ...]] = {
+    "identity": (dict,), "step": (int,), "total_steps": (int,), "model": (dict,),
+    "optimizer": (dict,), "scheduler": (dict, type(None)), "engine": (dict,), "rng": (list,),
+    "elapsed_s": (int, float), "local": (dict, type(None)), "torch_version": (str,),
+    "num_threads": (int,), "format": (str,),
+}  # fmt: skip
+
+
 def read_snapshot(path: str) -> Snapshot:
     """Load one snapshot file (``weights_only``: a snapshot never runs code when loaded).
 
@@ -163,20 +171,7 @@ def read_snapshot(path: str) -> Snapshot:
                                "in another --out.")  # fmt: skip
     if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
-    _check_fields(path, state)
-    return Snapshot(**state)
-
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "identity": (dict,), "step": (int,), "total_steps": (int,), "model": (dict,),
-    "optimizer": (dict,), "scheduler": (dict, type(None)), "engine": (dict,), "rng": (list,),
-    "elapsed_s": (int, float), "local": (dict, type(None)), "torch_version": (str,),
-    "num_threads": (int,), "format": (str,),
-}  # fmt: skip
-
-
-def _check_fields(path: str, state: dict[str, Any]) -> None:
-    """Every field there, of its type and range (Note [snapshot fields])."""
+    # every field there, of its type and range (Note [snapshot fields])
     for name, kinds in _TYPES.items():
         if name not in state:
             raise crafted(path, name, "is missing")
@@ -189,6 +184,7 @@ def _check_fields(path: str, state: dict[str, Any]) -> None:
         raise crafted(path, "elapsed_s", f"is {state['elapsed_s']!r}, not a time in seconds")
     if not state["rng"] or not all(isinstance(r, dict) for r in state["rng"]):
         raise crafted(path, "rng", "is not a list of every rank's random state")
+    return Snapshot(**state)
 
 
 def crafted(path: str, name: str, problem: str) -> RunMismatchError:
