@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
-from bigbatch.app.loop import fit
+from bigbatch.app.loop import Stopped, fit
 from bigbatch.app.report import print_check, print_plan, print_summary, report
-from bigbatch.app.stops import Stopped
 from bigbatch.app.task import first_batch, load_task
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning

@@ -6,9 +6,11 @@ the data (``_batches``: the order is a pure function of ``seed`` and the epoch, 
 run finds its place by the step number alone), the log (``RunLog.step``, once per optimizer
 step) and the snapshot (``_save``, at step boundaries only: a run killed mid-window redoes that
 window from the same data and random state). The run folder is locked for the run's life
-(Note [one writer] in ``app.folder``); SIGINT / SIGTERM stop it cleanly (Note [clean stop] in
-``app.stops``); a step with NaN or inf stops it before anything is written
-(Note [non-finite runs]). With ``local_steps > 1`` each rank takes local steps and the ranks
+(Note [one writer] in ``app.folder``); SIGINT / SIGTERM stop it cleanly (``StopSignals``, Note
+[clean stop]); a step with NaN or inf stops it before anything is written (Note [non-finite
+runs]). Why a run stopped is one line each (NaN / inf, no memory left, a signal), naming the
+step, what is kept on disk and what to do next; ``fit`` raises them, the CLI prints them (Note
+[error boundary] in ``app.cli``). With ``local_steps > 1`` each rank takes local steps and the ranks
 exchange once per round; snapshots, evaluation and signals wait for a round's end (Note [local
 rounds] in ``app.rounds``).
 
@@ -21,6 +23,23 @@ Note [non-finite runs]
     whose last ``MAX_SKIPPED_IN_A_ROW`` steps were all skipped for non-finite values stops too
     (fp16 skips steps itself, as its loss scaler does, and is held to the same limit), and a
     snapshot or ``model.pt`` is never written from weights that are not finite.
+
+Note [clean stop]
+    The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
+    finishes it, writes a snapshot, prints one line saying how to resume and exits with
+    128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the code a shell expects. A
+    second SIGINT (or SIGTERM) stops at once (``KeyboardInterrupt``), losing only the steps
+    since the last snapshot, except while a file of the run folder is being written
+    (``StopSignals.writing``): a write torn by an exception would lose the snapshot the first
+    signal asked for, so further signals wait for the write to end and the run then stops
+    with that snapshot (a ``kill -9`` is always safe: Note [atomic snapshot] in
+    ``app.resume``). A signal during the final evaluation stops it at the next batch; the
+    training is complete and snapshotted, and ``--resume`` evaluates and writes ``model.pt``.
+    Under torchrun the ranks agree after each step, with one small all-reduce, on whether any
+    of them was signalled, so they all stop after the same step. Under ``--local-steps`` λ > 1
+    they agree only at a round's end (the ranks hold the same model only there), so the run
+    finishes the round in flight, up to λ - 1 more steps, before its snapshot (Note [local
+    rounds] in ``app.rounds``); that all-reduce also carries the round's own sums.
 """
 
 from __future__ import annotations
@@ -28,30 +47,34 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 
 from bigbatch.app import config as cfg
-from bigbatch.app import resume, rounds, stops
+from bigbatch.app import resume, rounds
 from bigbatch.app.config import TrainConfig, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
 from bigbatch.app.report import Summary, print_summary, summarize
-from bigbatch.app.stops import StopSignals
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._tree import map_tensors
+from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator, StepResult
 from bigbatch.core.loss import as_sum_and_count
-from bigbatch.core.oom import is_out_of_memory
+from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.core.peak import PeakProbe
 from bigbatch.core.split import batch_size as samples_in
 from bigbatch.distributed import launch as distributed
@@ -163,7 +186,7 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
         if signum or step == run.total_steps or any(rounds.crossed(step, ended, n) for n in saves):
             _save(run, progress)
         if signum:
-            raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out)
+            raise stopped(signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _finish(run: _Run, progress: _Progress) -> Summary:
@@ -172,7 +195,7 @@ def _finish(run: _Run, progress: _Progress) -> Summary:
     final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
     signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
     if signum:
-        raise stops.stopped(signum, progress.step, run.total_steps, run.folder.out, final=True)
+        raise stopped(signum, progress.step, run.total_steps, run.folder.out, final=True)
     with run.stop.writing():  # the ranks agreed above: metrics.csv is whole for all
         if run.ranks.is_main:
             _check_finite(run, progress, "model.pt")
@@ -191,17 +214,17 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
         last = step == run.total_steps
         result, round_row = rounds.train_step(run.local, run.acc, batch, run.task, last)
     except NonFiniteError as exc:
-        raise stops.NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
+        raise NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        raise stops.OutOfMemoryRun(stops.out_of_memory_line(run.config, step, exc)) from exc
+        raise OutOfMemoryRun(out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
     progress.tally = rounds.tally(progress.tally, result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise stops.NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
+        raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
                                  f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
@@ -353,13 +376,13 @@ def _save(run: _Run, progress: _Progress) -> None:
         resume.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
     progress.snapshot_step = progress.step
     if run.stop.again:  # a second signal came during the write (Note [clean stop])
-        raise stops.stopped(run.stop.signum, progress.step, run.total_steps, run.folder.out)
+        raise stopped(run.stop.signum, progress.step, run.total_steps, run.folder.out)
 
 
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
     params = distributed.unwrap(run.acc.model).parameters()
     if not all(bool(torch.isfinite(p).all()) for p in params if p.is_floating_point()):
-        raise stops.NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
+        raise NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
                                  f"{run.config.nonfinite!r}); {what} was not written. "
                                  f"{_last_good(run, progress)}")  # fmt: skip
 
@@ -412,3 +435,107 @@ def evaluate(
     model.train(was_training)
     metric = sums[1][0] / sums[1][1] if len(sums) > 1 and sums[1][1] else None
     return sums[0][0] / max(sums[0][1], 1e-30), metric
+
+
+# ---------------------------------------------------------------------------- how a run stops
+class Stopped(Exception):
+    """The run stopped on a signal after writing a snapshot; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """While the ``with`` block runs, the first SIGINT / SIGTERM is noted, not raised (Note above).
+
+    Attributes:
+        signum: the first signal received (0: none).
+        again: a second signal arrived while a file was being written (``writing``).
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")  # where the ranks' agreement runs (NCCL: cuda)
+        self.signum, self.again, self._writing = 0, False, False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if not self.signum:
+            self.signum = signum
+        elif self._writing:
+            self.again = True  # the write ends first (Note [clean stop])
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A file write that no signal interrupts: a second signal during it is kept for after."""
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+
+    def requested(self, sums: Sequence[float] = ()) -> tuple[int, list[float]]:
+        """The signal to stop on (0: none), the same on every rank, and ``sums`` summed over the
+        ranks, in the same all-reduce (one per agreement)."""
+        if not distributed.in_group():
+            return self.signum, [float(s) for s in sums]
+        flags = [float(self.signum == signal.SIGINT), float(self.signum == signal.SIGTERM)]
+        agreed = torch.tensor([*flags, *sums], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(agreed)
+        interrupted, terminated, *summed = agreed.tolist()
+        return int(signal.SIGTERM if terminated else signal.SIGINT if interrupted else 0), summed
+
+
+class NonFiniteRun(FloatingPointError):
+    """The run stopped on NaN / inf values (Note [non-finite runs] in ``app.loop``)."""
+
+
+class OutOfMemoryRun(MemoryError):
+    """A step ran out of memory or over ``memory_budget``; the message names what to change."""
+
+
+def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
+    """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
+    over = config.memory_budget is not None
+    if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
+        cause = (f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
+                 f"--memory-budget {format_bytes(exc.budget_bytes or 0)}")  # fmt: skip
+    elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
+        return (f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
+                "--micro-batch-size auto down to 1: a single sample does not fit. "
+                f"{'Use a larger --memory-budget, add' if over else 'Add'} "
+                "--gradient-checkpointing, free memory, or use a smaller model or sequence length.")  # fmt: skip
+    else:
+        cause = f"out of memory at micro-batch {cfg.resolve_batch(config)[1]} ({exc})"
+    return (f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
+            "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget.")  # fmt: skip
+
+
+def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> Stopped:
+    """The error for a run stopped by a signal after ``step`` (Note [clean stop]), or
+    during the ``final`` evaluation: what is on disk and the command that continues."""
+    args = sys.argv[1:]
+    command = "the same call with resume=True"
+    if args[:1] == ["train"]:  # the command line: say the command to type, quoted for a shell
+        command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
+    name, path = signal.Signals(signum).name, resume.latest_path(out)
+    where = f"after step {step} of {total_steps}"
+    if final:
+        return Stopped(f"stopped by {name} during the final evaluation, {where}: the training is "
+                       f"complete, in {path}; model.pt and summary.json were not written. "
+                       f"Evaluate and write them with: {command}", signum)  # fmt: skip
+    return Stopped(f"stopped by {name} {where}; snapshot written to {path}. Resume with: {command}",
+                   signum)  # fmt: skip
