@@ -20,8 +20,8 @@ import torch
 from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
+from bigbatch.app.folder import read_snapshot
 from bigbatch.app.log import read_csv
-from bigbatch.app.resume import read_snapshot
 
 TESTS = Path(__file__).resolve().parent
 TASKS = TESTS / "train" / "tasks.py"

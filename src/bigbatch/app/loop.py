@@ -33,7 +33,7 @@ Note [clean stop]
     (``StopSignals.writing``): a write torn by an exception would lose the snapshot the first
     signal asked for, so further signals wait for the write to end and the run then stops
     with that snapshot (a ``kill -9`` is always safe: Note [atomic snapshot] in
-    ``app.resume``). A signal during the final evaluation stops it at the next batch; the
+    ``app.folder``). A signal during the final evaluation stops it at the next batch; the
     training is complete and snapshotted, and ``--resume`` evaluates and writes ``model.pt``.
     Under torchrun the ranks agree after each step, with one small all-reduce, on whether any
     of them was signalled, so they all stop after the same step. Under ``--local-steps`` λ > 1
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from bigbatch.app import config as cfg
-from bigbatch.app import resume, rounds
+from bigbatch.app import folder, rounds
 from bigbatch.app.config import TrainConfig, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.log import METRICS_CSV, RunLog
@@ -144,7 +144,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     config = make_config(config, **settings)
     check_task(task)
     if config.resume is True and not os.path.isdir(config.out):  # touch nothing: not even mkdir
-        raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
+        raise folder.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
     rounds.check(config, ranks, task.model)
@@ -258,15 +258,15 @@ def _start(run: _Run) -> _Progress:
     config, out = run.config, run.folder.out
     if run.ranks.is_main:
         clean_stale_temps(out)  # the lock holder alone (Note [one writer])
-    path = resume.latest_path(out)
-    snapshot = None if path is None else resume.read_snapshot(path)
+    path = folder.latest_path(out)
+    snapshot = None if path is None else folder.read_snapshot(path)
     if snapshot is not None and not config.resume:
-        raise resume.RunMismatchError(f"run folder {config.out!r} already holds a run (step "
+        raise folder.RunMismatchError(f"run folder {config.out!r} already holds a run (step "
                                       f"{snapshot.step} of {snapshot.total_steps}): add --resume "
                                       "to continue it, or choose another --out.")  # fmt: skip
     if path is None or snapshot is None:  # a run killed before its first snapshot starts again
         if config.resume is True and not os.path.exists(run.folder.path(METRICS_CSV)):
-            raise resume.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
+            raise folder.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
         if config.resume is True:
             warnings.warn(f"--resume: the run in {config.out!r} was stopped before its first "
                           "snapshot: it starts again from step 0.", BigBatchWarning, stacklevel=3)  # fmt: skip
@@ -278,16 +278,16 @@ def _start(run: _Run) -> _Progress:
     return _Progress(step=snapshot.step, elapsed_s=snapshot.elapsed_s, snapshot_step=snapshot.step)
 
 
-def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
+def _restore(run: _Run, snapshot: folder.Snapshot, path: str) -> None:
     """Every part of the run from ``snapshot``; a field that does not fit is named (Note
-    [snapshot fields] in ``app.resume``)."""
-    resume.check_same_run(snapshot.identity, run.identity, run.config.out)
+    [snapshot fields] in ``app.folder``)."""
+    folder.check_same_run(snapshot.identity, run.identity, run.config.out)
     if snapshot.total_steps != run.total_steps:
-        raise resume.crafted(path, "total_steps", f"is {snapshot.total_steps}, and this run "
+        raise folder.crafted(path, "total_steps", f"is {snapshot.total_steps}, and this run "
                              f"takes {run.total_steps} steps")  # fmt: skip
     acc, (optimizer, engine) = run.acc, (snapshot.optimizer, snapshot.engine)
     if snapshot.local is not None and run.local is not None:  # Note [local rounds]
-        with resume.restoring(path, "local"):
+        with folder.restoring(path, "local"):
             optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)  # each rank its own
             run.local.load_state_dict(snapshot.local["outer"])
     loads: list[tuple[str, Callable[[Any], Any], Any]] = [
@@ -295,10 +295,10 @@ def _restore(run: _Run, snapshot: resume.Snapshot, path: str) -> None:
         ("optimizer", acc.optimizer.load_state_dict, optimizer),
         ("scheduler", functools.partial(_load_scheduler, acc.scheduler), snapshot.scheduler),
         ("engine", acc.load_state_dict, engine),
-        ("rng", functools.partial(resume.restore_rng, ranks=run.ranks), snapshot.rng),
+        ("rng", functools.partial(folder.restore_rng, ranks=run.ranks), snapshot.rng),
     ]
     for name, load, state in loads:
-        with resume.restoring(path, name):
+        with folder.restoring(path, name):
             load(state)
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
@@ -365,7 +365,7 @@ def _save(run: _Run, progress: _Progress) -> None:
     if not is_main:
         return
     _check_finite(run, progress, "a snapshot")
-    snapshot = resume.Snapshot(
+    snapshot = folder.Snapshot(
         identity=run.identity, step=progress.step, total_steps=run.total_steps,
         model=distributed.unwrap(acc.model).state_dict(), optimizer=acc.optimizer.state_dict(),
         scheduler=acc.scheduler.state_dict() if acc.scheduler is not None else None,
@@ -373,7 +373,7 @@ def _save(run: _Run, progress: _Progress) -> None:
     )  # fmt: skip
     with run.stop.writing():
         keep = run.config.keep_snapshots
-        resume.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
+        folder.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
     progress.snapshot_step = progress.step
     if run.stop.again:  # a second signal came during the write (Note [clean stop])
         raise stopped(run.stop.signum, progress.step, run.total_steps, run.folder.out)
@@ -389,7 +389,7 @@ def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
 
 def _last_good(run: _Run, progress: _Progress) -> str:
     """Where a run stopped on NaN / inf continues from, and how."""
-    path, step = resume.latest_path(run.folder.out), progress.snapshot_step
+    path, step = folder.latest_path(run.folder.out), progress.snapshot_step
     if path is None:
         return "No snapshot was written yet: fix the cause and start again."
     last = f" (step {step})" if step is not None else ""
@@ -531,7 +531,7 @@ def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = Fa
     command = "the same call with resume=True"
     if args[:1] == ["train"]:  # the command line: say the command to type, quoted for a shell
         command = shlex.join(["bigbatch", *args, *([] if "--resume" in args else ["--resume"])])
-    name, path = signal.Signals(signum).name, resume.latest_path(out)
+    name, path = signal.Signals(signum).name, folder.latest_path(out)
     where = f"after step {step} of {total_steps}"
     if final:
         return Stopped(f"stopped by {name} during the final evaluation, {where}: the training is "

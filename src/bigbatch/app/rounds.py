@@ -45,7 +45,7 @@ import math
 from typing import Any
 
 from bigbatch.app.config import TrainConfig
-from bigbatch.app.resume import RunMismatchError
+from bigbatch.app.folder import RunMismatchError
 from bigbatch.app.task import Task
 from bigbatch.core._sync import wrapper_kind
 from bigbatch.core.engine import Accumulator, StepResult
