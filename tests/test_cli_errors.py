@@ -21,7 +21,7 @@ from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
 from bigbatch.app.folder import read_snapshot
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 
 TESTS = Path(__file__).resolve().parent
 TASKS = TESTS / "train" / "tasks.py"

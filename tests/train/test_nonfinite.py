@@ -20,7 +20,7 @@ import torch
 import bigbatch
 from bigbatch.app.cli import main
 from bigbatch.app.folder import read_snapshot
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 
 
 def train(capsys, out, *extra, task="faulty"):

@@ -64,8 +64,7 @@ from bigbatch.app import config as cfg
 from bigbatch.app import folder, rounds
 from bigbatch.app.config import TrainConfig, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
-from bigbatch.app.log import METRICS_CSV, RunLog
-from bigbatch.app.report import Summary, print_summary, summarize
+from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
@@ -336,7 +335,7 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
 
 def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int,
          counted: int) -> dict[str, Any]:  # fmt: skip
-    """The step's row of ``metrics.csv`` (``log.COLUMNS``); ``counted``: the samples ``r.count``
+    """The step's row of ``metrics.csv`` (``report.COLUMNS``); ``counted``: the samples ``r.count``
     saw, which differ from it when the loss counts tokens."""
     tokens = r.count != counted or r.tokens is not None
     # A step redone after running out of memory: the adopted attempt's peak, the retries' apart.
