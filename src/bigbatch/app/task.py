@@ -78,8 +78,7 @@ def check_task(task: object) -> None:
     """
     if not isinstance(task, Task):
         raise TaskError(f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task "
-                        "function with `return bigbatch.Task(model=..., train_data=..., "
-                        "loss_fn=...)`.")  # fmt: skip
+                        "function with `return bigbatch.Task(model=, train_data=, loss_fn=)`.")  # fmt: skip
     if not isinstance(task.model, torch.nn.Module):
         kind = type(task.model).__name__
         raise TaskError(f"Task.model is a {kind}; it must be a torch.nn.Module.")
