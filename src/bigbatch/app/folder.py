@@ -10,7 +10,7 @@ are) and the run's identity. Under torchrun rank 0 writes it and every rank read
 folder must be one that every node sees. A run killed mid-window redoes that window from the
 same data and the same random state, so the resumed run ends bitwise equal to an uninterrupted
 one on the CPU. Under ``--local-steps`` λ > 1 snapshots are taken between rounds only, with
-every rank's optimizer state (Note [local rounds] in ``app.rounds``).
+every rank's optimizer state (Note [local rounds] in ``app.loop``).
 
 ``DIR/snapshot.pt`` is always the newest; the ones before it are ``DIR/snapshot-<step>.pt``, and
 the newest ``keep`` snapshots are kept in all, so a bad late state (NaN weights are never
@@ -313,7 +313,7 @@ class Snapshot:
         local: under ``--local-steps`` λ > 1, taken between rounds: the outer state
             (``LocalAccumulation.state_dict``) and every rank's inner optimizer and engine
             state, indexed by rank (``optimizer`` and ``engine`` are then rank 0's); ``None``
-            otherwise (Note [local rounds] in ``app.rounds``).
+            otherwise (Note [local rounds] in ``app.loop``).
         torch_version, num_threads: where it was written (a difference is warned about on resume:
             other kernels or another thread count can change the last bits of a float).
 

@@ -12,7 +12,7 @@ runs]). Why a run stopped is one line each (NaN / inf, no memory left, a signal)
 step, what is kept on disk and what to do next; ``fit`` raises them, the CLI prints them (Note
 [error boundary] in ``app.cli``). With ``local_steps > 1`` each rank takes local steps and the ranks
 exchange once per round; snapshots, evaluation and signals wait for a round's end (Note [local
-rounds] in ``app.rounds``).
+rounds]).
 
 Note [non-finite runs]
     With ``nonfinite="raise"`` (the default) the engine refuses a window whose loss or gradient
@@ -39,13 +39,52 @@ Note [clean stop]
     of them was signalled, so they all stop after the same step. Under ``--local-steps`` λ > 1
     they agree only at a round's end (the ranks hold the same model only there), so the run
     finishes the round in flight, up to λ - 1 more steps, before its snapshot (Note [local
-    rounds] in ``app.rounds``); that all-reduce also carries the round's own sums.
+    rounds]); that all-reduce also carries the round's own sums.
+
+Note [local rounds]); with
+``local_steps=1`` (the default) none of it runs and the trainer takes the exact data-parallel
+step on a DDP model.
+
+Note [local rounds]
+    With λ > 1 the trainer keeps the PLAIN module on each rank (no DDP) and wraps its
+    ``Accumulator`` in ``bigbatch.distributed.local.LocalAccumulation``: each rank takes λ exact optimizer
+    steps on its own share of each global batch with no communication, then ONE all-reduce
+    averages the ranks' updates normalised by λ and the outer rule (``outer_lr``,
+    ``outer_momentum``, ``outer_nesterov``) applies them to the round's start θ_start (Note
+    [accumulated gradient normalisation] in ``bigbatch.distributed.local``). Rounds are counted from the
+    run's first step: one ends after every λ-th step and at the run's last step (a short last
+    round, normalised by its own length), so at the end every rank holds the same model. Only
+    between rounds do the ranks hold the same model, so:
+
+    * the log (rank 0): a step's ``loss``, ``grad_norm``, ``count`` and ``tokens_per_s`` are
+      rank 0's own share (a global figure every step would cost an all-reduce per step, the
+      traffic λ > 1 exists to save); ``samples`` and ``samples_per_s`` count the whole global
+      batch. At a round's last step ``round_loss``, ``round_count`` and ``round_skipped`` give
+      the whole round over every rank: Σ loss sum / Σ count over the inner steps the ranks
+      applied, the samples (or tokens) the round consumed, and the inner steps skipped (fp16
+      overflow, ``--nonfinite skip``) on any rank, which ``summary.json`` adds up. A rank skips
+      on its own (its own data, its own loss scaler), so these sums ride on the all-reduce the
+      ranks make anyway at a round's end to agree on a stop signal.
+    * snapshots, evaluation and the check for SIGINT / SIGTERM happen at round ends only; one
+      that falls due inside a round (``--save-every``, ``--eval-every``, an epoch's end, a
+      signal) is taken at that round's end, so a signal lets the round finish (up to λ - 1 more
+      steps). The signal check is then one small all-reduce per round, not per step.
+    * a snapshot holds the model (θ_start), ``LocalAccumulation.state_dict()`` (θ_start, the
+      outer momentum) and, gathered from every rank, each rank's inner optimizer and engine
+      state (they differ per rank; the file grows by one optimizer state per rank). A run
+      killed mid-round resumes from the round's start with every rank's own optimizer, engine
+      and random state and ends bitwise equal to an uninterrupted run on the CPU. It resumes
+      only on the same number of ranks.
+    * refused up front, before the run folder is touched: λ > 1 in one process (nothing to
+      average), and a task whose model is already wrapped in DDP or sharded with FSDP (each
+      rank must step a whole replica on its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import shlex
 import signal
@@ -61,13 +100,14 @@ from typing import Any
 import torch
 
 from bigbatch.app import config as cfg
-from bigbatch.app import folder, rounds
+from bigbatch.app import folder
 from bigbatch.app.config import TrainConfig, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
 from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
+from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._tree import map_tensors
 from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
@@ -75,6 +115,7 @@ from bigbatch.core.engine import Accumulator, StepResult
 from bigbatch.core.loss import as_sum_and_count
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.core.peak import PeakProbe
+from bigbatch.core.split import Batch
 from bigbatch.core.split import batch_size as samples_in
 from bigbatch.distributed import launch as distributed
 from bigbatch.distributed.local import LocalAccumulation
@@ -113,7 +154,7 @@ class _Progress:
     elapsed_s: float = 0.0
     snapshot_step: int | None = None
     skipped_in_a_row: int = 0
-    tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds.tally
+    tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # tally
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
@@ -146,7 +187,7 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
         raise folder.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
     joined = not distributed.in_group()  # fit leaves at the end only a group it joined itself
     ranks = distributed.setup(config.device)
-    rounds.check(config, ranks, task.model)
+    check_local_steps(config, ranks, task.model)
     run = _prepare(task, config, ranks)  # in memory: refused before mkdir
     with run.folder, run.stop:
         progress = _start(run)
@@ -167,13 +208,13 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
     for step in range(progress.step + 1, run.total_steps + 1):
         samples, batch = next(batches)
         row = _step(run, progress, step, samples, batch)
-        ended = rounds.round_end(step, run.config.local_steps, run.total_steps)
+        ended = round_end(step, run.config.local_steps, run.total_steps)
         if ended:  # the ranks agree on a stop (and sum the round: Note [local rounds])
             signum, summed = run.stop.requested(progress.tally if run.local else ())
             progress.tally = [0.0, 0.0, 0.0]  # the next round starts from zero
-            row.update(rounds.columns(summed) if run.local else {})
+            row.update(columns(summed) if run.local else {})
         # evaluate at multiples of eval_every (under local rounds: at the end of the round)
-        if rounds.crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
+        if crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
             eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
             row.update(eval_loss=eval_loss, metric="" if metric is None else metric)
         log.step(row) if log else None
@@ -182,7 +223,7 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
         # a snapshot is due at a multiple of save_every, an epoch's end or the run's last step
         # (under local rounds: one among the ``ended`` steps of the round just ended)
         saves = (run.config.save_every, run.steps_per_epoch)
-        if signum or step == run.total_steps or any(rounds.crossed(step, ended, n) for n in saves):
+        if signum or step == run.total_steps or any(crossed(step, ended, n) for n in saves):
             _save(run, progress)
         if signum:
             raise stopped(signum, progress.step, run.total_steps, run.folder.out)
@@ -211,7 +252,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     record, started = probe.reset(), time.perf_counter()
     try:
         last = step == run.total_steps
-        result, round_row = rounds.train_step(run.local, run.acc, batch, run.task, last)
+        result, round_row = train_step(run.local, run.acc, batch, run.task, last)
     except NonFiniteError as exc:
         raise NonFiniteRun(f"step {step}: {exc} {_last_good(run, progress)}") from None
     except Exception as exc:
@@ -220,7 +261,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
         raise OutOfMemoryRun(out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
-    progress.tally = rounds.tally(progress.tally, result)
+    progress.tally = tally(progress.tally, result)
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
@@ -287,7 +328,7 @@ def _restore(run: _Run, snapshot: folder.Snapshot, path: str) -> None:
     acc, (optimizer, engine) = run.acc, (snapshot.optimizer, snapshot.engine)
     if snapshot.local is not None and run.local is not None:  # Note [local rounds]
         with folder.restoring(path, "local"):
-            optimizer, engine = rounds.this_rank(snapshot.local, run.ranks)  # each rank its own
+            optimizer, engine = this_rank(snapshot.local, run.ranks)  # each rank its own
             run.local.load_state_dict(snapshot.local["outer"])
     loads: list[tuple[str, Callable[[Any], Any], Any]] = [
         ("model", distributed.unwrap(acc.model).load_state_dict, snapshot.model),
@@ -311,6 +352,107 @@ def _load_scheduler(scheduler: Any, state: dict[str, Any] | None) -> None:
         raise ValueError(f"{state!r:.40} for the run's scheduler {scheduler}")
     if scheduler is not None:
         scheduler.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- local rounds
+_WRAPPED = {"ddp": "wrapped in DistributedDataParallel", "fsdp": "sharded with FSDP"}
+
+
+def check_local_steps(config: TrainConfig, ranks: distributed.Ranks, model: Any) -> None:
+    """Refuse ``local_steps > 1`` where it has no meaning (Note [local rounds]).
+
+    Raises:
+        ValueError: one process.
+        TypeError: the task's model is already wrapped in DDP or sharded with FSDP.
+    """
+    steps = config.local_steps
+    if steps > 1 and ranks.world_size == 1:
+        raise ValueError(f"--local-steps {steps} needs several ranks and this is one process: "
+                         "there is nothing to average. Launch with `torchrun --nproc_per_node N "
+                         "-m bigbatch train ...`, or drop --local-steps.")  # fmt: skip
+    kind = wrapper_kind(model) if steps > 1 else "plain"
+    if kind != "plain":
+        fsdp = " FSDP cannot take local steps: every forward all-gathers." if kind == "fsdp" else ""
+        raise TypeError(f"--local-steps {steps} steps a whole plain replica of the model on each "
+                        f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
+                        f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
+
+
+def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task,
+               last: bool) -> tuple[StepResult, dict[str, Any]]:  # fmt: skip
+    """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
+    the outer step after every λ-th, and after the run's ``last`` step. Returns the step's
+    result and, at a round's end, ``round_count``."""
+    if local is None:
+        return acc.train_step(batch, task.loss_fn, count_fn=task.count_fn), {}
+    result = local.train_step(batch, task.loss_fn, count_fn=task.count_fn)
+    # a short last round: every rank ends with the same model
+    outer = result.outer or (local.outer_step() if last else None)
+    return result.step, {} if outer is None else {"round_count": outer.count}
+
+
+def tally(sums: list[float], result: StepResult) -> list[float]:
+    """This rank's sums over the round in flight, ``[loss sum, count, skipped]``, with one more
+    inner step counted (Note [local rounds]): the loss sum and count are over the inner steps
+    applied; a skipped step's loss may be NaN, so it only counts as skipped."""
+    step = [0.0, 0.0, 1.0] if result.skipped else [result.loss * result.count, result.count, 0.0]
+    return [total + value for total, value in zip(sums, step, strict=True)]
+
+
+def columns(summed: list[float]) -> dict[str, Any]:
+    """``round_loss`` and ``round_skipped`` from the ``tally`` sums summed over the ranks."""
+    loss_sum, count, skipped = summed
+    return {"round_loss": loss_sum / count if count else math.nan, "round_skipped": int(skipped)}
+
+
+def round_end(step: int, local_steps: int, total_steps: int) -> int:
+    """The steps of the round that ``step`` ends, or 0 when it ends none (1 when λ = 1).
+
+    Example:
+        >>> [round_end(s, 4, 10) for s in range(1, 11)]
+        [0, 0, 0, 4, 0, 0, 0, 4, 0, 2]
+    """
+    left = step % local_steps
+    return local_steps if left == 0 else left if step == total_steps else 0
+
+
+def crossed(step: int, steps: int, every: int) -> bool:
+    """Whether a multiple of ``every`` (0: never) is among the ``steps`` steps ending at ``step``.
+
+    Example:
+        >>> crossed(8, 4, 3), crossed(4, 4, 5), crossed(6, 1, 3)
+        (True, False, True)
+    """
+    return bool(every) and step // every > (step - steps) // every
+
+
+def capture(local: LocalAccumulation, acc: Accumulator, is_main: bool) -> dict[str, Any] | None:
+    """The snapshot's part of the local rounds, on rank 0 (``None`` elsewhere). A collective.
+
+    Every rank's inner optimizer and engine state are gathered (they differ per rank).
+    """
+    inner = distributed.all_gather_object((acc.optimizer.state_dict(), acc.state_dict()))
+    if not is_main:
+        return None
+    # rank 0's own live tensors (not the gathered copy): torch.save stores tensors shared with
+    # the snapshot's ``optimizer`` field once
+    inner[0] = (acc.optimizer.state_dict(), acc.state_dict())
+    optimizers, engines = zip(*inner, strict=True)
+    return {"outer": local.state_dict(), "optimizers": list(optimizers), "engines": list(engines)}
+
+
+def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, dict]:
+    """This rank's inner optimizer and engine state from ``capture``'s record.
+
+    Raises:
+        RunMismatchError: the snapshot was written by another number of ranks.
+    """
+    n = len(saved["optimizers"])
+    if n != ranks.world_size:
+        raise folder.RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, and "
+                               f"each rank keeps its own optimizer state: resume on {n} ranks "
+                               f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
+    return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]
 
 
 # ---------------------------------------------------------------------------- data, log, snapshot
@@ -360,7 +502,7 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
 def _save(run: _Run, progress: _Progress) -> None:
     acc, is_main = run.acc, run.ranks.is_main
     rng = distributed.all_gather_object(_rng.capture_all())  # each rank's own
-    local = rounds.capture(run.local, acc, is_main) if run.local is not None else None
+    local = capture(run.local, acc, is_main) if run.local is not None else None
     if not is_main:
         return
     _check_finite(run, progress, "a snapshot")

@@ -23,7 +23,7 @@ The log: what a run records, once per optimizer step (never per micro-batch).
 when it is installed (``DIR/tensorboard``) and shows the progress (Note [progress]). Under
 ``--local-steps`` λ > 1 a step's loss, grad norm and count are rank 0's own share, and
 ``round_loss`` / ``round_count`` / ``round_skipped`` (at a round's last step) the whole round's
-over every rank (Note [local rounds] in ``app.rounds``). Files are opened with ``folder.no_follow``
+over every rank (Note [local rounds] in ``app.loop``). Files are opened with ``folder.no_follow``
 (Note [no links] in ``app.folder``).
 
 Note [progress]
