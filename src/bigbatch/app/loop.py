@@ -265,7 +265,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
-                                 f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
+                           f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
     counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
@@ -449,9 +449,9 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     """
     n = len(saved["optimizers"])
     if n != ranks.world_size:
-        raise folder.RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, and "
-                               f"each rank keeps its own optimizer state: resume on {n} ranks "
-                               f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
+        raise folder.RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, "
+                                      f"each with its own optimizer state: resume on {n} ranks "
+                                      f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
     return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]
 
 
@@ -524,8 +524,8 @@ def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
     params = distributed.unwrap(run.acc.model).parameters()
     if not all(bool(torch.isfinite(p).all()) for p in params if p.is_floating_point()):
         raise NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
-                                 f"{run.config.nonfinite!r}); {what} was not written. "
-                                 f"{_last_good(run, progress)}")  # fmt: skip
+                           f"{run.config.nonfinite!r}); {what} was not written. "
+                           f"{_last_good(run, progress)}")  # fmt: skip
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
