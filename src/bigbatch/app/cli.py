@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
+from bigbatch.app.config import first_batch, load_task
 from bigbatch.app.loop import Stopped, fit
 from bigbatch.app.report import print_check, print_plan, print_summary, report
-from bigbatch.app.task import first_batch, load_task
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.distributed import launch as distributed

@@ -101,10 +101,9 @@ import torch
 
 from bigbatch.app import config as cfg
 from bigbatch.app import folder
-from bigbatch.app.config import TrainConfig, make_config
+from bigbatch.app.config import Task, TrainConfig, check_task, make_config
 from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
-from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._sync import wrapper_kind
