@@ -335,7 +335,7 @@ def test_resume_with_nothing_to_resume(capsys, tmp_path):
     assert code == 2
     assert one_line(err) == (
         f"--resume: run folder {str(out)!r} holds no run to resume: drop --resume to start a new "
-        "run there, or give --resume auto to start when there is nothing to resume."
+        "run there, or give --resume auto (start when there is none)."
     )
     assert not out.exists()  # not even created
     out.mkdir()

@@ -123,8 +123,7 @@ MAX_SKIPPED_IN_A_ROW = 20
 _MODEL_KEPT = ("model.pt was not written; the last snapshot holds the trained model: free space "
                "and run again with --resume")  # fmt: skip
 _NOTHING_TO_RESUME = ("--resume: run folder {out!r} holds no run to resume: drop --resume to start "
-                      "a new run there, or give --resume auto to start when there is nothing to "
-                      "resume.")  # fmt: skip
+                      "a new run there, or give --resume auto (start when there is none).")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,7 @@ class _Progress:
     elapsed_s: float = 0.0
     snapshot_step: int | None = None
     skipped_in_a_row: int = 0
-    tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # tally
+    tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, count, skipped
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
@@ -260,7 +259,9 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
         raise OutOfMemoryRun(out_of_memory_line(run.config, step, exc)) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
-    progress.tally = tally(progress.tally, result)
+    # the round's sums (Note [local rounds]); a skipped step's loss may be NaN: counted as skipped
+    applied = [0.0, 0.0, 1.0] if result.skipped else [result.loss * result.count, result.count, 0.0]
+    progress.tally = [total + value for total, value in zip(progress.tally, applied, strict=True)]
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
@@ -388,14 +389,6 @@ def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, 
     # a short last round: every rank ends with the same model
     outer = result.outer or (local.outer_step() if last else None)
     return result.step, {} if outer is None else {"round_count": outer.count}
-
-
-def tally(sums: list[float], result: StepResult) -> list[float]:
-    """This rank's sums over the round in flight, ``[loss sum, count, skipped]``, with one more
-    inner step counted (Note [local rounds]): the loss sum and count are over the inner steps
-    applied; a skipped step's loss may be NaN, so it only counts as skipped."""
-    step = [0.0, 0.0, 1.0] if result.skipped else [result.loss * result.count, result.count, 0.0]
-    return [total + value for total, value in zip(sums, step, strict=True)]
 
 
 def columns(summed: list[float]) -> dict[str, Any]:

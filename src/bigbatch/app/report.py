@@ -84,7 +84,15 @@ class RunLog:
     def __init__(self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False,
                  every: int = 0) -> None:  # fmt: skip
         path = os.path.join(out, METRICS_CSV)
-        truncate_csv(path, start_step)
+        # keep exactly the header and the rows of steps 1..start_step: a resumed run redoes the
+        # steps its snapshot did not hold (a torn last row, left by a kill mid-write, goes too);
+        # from step 0 whatever the file held goes. A kill leaves the old file or the new one.
+        text = io.StringIO()
+        writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        rows = read_csv(path) if start_step else []
+        writer.writerows(r for r in rows if int(r["step"]) <= start_step)
+        replace_file(path, text.getvalue().encode())
         self._file = open(path, "a", newline="", opener=no_follow)
         self._csv = csv.DictWriter(self._file, COLUMNS, extrasaction="ignore")
         self._text = open(os.path.join(out, "train.log"), "a", opener=no_follow)
@@ -179,18 +187,6 @@ def _readable(row: dict[str, Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return None not in row and None not in row.values()
-
-
-def truncate_csv(path: str, last_step: int) -> None:
-    """Keep exactly the header and the rows of steps 1..``last_step``: a resumed run redoes the
-    steps its snapshot did not hold (a torn last row, left by a kill mid-write, goes too); a run
-    from step 0 starts a new file."""
-    text = io.StringIO()
-    writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    rows = read_csv(path) if last_step else []  # from step 0: whatever the file held goes
-    writer.writerows(r for r in rows if int(r["step"]) <= last_step)
-    replace_file(path, text.getvalue().encode())  # a kill leaves the old file or the new one
 
 
 def _progress_bar(total: int, done: int) -> Any:
