@@ -384,7 +384,7 @@ def test_report_on_a_csv_with_missing_columns_names_the_file(capsys, tmp_path):
     assert code == 2
     assert one_line(err, "report") == (
         f"{tmp_path / 'metrics.csv'} lacks the column(s) step, loss, samples, count: it is not "
-        "the metrics.csv of a `bigbatch train` run (or it was written by another version)."
+        "the metrics.csv of a `bigbatch train` run (or of another version)."
     )
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
 

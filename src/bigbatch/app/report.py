@@ -132,10 +132,9 @@ class RunLog:
             self._bar.stop()
             if self._line:
                 print(self._line, file=sys.stderr, flush=True)
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-        self._file.close()
-        self._text.close()
+        for file in (self._tensorboard, self._file, self._text):
+            if file is not None:
+                file.close()
 
     def _write(self, line: str) -> None:
         self._text.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
@@ -176,8 +175,7 @@ def read_csv(path: str) -> list[dict[str, str]]:
         missing = [c for c in ("step", "loss", "samples", "count") if c not in fields]
         if missing:
             raise ValueError(f"{path} lacks the column(s) {', '.join(missing)}: it is not the "
-                             "metrics.csv of a `bigbatch train` run (or it was written by another "
-                             "version).")  # fmt: skip
+                             "metrics.csv of a `bigbatch train` run (or of another version).")  # fmt: skip
         return [row for row in reader if _readable(row)]
 
 
