@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bigbatch.app.cli import main
-from bigbatch.app.resume import FORMAT
+from bigbatch.app.folder import FORMAT
 
 TASKS = os.path.join(os.path.dirname(__file__), "train", "tasks.py")
 
@@ -250,7 +250,7 @@ def test_train_help_shows_the_defaults_and_the_optimizer(capsys, monkeypatch):
 
 def test_the_default_optimizer_is_the_one_help_names(capsys, tmp_path):
     """What --help says (AdamW, weight_decay=0.01, lr 0.001) is what a task without one gets."""
-    from bigbatch.app.resume import read_snapshot
+    from bigbatch.app.folder import read_snapshot
 
     out = tmp_path / "run"
     argv = ["train", f"{TASKS}:classify", "--steps", "1", "--out", str(out), "--quiet"]

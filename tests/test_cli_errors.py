@@ -20,8 +20,8 @@ import torch
 from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
-from bigbatch.app.log import read_csv
-from bigbatch.app.resume import read_snapshot
+from bigbatch.app.folder import read_snapshot
+from bigbatch.app.report import read_csv
 
 TESTS = Path(__file__).resolve().parent
 TASKS = TESTS / "train" / "tasks.py"
@@ -335,7 +335,7 @@ def test_resume_with_nothing_to_resume(capsys, tmp_path):
     assert code == 2
     assert one_line(err) == (
         f"--resume: run folder {str(out)!r} holds no run to resume: drop --resume to start a new "
-        "run there, or give --resume auto to start when there is nothing to resume."
+        "run there, or give --resume auto (start when there is none)."
     )
     assert not out.exists()  # not even created
     out.mkdir()
@@ -384,7 +384,7 @@ def test_report_on_a_csv_with_missing_columns_names_the_file(capsys, tmp_path):
     assert code == 2
     assert one_line(err, "report") == (
         f"{tmp_path / 'metrics.csv'} lacks the column(s) step, loss, samples, count: it is not "
-        "the metrics.csv of a `bigbatch train` run (or it was written by another version)."
+        "the metrics.csv of a `bigbatch train` run (or of another version)."
     )
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
 

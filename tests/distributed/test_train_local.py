@@ -1,6 +1,6 @@
 """``bigbatch train --local-steps λ`` under a real ``torchrun --nproc_per_node 2`` (gloo, CPU).
 
-Note [local rounds] in ``bigbatch.app.rounds``. The trained model is checked against the
+Note [local rounds] in ``bigbatch.app.loop``. The trained model is checked against the
 algorithm written out plainly in this file (``simulate``: two model copies in one process, each
 taking full-batch AdamW steps on its share of each global batch, then the count-weighted mean
 of the normalised updates and the outer rule by hand), float64, to ~1e-10, with its collectives
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchrun_runs import HERE, TORCHRUN, env, launch, start_and_stop_rank0
 
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 from bigbatch.core import _rng
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torchrun_runs import HERE, TORCHRUN, launch, start_and_stop_rank0
 
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 
 pytestmark = pytest.mark.slow  # real torchrun ranks
 

@@ -1,6 +1,6 @@
 """A really full disk at a snapshot or at ``model.pt``: one line saying what the file needs and
 what is free, checked before anything is written or deleted (Note [atomic snapshot] in
-bigbatch.app.resume); every snapshot on disk stays, and ``--resume`` finishes the run once
+bigbatch.app.folder); every snapshot on disk stays, and ``--resume`` finishes the run once
 there is room.
 
 The run folder is on a small tmpfs mounted for the test (as root; skipped elsewhere), and the
@@ -18,7 +18,7 @@ import pytest
 import runs
 import torch
 
-from bigbatch.app.resume import read_snapshot
+from bigbatch.app.folder import read_snapshot
 
 pytestmark = pytest.mark.slow  # mounts a tmpfs, runs children
 

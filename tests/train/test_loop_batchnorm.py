@@ -13,7 +13,7 @@ import torch
 import bigbatch
 from bigbatch.app.cli import main
 from bigbatch.app.config import make_config
-from bigbatch.app.resume import RunMismatchError
+from bigbatch.app.folder import RunMismatchError
 
 
 def _train(tmp_path, name, **settings):

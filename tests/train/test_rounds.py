@@ -1,4 +1,4 @@
-"""``--local-steps`` (bigbatch.app.rounds, Note [local rounds]): the settings it is refused
+"""``--local-steps`` (bigbatch.app.loop, Note [local rounds]): the settings it is refused
 with, where rounds end, and when a snapshot or an evaluation that falls inside a round is taken.
 
 The runs on two ranks under torchrun are in tests/distributed/test_train_local.py.
@@ -13,7 +13,7 @@ import torch
 
 from bigbatch.app.cli import main
 from bigbatch.app.config import TrainConfig
-from bigbatch.app.rounds import crossed, round_end, this_rank
+from bigbatch.app.loop import crossed, round_end, this_rank
 from bigbatch.distributed.launch import Ranks
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")

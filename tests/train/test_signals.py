@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM sent to a running ``bigbatch train`` (Note [clean stop] in app.stops).
+"""SIGINT and SIGTERM sent to a running ``bigbatch train`` (Note [clean stop] in app.loop).
 
 The child stops itself (SIGSTOP) inside a window at a known micro-batch; the test sends the
 signal and SIGCONT. The first signal lets the step in flight finish, writes a snapshot at that
@@ -20,7 +20,7 @@ import sys
 import pytest
 import runs
 
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 
 pytestmark = pytest.mark.slow
 

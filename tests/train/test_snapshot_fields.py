@@ -1,5 +1,5 @@
 """Crafted snapshots: every field checked before anything is restored, and a bad one named with
-its file (Note [snapshot fields] in bigbatch.app.resume), in one line, never a traceback.
+its file (Note [snapshot fields] in bigbatch.app.folder), in one line, never a traceback.
 
 A real run writes its snapshots; each case rewrites one field of ``snapshot.pt`` (the file a
 resume reads), as a damaged or hand-edited file would hold it, and resumes.
@@ -16,7 +16,7 @@ import torch
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.resume import RunMismatchError
+from bigbatch.app.folder import RunMismatchError
 
 SETTINGS = {"batch_size": 10, "micro_batch_size": 4, "steps": 2, "save_every": 1, "quiet": True}
 

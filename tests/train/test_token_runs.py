@@ -13,7 +13,7 @@ from runs import argv, assert_same_run, kill_when_stopped, snapshot_step, train_
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.log import read_csv
+from bigbatch.app.report import read_csv
 
 SETTINGS = {"batch_size": 10, "epochs": 2, "lr": 0.05, "seed": 3, "quiet": True}
 
@@ -52,8 +52,7 @@ def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
 
 
 def test_compile_wraps_the_model_and_snapshots_the_plain_one():
-    from bigbatch.app.config import TrainConfig
-    from bigbatch.app.prepare import prepare_model
+    from bigbatch.app.config import TrainConfig, prepare_model
     from bigbatch.distributed import launch
 
     model = tasks.text().model

@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
-from bigbatch.app.loop import fit
+from bigbatch.app.config import first_batch, load_task
+from bigbatch.app.loop import Stopped, fit
 from bigbatch.app.report import print_check, print_plan, print_summary, report
-from bigbatch.app.stops import Stopped
-from bigbatch.app.task import first_batch, load_task
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.distributed import launch as distributed
@@ -344,11 +343,6 @@ def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return lambda text: [kind(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def _option(text: str) -> float | str:
-    """A checkpointing option: a fraction of the blocks, or a policy's name."""
-    return float(text) if text[:1].isdigit() else text
-
-
 TASK = ("task", dict(metavar="TASK", help="module:function returning a bigbatch.Task"))
 _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, dict]], dict]] = [
     (_run_demo, "train one model full-batch, accumulated and auto under a budget: same weights, "
@@ -388,9 +382,10 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
          "[0, 1) (default 0.1: peaks within 90%% of it)")),
         ("--micro-batch-sizes", dict(type=_listed(int), help="comma-separated sizes to try, e.g. "
          "1,2,4 (default: powers of two up to the batch)")),
-        ("--checkpointing", dict(type=_listed(_option), help="comma-separated options: fractions "
-         "of the blocks recomputed whole and policy names none, selective, full, offload "
-         "(selective:0.5 for a fraction); default: none,selective,0.5,1 (and offload on CUDA)")),
+        ("--checkpointing", dict(type=_listed(lambda t: float(t) if t[:1].isdigit() else t),
+         help="comma-separated options: fractions of the blocks recomputed whole and policy "
+         "names none, selective, full, offload (selective:0.5 for a fraction); default: "
+         "none,selective,0.5,1 (and offload on CUDA)")),
         ("--steps", dict(type=int, default=5, help="timed rounds (default 5)")),
         ("--micro-batch-tokens", dict(type=lambda t: t if t == "auto" else _listed(int)(t),
          help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
