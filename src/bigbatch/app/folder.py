@@ -1,8 +1,8 @@
 """The run folder: one run writes it at a time, never through a link, every file replaced whole,
 and the resume snapshots it holds.
 
-Resume snapshots: resume snapshots: the whole training state in one file, written atomically, the newest kept.
-A ``Snapshot`` is taken at an optimizer-step boundary and holds the model, the optimizer, the LR
+Resume snapshots: the whole training state in one file, written atomically, the newest kept. A
+``Snapshot`` is taken at an optimizer-step boundary and holds the model, the optimizer, the LR
 scheduler, what the engine owns (``Accumulator.state_dict``: the adopted micro-batch, the loss
 scaler), every random generator of every rank (torch CPU and CUDA, numpy, Python), the step
 (the data order is a pure function of ``seed`` and the epoch, so the step says where the data

@@ -449,8 +449,9 @@ def print_plan(result: Plan) -> None:
         f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
         f"{usable} of the {budget} budget",
         *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
-          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; largest"
-          f" that fits: {'any' if (n := fit.largest_fitting(result.usable_bytes)) >= 2**31 else n}"
+          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
+          "largest that fits: "
+          f"{'any' if (n := fit.largest_fitting(result.usable_bytes)) >= 2**31 else n}"
           for fit in result.fits),
         *(f"not tried: {skipped}" for skipped in result.skipped),
         f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
