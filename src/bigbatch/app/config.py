@@ -31,7 +31,6 @@ The task: what a user hands to the trainer: a ``Task``, and how one is found fro
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import functools
 import importlib
@@ -40,11 +39,10 @@ import math
 import os
 import re
 import sys
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -199,10 +197,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what a TOML file holds)."""
-        return dataclasses.asdict(self)
+        return asdict(self)
 
 
-def settings() -> list[dataclasses.Field]:
+def settings() -> list[Field]:
     """The settings with their metadata (choices, low, aliases, resumable), in order."""
     return list(fields(TrainConfig))
 
@@ -216,19 +214,19 @@ def helps() -> dict[str, str]:
 
 
 @functools.cache
-def kinds(f: dataclasses.Field) -> tuple[Any, ...]:
+def kinds(f: Field) -> tuple[Any, ...]:
     """The types setting ``f`` admits: ``(int, Literal["auto"], NoneType)``."""
-    hint = typing.get_type_hints(TrainConfig)[f.name]
-    return typing.get_args(hint) or (hint,)
+    hint = get_type_hints(TrainConfig)[f.name]
+    return get_args(hint) or (hint,)
 
 
-def words(f: dataclasses.Field) -> list[Any]:
+def words(f: Field) -> list[Any]:
     """The values of setting ``f`` that are words (choices, ``"auto"``), as written."""
-    literals = [w for k in kinds(f) if typing.get_origin(k) is Literal for w in typing.get_args(k)]
+    literals = [w for k in kinds(f) if get_origin(k) is Literal for w in get_args(k)]
     return [w for w in (f.metadata["choices"] or literals) if isinstance(w, str)]
 
 
-def canonical(f: dataclasses.Field, value: Any) -> Any:
+def canonical(f: Field, value: Any) -> Any:
     """``value`` as setting ``f`` spells it when it is one of its words in another case."""
     if isinstance(value, str):
         return next((w for w in words(f) if w.lower() == value.strip().lower()), value)
@@ -243,7 +241,7 @@ def closest(given: str, known: Iterable[str]) -> str | None:
     return close[0] if close else None
 
 
-def _check_field(f: dataclasses.Field, value: Any) -> None:
+def _check_field(f: Field, value: Any) -> None:
     """The value's type, its choices or its least value, as ``setting(...)`` declares them."""
     meta, admits = f.metadata, kinds(f)
     if meta["choices"] is not None:  # "1" is not 1, 1 is not True

@@ -102,7 +102,6 @@ import torch
 from bigbatch.app import config as cfg
 from bigbatch.app import folder
 from bigbatch.app.config import Task, TrainConfig, check_task, make_config
-from bigbatch.app.folder import RunFolder, clean_stale_temps, replace_file
 from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
 from bigbatch.core import _rng
 from bigbatch.core._stepping import NonFiniteError
@@ -133,7 +132,7 @@ class _Run:
     task: Task
     config: TrainConfig
     ranks: distributed.Ranks
-    folder: RunFolder
+    folder: folder.RunFolder
     acc: Accumulator
     local: LocalAccumulation | None  # local_steps > 1 (Note [local rounds]); else DDP steps
     stop: StopSignals
@@ -238,7 +237,7 @@ def _finish(run: _Run, progress: _Progress) -> Summary:
         if run.ranks.is_main:
             _check_finite(run, progress, "model.pt")
             model = distributed.unwrap(run.acc.model).state_dict()
-            replace_file(run.folder.path("model.pt"), model, _MODEL_KEPT)
+            folder.replace_file(run.folder.path("model.pt"), model, _MODEL_KEPT)
         return summarize(run.folder.out, progress.elapsed_s, run.batch_size, final,
                          run.ranks.is_main)  # fmt: skip
 
@@ -289,7 +288,7 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
         nesterov=config.outer_nesterov)  # fmt: skip
     identity = cfg.identity(task, config, optimizer)
-    return _Run(task, config, ranks, RunFolder(config.out, ranks), acc, local,
+    return _Run(task, config, ranks, folder.RunFolder(config.out, ranks), acc, local,
                 StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
 
 
@@ -297,7 +296,7 @@ def _start(run: _Run) -> _Progress:
     """Restore the newest snapshot when resuming; seed everything when starting."""
     config, out = run.config, run.folder.out
     if run.ranks.is_main:
-        clean_stale_temps(out)  # the lock holder alone (Note [one writer])
+        folder.clean_stale_temps(out)  # the lock holder alone (Note [one writer])
     path = folder.latest_path(out)
     snapshot = None if path is None else folder.read_snapshot(path)
     if snapshot is not None and not config.resume:

@@ -38,7 +38,6 @@ Note [progress]
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -47,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from bigbatch.app.folder import lock_holder, no_follow, replace_file
@@ -284,7 +283,7 @@ def summarize(out: str, time_s: float, batch_size: int,
     )  # fmt: skip
     if write:  # NaN and inf as null: summary.json stays JSON
         plain = {k: v if not isinstance(v, float) or math.isfinite(v) else None
-                 for k, v in dataclasses.asdict(summary).items()}  # fmt: skip
+                 for k, v in asdict(summary).items()}  # fmt: skip
         replace_file(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
     return summary
 
