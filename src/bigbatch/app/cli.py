@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bigbatch.app import config, demo
-from bigbatch.app.config import first_batch, load_task
 from bigbatch.app.loop import Stopped, fit
 from bigbatch.app.report import print_check, print_plan, print_summary, report
 from bigbatch.core import _rng
@@ -284,7 +283,7 @@ def _run_train(args: argparse.Namespace) -> None:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
                          "--config.")  # fmt: skip
     _rng.seed_all(chosen.seed)  # the task function builds the model: same seed, same weights
-    fit(load_task(chosen.task), chosen)
+    fit(config.load_task(chosen.task), chosen)
 
 
 def _run_report(args: argparse.Namespace) -> None:
@@ -308,8 +307,8 @@ def _run_check(args: argparse.Namespace) -> int:
     eval mode."""
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
-    task = load_task(args.task)
-    batch = first_batch(task, args.batch_size)
+    task = config.load_task(args.task)
+    batch = config.first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
     found = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
     print_check(found, title=f"bigbatch check {args.task}: worst parameters")
@@ -327,11 +326,11 @@ def _run_plan(args: argparse.Namespace) -> None:
     within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
     the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
     budgets are compared too, and every row shows the padding it computes."""
-    task = load_task(args.task)
+    task = config.load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
     print_plan(plan(
-        task.model, first_batch(task, args.batch_size), task.loss_fn,
+        task.model, config.first_batch(task, args.batch_size), task.loss_fn,
         memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
         checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
         margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
