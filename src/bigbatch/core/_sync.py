@@ -160,7 +160,8 @@ class DDPSync(_RankSync):
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         for p in params:  # every rank all-reduces every parameter, in the same order
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]  # type: ignore[arg-type]
         for work in works:
