@@ -1,6 +1,7 @@
 """Run a function on real gloo ranks (separate processes) and collect what each returns.
 
-``run_ranks(fn, *args)`` spawns ``world_size`` processes, joins them into one gloo process
+``run_ranks(fn, *args)`` starts ``world_size`` processes (forked from a parent that has imported
+torch and bigbatch, ``forks.py``), joins them into one gloo process
 group over a file rendezvous, calls ``fn(rank, world_size, *args)`` in each and returns the
 per-rank results. A failing rank's traceback is re-raised in the test; a hang is killed.
 """
@@ -14,7 +15,7 @@ import tempfile
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+from forks import context
 
 
 def _entry(fn, rank, world_size, init_file, results, args):
@@ -40,7 +41,7 @@ def _entry(fn, rank, world_size, init_file, results, args):
 
 def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = context()  # forked from a parent that has imported torch (forks.py)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
