@@ -19,7 +19,9 @@ import multiprocessing
 import os
 import runpy
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -37,7 +39,7 @@ def context() -> multiprocessing.context.BaseContext:
 
 class Child:
     """A ``subprocess.Popen``-like handle on a forked child: ``pid``, ``wait``, ``returncode``,
-    ``kill``, ``poll``, ``stopped()``."""
+    ``kill``, ``poll``."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
         self.process, self.pid = process, process.pid
@@ -52,28 +54,39 @@ class Child:
     def wait(self, timeout: float | None = None) -> int:
         self.process.join(timeout)
         if self.process.exitcode is None:
-            raise TimeoutError(f"child {self.pid} still runs after {timeout} s")
+            raise subprocess.TimeoutExpired(f"child {self.pid}", timeout or 0)
         return self.process.exitcode
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
 
-    def stopped(self) -> bool:
-        """Whether the child is stopped (SIGSTOP): its state in ``/proc`` (it is not ours to
-        ``waitpid``: the fork server is its parent)."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): its state in ``/proc`` (a forked child is not
+    ours to ``waitpid``: the fork server is its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
 def python(
     args: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
-    stdout: str | None = None, stderr: str | None = None,
-) -> Child:  # fmt: skip
-    """Start ``python ARGS`` (``["-m", "bigbatch", ...]`` or ``["script.py", ...]``) in a forked
-    child; its stdout and stderr go to the files named (else to /dev/null)."""
+    stdout: str | None = None, stderr: str | None = None, fresh: bool = False,
+) -> Child | subprocess.Popen:  # fmt: skip
+    """Start ``python ARGS`` (``["-m", "bigbatch", ...]`` or ``["script.py", ...]``, with or without
+    ``sys.executable`` first) in a forked child; its stdout and stderr go to the files named (else
+    to /dev/null). ``fresh``: in a new interpreter instead, for what depends on the process's
+    history (CPU peak readings: a forked child faults in the library pages it runs, which a fresh
+    process touched on import)."""
+    if args and args[0] == sys.executable:
+        args = args[1:]
+    if fresh:
+        with open(stdout or os.devnull, "w") as out, open(stderr or os.devnull, "w") as err:
+            return subprocess.Popen(
+                [sys.executable, *args], env=env, cwd=cwd, stdout=out, stderr=err
+            )
     process = context().Process(target=_interpreter, args=(args, env, cwd, stdout, stderr))
     process.start()
     return Child(process)
@@ -81,21 +94,16 @@ def python(
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300, **kw):
     """``python(args)`` to its end: ``(returncode, stdout, stderr)`` as text."""
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         child = python(args, env, stdout=out, stderr=err, **kw)
         try:
             code = child.wait(timeout)
-        except TimeoutError:
+        except subprocess.TimeoutExpired:
             child.kill()
             child.wait(10)
             raise subprocess.TimeoutExpired(args, timeout) from None
-        return subprocess.CompletedProcess(
-            args, code, Path(out).read_text(), Path(err).read_text()
-        )
+        return subprocess.CompletedProcess(args, code, Path(out).read_text(), Path(err).read_text())
 
 
 def _interpreter(args, env, cwd, stdout, stderr) -> None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forks
 import pytest
 import torch
 from mounts import read_only, tmpfs
@@ -421,7 +422,7 @@ def test_warnings_are_one_line_each(tmp_path):
     argv = [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:bn_cnn", "--batch-size", "12",
             "--micro-batch-size", "5", "--steps", "1", "--quiet", "--out", str(out), "--resume"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    done = forks.run(argv, env)  # a real child, forked (forks.py)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [
         f"bigbatch train: warning: --resume: the run in {str(out)!r} was stopped before its first "

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
-import sys
 
+import forks
 import pytest
 from torchrun_runs import HERE, env
 
@@ -88,10 +87,9 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch):
 def test_the_command_line_says_it_in_one_line(case, tmp_path):
     variables, message = BAD[case]
     task = f"{HERE.parent / 'train' / 'tasks.py'}:classify"
-    done = subprocess.run(
-        [sys.executable, "-m", "bigbatch", "train", task, "--out", str(tmp_path / "run")],
-        env={**env(), **variables}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = forks.run(  # a real child, forked (forks.py)
+        ["-m", "bigbatch", "train", task, "--out", str(tmp_path / "run")], {**env(), **variables}
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     line = done.stderr.strip().removeprefix("bigbatch train: error: ")

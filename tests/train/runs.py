@@ -1,5 +1,8 @@
 """``bigbatch train`` in child processes, for the tests that provoke real faults.
 
+The children are forked from a parent that has imported torch and bigbatch (``forks.py``):
+real processes, without paying for an interpreter's start-up each time.
+
 A child runs the CLI on a task of ``tasks.py``; ``tasks.killable`` stops itself (SIGSTOP) at the
 micro-batch $STOP_AT names, so a test knows where the child is when it signals, kills or races
 it. The common run: 50 samples, batch 10 cut 4+4+2 (3 micro-batches per step), 2 epochs = 10
@@ -15,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import forks
 import pytest
 import torch
 from mounts import tmpfs  # noqa: F401  (runs.tmpfs for the run tests)
@@ -57,43 +61,38 @@ def kill_when_stopped(args: list[str], err: Path, **extra_env: str) -> None:
     kill(proc)
 
 
-def run(args: list[str], timeout: float = 300, **extra_env: str) -> subprocess.CompletedProcess:
-    """Run a child to its end; return it (exit code, stdout, stderr)."""
-    return subprocess.run(
-        args, env=env(**extra_env), capture_output=True, text=True, timeout=timeout
-    )
+def run(
+    args: list[str], timeout: float = 300, fresh: bool = False, **extra_env: str
+) -> subprocess.CompletedProcess:
+    """Run a child to its end; return it (exit code, stdout, stderr). ``fresh``: see ``forks``."""
+    return forks.run(args, env(**extra_env), timeout=timeout, fresh=fresh)
 
 
-def start(args: list[str], err: Path, **extra_env: str) -> subprocess.Popen:
+def start(args: list[str], err: Path, **extra_env: str) -> forks.Child | subprocess.Popen:
     """Start a child whose stderr goes to the file ``err``."""
-    with open(err, "w") as file:
-        return subprocess.Popen(args, env=env(**extra_env), stdout=subprocess.DEVNULL, stderr=file)
+    return forks.python(args, env(**extra_env), stderr=str(err))
 
 
-def wait_stopped(proc: subprocess.Popen, err: Path, timeout: float = 300) -> None:
+def wait_stopped(proc: forks.Child | subprocess.Popen, err: Path, timeout: float = 300) -> None:
     """Wait until the child has stopped itself (SIGSTOP); fail if it ends or never stops."""
     deadline = time.monotonic() + timeout
-    while True:
-        pid, status = os.waitpid(proc.pid, os.WUNTRACED | os.WNOHANG)
-        if pid:
-            break
+    while not forks.stopped(proc.pid):
+        if proc.poll() is not None:
+            pytest.fail(f"the child ended before its stop: {err.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the child never reached its stop: {err.read_text()[-3000:]}")
         time.sleep(0.02)
-    if not os.WIFSTOPPED(status):
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here
-        pytest.fail(f"the child ended before its stop: {err.read_text()[-3000:]}")
 
 
-def signal_and_continue(proc: subprocess.Popen, *signals: int) -> None:
+def signal_and_continue(proc: forks.Child | subprocess.Popen, *signals: int) -> None:
     """Send ``signals`` to a stopped child, then SIGCONT: it handles them as it resumes."""
     for signum in signals:
         os.kill(proc.pid, signum)
     os.kill(proc.pid, signal.SIGCONT)
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: forks.Child | subprocess.Popen) -> None:
     """SIGKILL the child (no handler runs, nothing is flushed) and reap it."""
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
