@@ -3,6 +3,12 @@ imports an optional extra is skipped where the extra is not installed (the suite
 alone; tests/conftest.py skips the tests that need an extra)."""
 
 import importlib.util
+import os
+
+# One OpenMP thread in every process of the suite (the tests' and their children's, set before
+# torch is imported): pytest -n 2 runs one test process per core, and threads that outnumber
+# the cores spin against each other (tests/conftest.py sets torch's count per test too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 NEEDS_EXTRA = {
     "hf.py": "transformers", "integrations/hf.py": "transformers",

@@ -4,11 +4,15 @@ import pytest
 import torch
 from seeds import seed_for
 
+THREADS = 1
+
 
 @pytest.fixture(autouse=True)
 def _threads():
-    # The thread count changes float summation order; keep one setting for every test.
-    torch.set_num_threads(2)
+    # The thread count changes float summation order: one setting for every test. One thread: the
+    # suite runs one test process per core (pytest -n 2), and OpenMP threads that outnumber the
+    # cores spin against each other (measured: a 0.03 s test took 5-9 s under -n 2 at 2 threads).
+    torch.set_num_threads(THREADS)
     yield
 
 

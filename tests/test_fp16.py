@@ -33,7 +33,7 @@ import bigbatch
 @pytest.fixture(scope="module")
 def runs():
     """The references every row compares with, run once per module: fp32 and fp16 full batch."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # as tests/conftest.py sets for each test
     init, batches = make_lm(), lm_batches()
     truth, _ = plain_full_batch(init, batches, fp16=False)
     full, full_skipped = plain_full_batch(init, batches, fp16=True)
