@@ -39,10 +39,21 @@ def pytest_ignore_collect(collection_path, config):
 EXTRAS = {"rich": "cli", "matplotlib": "plot", "sklearn": "demo"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.needs("rich", ...)``: skipped, saying what to install, where a module of an
-    optional extra is missing (the suite runs with torch alone)."""
+    optional extra is missing (the suite runs with torch alone).
+
+    A test that uses a module-scoped fixture joins its module's ``xdist_group``: under
+    ``pytest -n 2 --dist loadgroup`` one worker computes the fixture (a reference run, ranks
+    spawned once for every row), instead of each worker that gets one of the module's tests."""
     for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        defs = defs.name2fixturedefs.values() if defs is not None else ()
+        if any(d[-1].scope == "module" for d in defs) and not item.get_closest_marker(
+            "xdist_group"
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
         for mark in item.iter_markers("needs"):
             missing = [m for m in mark.args if importlib.util.find_spec(m) is None]
             if missing:
