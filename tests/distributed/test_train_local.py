@@ -18,13 +18,12 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_runs import HERE, TORCHRUN, env, launch, start_and_stop_rank0
+from torchrun_runs import HERE, TORCHRUN, launch, start_and_stop_rank0
 
 from bigbatch.app.report import read_csv
 from bigbatch.core import _rng
@@ -87,10 +86,9 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
     flags = ["--batch-size", "10", "--micro-batch-size", "3", "--epochs", "2", "--lr", str(LR),
              "--local-steps", "4", "--outer-lr", "2", "--outer-momentum", "0.5",
              "--outer-nesterov", "--eval-every", "3"]  # fmt: skip
-    done = subprocess.run(
+    done = launch(
         [*TORCHRUN, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out", str(out),
-         "--quiet", "--seed", str(SEED), *flags],
-        env=env(COUNT_COLLECTIVES="1"), capture_output=True, text=True, timeout=120,
+         "--quiet", "--seed", str(SEED), *flags], COUNT_COLLECTIVES="1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -129,11 +127,11 @@ def test_a_step_skipped_on_one_rank_is_counted(tmp_path):
     ``round_skipped`` 1, ``skipped_steps`` 1 in summary.json, and the round's loss over the
     three inner steps applied (before: skipped 0, round loss NaN, final loss null)."""
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = launch(
         [*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:nan_data", "--out", str(out), "--quiet",
          "--seed", str(SEED), "--batch-size", "10", "--micro-batch-size", "4", "--steps", "4",
          "--lr", str(LR), "--local-steps", "2", "--nonfinite", "skip", "--no-shuffle"],
-        env=env(NAN_SAMPLE="1"), capture_output=True, text=True, timeout=120,
+        NAN_SAMPLE="1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = read_csv(str(out / "metrics.csv"))

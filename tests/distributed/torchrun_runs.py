@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import forks
+
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -23,21 +25,22 @@ def env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
+def launch(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` (``TORCHRUN ...``) to its end: the launcher is forked (``forks.py``), the ranks
+    are the fresh processes torchrun starts."""
+    return forks.run(args, env(**extra), timeout=120)
 
 
 def start_and_stop_rank0(
     bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
-) -> tuple[subprocess.Popen, list[int]]:
+) -> tuple[forks.Child, list[int]]:
     """Start ``torchrun ... -m bigbatch *bigbatch_args`` on a ``tasks.killable`` task and wait
     until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
     launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
     """
     child_env = env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
-    err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], env=child_env,
-                            stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+    err = str(stderr) if stderr is not None else None
+    proc = forks.python([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], child_env, stderr=err)
     logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
     deadline = time.monotonic() + 120
     while not (logs[0].exists() and logs[0].read_text().split()[-1:] == [str(stop_at)]):
