@@ -36,7 +36,7 @@ def pytest_ignore_collect(collection_path, config):
     return parts[0] == "tests" and not collection_path.name.startswith("test_")
 
 
-EXTRAS = {"rich": "cli", "matplotlib": "plot", "sklearn": "demo"}
+EXTRAS = {"rich": "cli", "matplotlib": "plot", "sklearn": "demo", "transformers": "hf"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -15,6 +15,7 @@ environment, working directory and output files, and exits as the interpreter wo
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import multiprocessing
 import os
 import runpy
@@ -25,6 +26,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import pytest
 
 # Imported once by the fork server; a module that is missing (an extra not installed) is skipped.
 PRELOAD = ["torch", "torch.distributed", "bigbatch", "bigbatch.app.cli", "bigbatch.app.loop"]
@@ -82,6 +85,8 @@ def python(
     process touched on import)."""
     if args and args[0] == sys.executable:
         args = args[1:]
+    if ["-m", "bigbatch"] in (args[i : i + 2] for i in range(len(args))):
+        needs_the_command_line()
     if fresh:
         with open(stdout or os.devnull, "w") as out, open(stderr or os.devnull, "w") as err:
             return subprocess.Popen(
@@ -90,6 +95,13 @@ def python(
     process = context().Process(target=_interpreter, args=(args, env, cwd, stdout, stderr))
     process.start()
     return Child(process)
+
+
+def needs_the_command_line() -> None:
+    """Skip the test where ``bigbatch``'s command line cannot run: without its extra it prints one
+    line saying what to install (tested in test_cli.py) and trains nothing."""
+    if importlib.util.find_spec("rich") is None:
+        pytest.skip("needs rich: pip install -e '.[cli]'")
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300, **kw):

@@ -385,6 +385,7 @@ def test_example_checks_both_losses_and_learns():
 
 
 @pytest.mark.slow
+@pytest.mark.needs("transformers")  # the benchmark's BERT
 def test_benchmark_quick_mode():
     out = _script("benchmarks/contrastive.py", "--quick")  # (d) measured only where installed
     assert "| (d) sentence-transformers Cached MNRL |" in out

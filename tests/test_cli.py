@@ -316,6 +316,7 @@ def test_cli_reference_is_generated_from_the_parser():
 
 
 @pytest.mark.slow  # a real process: the exit code and stderr a shell sees
+@pytest.mark.needs("rich")
 def test_a_real_process_exits_2_with_one_line(tmp_path):
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     done = subprocess.run(

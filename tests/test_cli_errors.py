@@ -91,6 +91,7 @@ def test_out_on_a_read_only_filesystem(capsys, tmp_path):
 
 
 @pytest.mark.slow  # mounts a tmpfs (child processes)
+@pytest.mark.needs("rich")
 def test_disk_full_while_writing_a_snapshot_keeps_the_previous_one(capsys, tmp_path, monkeypatch):
     """At micro-batch 14 (step 5) the task fills the disk; the snapshot of step 5 cannot be written."""
     with tmpfs(tmp_path / "small") as mount:
@@ -229,6 +230,7 @@ def test_auto_down_to_one_sample_names_the_flags(capsys, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.needs("rich")
 @pytest.mark.parametrize("micro", ["8", "auto"])
 def test_a_real_out_of_memory_error_in_train(tmp_path, micro):
     """The child stops at its first micro-batch; the test caps its data segment (prlimit) a few
@@ -403,6 +405,7 @@ def test_report_on_a_broken_summary_names_the_file(capsys, tmp_path):
 
 
 @pytest.mark.slow  # mounts a tmpfs (child processes)
+@pytest.mark.needs("rich", "matplotlib")
 def test_report_png_on_a_read_only_filesystem_names_the_file(capsys, tmp_path):
     out = tmp_path / "r"
     code, err = run(capsys, "train", f"{TASKS}:classify", "--steps", "2", "--out", out, "--quiet")

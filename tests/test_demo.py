@@ -38,6 +38,7 @@ def run_child(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow  # a child process
+@pytest.mark.needs("rich", "matplotlib", "sklearn")
 def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path):
     done = run_child("-c", CHILD, str(tmp_path / "plots" / "demo.png"))
     assert done.returncode == 0, done.stderr
@@ -55,6 +56,7 @@ def test_three_runs_agree_and_auto_keeps_to_its_budget(tmp_path):
 
 
 @pytest.mark.slow  # a child process
+@pytest.mark.needs("rich", "matplotlib", "sklearn")
 def test_cli_demo_exits_0_and_writes_the_plot(tmp_path):
     png = tmp_path / "demo.png"
     done = run_child(

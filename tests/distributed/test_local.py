@@ -379,6 +379,7 @@ def test_wrapped_models_are_refused(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.needs("sklearn")  # the benchmark trains on the demo's digits
 def test_benchmark_quick_runs():
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(

@@ -408,6 +408,7 @@ def task():
 
 
 @pytest.mark.slow  # measures a plan
+@pytest.mark.needs("rich")
 def test_cli_prints_the_table_the_margin_and_the_runner_up(tmp_path, capsys):
     (tmp_path / "plan_task.py").write_text(textwrap.dedent(TASK))
     path = f"{tmp_path / 'plan_task.py'}:task"
