@@ -1,9 +1,9 @@
 """Run a function on real gloo ranks (separate processes) and collect what each returns.
 
 ``run_ranks(fn, *args)`` starts ``world_size`` processes (forked from a parent that has imported
-torch and bigbatch, ``forks.py``), joins them into one gloo process
-group over a file rendezvous, calls ``fn(rank, world_size, *args)`` in each and returns the
-per-rank results. A failing rank's traceback is re-raised in the test; a hang is killed.
+torch and bigbatch: ``forks.py``), joins them into one gloo process group over a file rendezvous,
+calls ``fn(rank, world_size, *args)`` in each and returns the per-rank results. A failing rank's
+traceback is re-raised in the test; a hang is killed.
 """
 
 from __future__ import annotations

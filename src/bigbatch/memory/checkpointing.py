@@ -181,8 +181,9 @@ def selective_policy(
         >>> selective_policy(None, torch.ops.aten.mm.default, a, a).name
         'MUST_SAVE'
     """
+    policy = torch_checkpoint.CheckpointPolicy
     saved = func in _EXPENSIVE and not _draws_random(func, args, kwargs)
-    return torch_checkpoint.CheckpointPolicy["MUST_SAVE" if saved else "PREFER_RECOMPUTE"]
+    return policy.MUST_SAVE if saved else policy.PREFER_RECOMPUTE
 
 
 def _recorded(
