@@ -98,7 +98,8 @@ class SampleCut:
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        return [Piece(piece, batch_size(piece)) for piece in split(batch, size)]
+        left = range(batch_size(batch), 0, -size)  # samples not yet cut, before each piece
+        return [Piece(p, min(size, n)) for p, n in zip(split(batch, size), left, strict=True)]
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
