@@ -242,6 +242,50 @@ def _clock(args: argparse.Namespace) -> str:
     return args.clock or ("wall" if torch.device(args.device).type == "cuda" else "cpu")
 
 
+def costs(args: argparse.Namespace) -> None:
+    """Where the extra time goes: each contender's time minus the hand loop's, at k = 1, 2, 4, 8
+    micro-batches of the tiny model (whose work is so small that what is left is the loop's own
+    Python), fitted as ``fixed + k * per_micro_batch`` (least squares). Less noisy than a ratio:
+    the differences are taken within each round, and the tiny model's rounds are short."""
+    model, clock, rows = mlp(32, 1, 16), CLOCKS[_clock(args)], []
+    extra: dict[str, dict[int, float]] = {}
+    ks = (1, 2, 4, 8)
+    for k in ks:
+        one = argparse.Namespace(**{**vars(args), "k": k})
+        gen, n = torch.Generator().manual_seed(0), args.micro * k
+        batch = (torch.randn(n, 16, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+        steps = {
+            name: make(copy.deepcopy(model), batch, args.micro)
+            for name, (make, module) in CONTENDERS.items()
+            if installed(module) and (args.only is None or name in args.only or name == "hand loop")
+        }
+        for step in steps.values():
+            for _ in range(args.warmup):
+                step()
+        per_round = max(1, round(args.round_ms / 1e3 / _one_step_s(steps["hand loop"], "cpu")))
+        seconds = alternate(steps, torch.device("cpu"), one.rounds, per_round, clock)
+        for name, times in seconds.items():
+            diffs = [t - h for t, h in zip(times, seconds["hand loop"], strict=True)]
+            extra.setdefault(name, {})[k] = statistics.median(diffs) * 1e6
+    for name, by_k in list(extra.items())[1:]:
+        mean_k, mean_us = statistics.mean(ks), statistics.mean(by_k.values())
+        slope = sum((k - mean_k) * (by_k[k] - mean_us) for k in ks)
+        slope /= sum((k - mean_k) ** 2 for k in ks)
+        fixed = mean_us - slope * mean_k
+        bounds = [f"{(fixed + slope * k) / (k * 4e3):.2%}" for k in (1, 4, 8)]
+        rows.append(
+            [name, *(f"{by_k[k]:.0f}" for k in ks), f"{fixed:.0f}", f"{slope:.1f}", *bounds]
+        )
+    print_table(
+        f"Extra CPU time per optimizer step over the hand loop (us), tiny model, micro-batches "
+        f"of {args.micro}, {args.rounds} alternated rounds; the last columns bound the overhead at "
+        "micro-batches of 4 ms (the optimizer step's time left out of the denominator)",
+        ["loop", *(f"k={k}" for k in ks), "fixed", "per micro-batch", "k=1 @4ms", "k=4 @4ms",
+         "k=8 @4ms"],
+        rows,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -261,10 +305,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only", nargs="*", default=None, help="contenders to run (the hand loop always)"
     )
+    parser.add_argument(
+        "--costs",
+        action="store_true",
+        help="split the extra time into a fixed part and a part per micro-batch (CPU, tiny model)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Fabric / Accelerate notes about single-device accumulation
     torch.manual_seed(0)
+    if args.costs:
+        return costs(args)
     models = [
         ("MLP 256-512x3 (0.66M)", mlp(512, 3, 256), 256),
         ("MLP 16-32 (tiny)", mlp(32, 1, 16), 16),
