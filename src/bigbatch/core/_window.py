@@ -339,13 +339,17 @@ def prepass(
     return outputs, recorded
 
 
-def agree(
-    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
-) -> None:
-    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
+def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
+    """``fn()``, whose outcome every rank of ``group`` learns before any goes on: if it failed on
+    one rank it raises on all, an out-of-memory error when it was one.
 
     Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
     """
+    failure: Exception | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # the other ranks must not wait for us in the collective
+        failure = exc
     failed, oom = failure is not None, failure is not None and is_out_of_memory(failure)
     if world_size > 1:
         flags = torch.tensor([float(failed), float(oom)], device=device)
@@ -356,6 +360,7 @@ def agree(
     if failed:
         what = "another rank failed before the window's collective; this rank stops it too"
         raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
+    return result
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:

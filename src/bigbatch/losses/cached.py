@@ -52,6 +52,7 @@ Note [across ranks]
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import namedtuple
 from collections.abc import Callable, Mapping
@@ -175,12 +176,9 @@ class CachedLoss:
         ranks = _ranks(model, self.gather)
         if len(pieces) == 1 and ranks.size == 1:
             return self  # one piece is the whole batch: the plain loss is exact, one forward
-        device, failure = _device_of(model), None
-        try:
-            template, encoded, per_batch, states = _encode(self.encode_fn, model, pieces, device)
-        except Exception as exc:  # the other ranks must not wait in the gather for us
-            failure = exc
-        agree(failure, ranks.group, ranks.size, device)  # Note [passes before the window]
+        device = _device_of(model)  # pass 1, agreed before the gather (Note [passes before ...])
+        encode = functools.partial(_encode, self.encode_fn, model, pieces, device)
+        template, encoded, per_batch, states = agree(encode, ranks.group, ranks.size, device)
         order = None if rows is None else torch.cat([torch.as_tensor(r) for r in rows])
         if order is not None:  # the batch loss sees the batch's order (token windows sort it)
             encoded = [(path, t[torch.argsort(order)]) for path, t in encoded]
