@@ -199,11 +199,20 @@ def token_cross_entropy(
         >>> int(count)
         3
     """
+    flat_logits, flat_labels, kept = flat_tokens(logits, labels, shift, ignore_index)
+    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    return loss_sum, kept.sum()
+
+
+def flat_tokens(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[tokens, vocab]`` logits (half precision upcast), ``[tokens]`` labels, and which tokens
+    are labelled (``!= ignore_index``); ``shift`` pairs position ``t`` with label ``t+1``."""
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
-    flat_logits, flat_labels = _upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
-    return loss_sum, (flat_labels != ignore_index).sum()
+    flat_labels = labels.reshape(-1)
+    return _upcast(logits.reshape(-1, logits.shape[-1])), flat_labels, flat_labels != ignore_index
 
 
 def sample_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
