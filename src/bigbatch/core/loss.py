@@ -77,6 +77,7 @@ def as_sum_and_count(
     Args:
         output: a scalar tensor (mean over ``n_samples``) or a ``(loss_sum, count)`` pair.
         n_samples: samples in the micro-batch that produced ``output``.
+        what: the function that returned it, for messages (``loss_fn``, ``batch_loss_fn``).
 
     Returns:
         ``(loss_sum, count)`` where ``count`` is a float or a 0-dim tensor (kept on the device so
@@ -87,7 +88,7 @@ def as_sum_and_count(
         ValueError: the loss is not a scalar.
     """
     if isinstance(output, torch.Tensor):
-        check_scalar_loss(output, "loss_fn's return value")
+        check_scalar_loss(output, f"{what}'s return value")
         return output * n_samples, float(n_samples)
     if isinstance(output, (tuple, list)) and len(output) == 2:
         loss_sum, count = output
@@ -99,8 +100,8 @@ def as_sum_and_count(
         check_scalar_loss(loss_sum, f"{what}'s loss_sum")
         return loss_sum, check_count(count, f"{what}'s count")
     raise TypeError(
-        f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over the "
-        "micro-batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
+        f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over its "
+        "samples), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
     )
 
 

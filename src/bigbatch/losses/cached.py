@@ -67,7 +67,7 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
 from bigbatch.core._window import agree, prepass
-from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, check_scalar_loss, mean_of
+from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, mean_of
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -206,13 +206,6 @@ class CachedLoss:
         out = self.batch_loss_fn(reps, batch) if self.takes_batch else self.batch_loss_fn(reps)
         if isinstance(out, (Mapping, Term)):
             out = mean_of(as_terms(out, n))
-        if isinstance(out, torch.Tensor):
-            check_scalar_loss(out, "batch_loss_fn's return value")
-        elif not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(
-                f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean "
-                "over the batch), a pair (loss_sum, count) or named terms {name: (sum, count)}."
-            )
         loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
         return loss_sum.reshape(()), count
 
