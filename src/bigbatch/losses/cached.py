@@ -176,7 +176,8 @@ class CachedLoss:
         ranks = _ranks(model, self.gather)
         if len(pieces) == 1 and ranks.size == 1:
             return self  # one piece is the whole batch: the plain loss is exact, one forward
-        device = _device_of(model)  # pass 1, agreed before the gather (Note [passes before ...])
+        # Pass 1, agreed on by every rank before the gather (Note [passes before the window]).
+        device = _device_of(model)
         encode = functools.partial(_encode, self.encode_fn, model, pieces, device)
         template, encoded, per_batch, states = agree(encode, ranks.group, ranks.size, device)
         order = None if rows is None else torch.cat([torch.as_tensor(r) for r in rows])
