@@ -363,7 +363,7 @@ def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
     return result
 
 
-def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:
+def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:
     """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
     the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.
 
@@ -373,7 +373,7 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
     leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
     if not leaves[0] or any(len(found) != len(leaves[0]) for found in leaves):
         raise TypeError(
-            f"{name} must return additive statistics: a tensor, or a dict / tuple of tensors, the "
+            "stats_fn must return additive statistics: a tensor, or a dict / tuple of tensors, the "
             f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
         )
     sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
