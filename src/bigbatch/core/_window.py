@@ -339,13 +339,17 @@ def prepass(
     return outputs, recorded
 
 
-def agree(
-    failure: BaseException | None, group: Any = None, world_size: int = 1, device: Any = "cpu"
-) -> None:
-    """Every rank of ``group`` learns whether a pre-pass failed anywhere; raise on all if one did.
+def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
+    """``fn()``, whose outcome every rank of ``group`` learns before any goes on: if it failed on
+    one rank it raises on all, an out-of-memory error when it was one.
 
     Note [passes before the window]. One small all-reduce on several ranks; nothing on one.
     """
+    failure: Exception | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # the other ranks must not wait for us in the collective
+        failure = exc
     failed, oom = failure is not None, failure is not None and is_out_of_memory(failure)
     if world_size > 1:
         flags = torch.tensor([float(failed), float(oom)], device=device)
@@ -356,9 +360,10 @@ def agree(
     if failed:
         what = "another rank failed before the window's collective; this rank stops it too"
         raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
+    return result
 
 
-def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") -> Any:
+def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:
     """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
     the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.
 
@@ -368,7 +373,7 @@ def total_stats(outputs: Sequence[Any], sync: GradSync, name: str = "stats_fn") 
     leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
     if not leaves[0] or any(len(found) != len(leaves[0]) for found in leaves):
         raise TypeError(
-            f"{name} must return additive statistics: a tensor, or a dict / tuple of tensors, the "
+            "stats_fn must return additive statistics: a tensor, or a dict / tuple of tensors, the "
             f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
         )
     sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]

@@ -122,14 +122,10 @@ class _Swapped:
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The hook itself does nothing: the record only rides on the GroupNorm."""
 
-    def restore(self, norm: nn.Module) -> _BatchNorm:
+    def restore(self, norm: nn.GroupNorm) -> _BatchNorm:
         """The original BatchNorm, holding the affine weights the GroupNorm learned."""
         self.handle.remove()
-        if self.original.affine and isinstance(norm, nn.GroupNorm):
-            with torch.no_grad():
-                self.original.weight.copy_(norm.weight)
-                self.original.bias.copy_(norm.bias)
-        self.original.train(norm.training)
+        _copy_affine(self.original, norm)
         return self.original
 
 
@@ -138,13 +134,18 @@ def _to_groupnorm(layer: _BatchNorm) -> nn.GroupNorm:
     sizes = (1,) if isinstance(layer, nn.BatchNorm1d) else (32, 16, 8, 4, 2, 1)
     groups = next(g for g in sizes if layer.num_features % g == 0)
     norm = nn.GroupNorm(groups, layer.num_features, eps=layer.eps, affine=layer.affine)
-    if layer.affine:
-        with torch.no_grad():
-            norm.weight.copy_(layer.weight)
-            norm.bias.copy_(layer.bias)
-    norm.train(layer.training)
+    _copy_affine(norm, layer)
     found = (t.dtype for t in (layer.weight, layer.running_mean) if isinstance(t, torch.Tensor))
     return norm.to(device=layer.weight.device if layer.affine else None, dtype=next(found, None))
+
+
+@torch.no_grad()
+def _copy_affine(target: _BatchNorm | nn.GroupNorm, source: _BatchNorm | nn.GroupNorm) -> None:
+    """``source``'s training mode, and its affine weight and bias when both layers have them."""
+    if target.affine and source.affine:
+        target.weight.copy_(source.weight)
+        target.bias.copy_(source.bias)
+    target.train(source.training)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -319,14 +319,12 @@ class Accumulator:
         """``prepass`` under autocast over the buffers and the tracked tensors, its outcome agreed
         across ranks before the collective that follows it (Note [passes before the window])."""
         state = [*self.model.buffers(), *(t for tensors in self._runner.tracked for t in tensors())]
-        group, ranks = getattr(self._sync, "group", None), self._sync.world_size
-        try:
+
+        def run() -> tuple[list[Any], list[Any]]:
             with self._precision.autocast():
-                result = prepass(state, pieces, fn, self.device, states)
-        except Exception as exc:  # the other ranks must not wait for us in the collective
-            agree(exc, group, ranks, self.device)  # tells them, then raises it
-        agree(None, group, ranks, self.device)
-        return result
+                return prepass(state, pieces, fn, self.device, states)
+
+        return agree(run, getattr(self._sync, "group", None), self._sync.world_size, self.device)
 
     # ------------------------------------------------------------------ the low-level path
     @contextlib.contextmanager

@@ -77,6 +77,7 @@ def as_sum_and_count(
     Args:
         output: a scalar tensor (mean over ``n_samples``) or a ``(loss_sum, count)`` pair.
         n_samples: samples in the micro-batch that produced ``output``.
+        what: the function that returned it, for messages (``loss_fn``, ``batch_loss_fn``).
 
     Returns:
         ``(loss_sum, count)`` where ``count`` is a float or a 0-dim tensor (kept on the device so
@@ -87,7 +88,7 @@ def as_sum_and_count(
         ValueError: the loss is not a scalar.
     """
     if isinstance(output, torch.Tensor):
-        check_scalar_loss(output, "loss_fn's return value")
+        check_scalar_loss(output, f"{what}'s return value")
         return output * n_samples, float(n_samples)
     if isinstance(output, (tuple, list)) and len(output) == 2:
         loss_sum, count = output
@@ -99,8 +100,8 @@ def as_sum_and_count(
         check_scalar_loss(loss_sum, f"{what}'s loss_sum")
         return loss_sum, check_count(count, f"{what}'s count")
     raise TypeError(
-        f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over the "
-        "micro-batch), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
+        f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over its "
+        "samples), a pair (loss_sum, count) or named terms {name: (loss_sum, count)}."
     )
 
 
@@ -199,11 +200,20 @@ def token_cross_entropy(
         >>> int(count)
         3
     """
+    flat_logits, flat_labels, kept = flat_tokens(logits, labels, shift, ignore_index)
+    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    return loss_sum, kept.sum()
+
+
+def flat_tokens(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[tokens, vocab]`` logits (half precision upcast), ``[tokens]`` labels, and which tokens
+    are labelled (``!= ignore_index``); ``shift`` pairs position ``t`` with label ``t+1``."""
     if shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
-    flat_logits, flat_labels = _upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
-    loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
-    return loss_sum, (flat_labels != ignore_index).sum()
+    flat_labels = labels.reshape(-1)
+    return _upcast(logits.reshape(-1, logits.shape[-1])), flat_labels, flat_labels != ignore_index
 
 
 def sample_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -4,7 +4,7 @@ Layer 2, built on the engine. ``LocalAccumulation`` is for several ranks on a sl
 rank takes ``local_steps`` ordinary, exact ``Accumulator`` steps on its own share with no
 communication, then the ranks combine what they learned with ONE all-reduce. It is the
 synchronous form of Accumulated Gradient Normalization (Hermans, Spanakis and Möckel, ACML 2017,
-arXiv:1710.02368). Re-exported as ``bigbatch.distributed.launch.LocalAccumulation``.
+arXiv:1710.02368). Re-exported as ``bigbatch.distributed.LocalAccumulation``.
 
 Note [accumulated gradient normalisation]
     A round starts with every rank at the same parameters ``θ_start``. Rank ``r`` takes ``λ``

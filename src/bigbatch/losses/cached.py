@@ -52,6 +52,7 @@ Note [across ranks]
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import namedtuple
 from collections.abc import Callable, Mapping
@@ -66,7 +67,7 @@ from torch import nn
 from bigbatch.core import _rng
 from bigbatch.core._tree import is_column, map_tensors, tensor_leaves
 from bigbatch.core._window import agree, prepass
-from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, check_scalar_loss, mean_of
+from bigbatch.core.loss import LossFn, Term, as_sum_and_count, as_terms, mean_of
 from bigbatch.core.split import Batch, batch_size
 
 EncodeFn = Callable[[nn.Module, Batch], Any]
@@ -175,12 +176,10 @@ class CachedLoss:
         ranks = _ranks(model, self.gather)
         if len(pieces) == 1 and ranks.size == 1:
             return self  # one piece is the whole batch: the plain loss is exact, one forward
-        device, failure = _device_of(model), None
-        try:
-            template, encoded, per_batch, states = _encode(self.encode_fn, model, pieces, device)
-        except Exception as exc:  # the other ranks must not wait in the gather for us
-            failure = exc
-        agree(failure, ranks.group, ranks.size, device)  # Note [passes before the window]
+        # Pass 1, agreed on by every rank before the gather (Note [passes before the window]).
+        device = _device_of(model)
+        encode = functools.partial(_encode, self.encode_fn, model, pieces, device)
+        template, encoded, per_batch, states = agree(encode, ranks.group, ranks.size, device)
         order = None if rows is None else torch.cat([torch.as_tensor(r) for r in rows])
         if order is not None:  # the batch loss sees the batch's order (token windows sort it)
             encoded = [(path, t[torch.argsort(order)]) for path, t in encoded]
@@ -208,13 +207,6 @@ class CachedLoss:
         out = self.batch_loss_fn(reps, batch) if self.takes_batch else self.batch_loss_fn(reps)
         if isinstance(out, (Mapping, Term)):
             out = mean_of(as_terms(out, n))
-        if isinstance(out, torch.Tensor):
-            check_scalar_loss(out, "batch_loss_fn's return value")
-        elif not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(
-                f"batch_loss_fn returned {type(out).__name__}; return a scalar tensor (the mean "
-                "over the batch), a pair (loss_sum, count) or named terms {name: (sum, count)}."
-            )
         loss_sum, count = as_sum_and_count(out, n, "batch_loss_fn")
         return loss_sum.reshape(()), count
 

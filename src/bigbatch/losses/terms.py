@@ -36,20 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bigbatch.core.loss import Term
+from bigbatch.core.loss import Term, flat_tokens
 
 Terms = dict[str, Term]
-
-
-def _shifted(
-    logits: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[tokens, vocab]`` logits (half precision upcast), ``[tokens]`` labels, the labelled."""
-    if shift:
-        logits, labels = logits[..., :-1, :], labels[..., 1:]
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
-    return flat, labels.reshape(-1), labels.reshape(-1) != ignore_index
 
 
 def token_nll(
@@ -57,7 +46,7 @@ def token_nll(
     shift: bool = True, label_smoothing: float = 0.0, ignore_index: int = -100,
 ) -> Terms:  # fmt: skip
     """Cross-entropy per labelled token (``labels != ignore_index``), summed; counted in tokens."""
-    flat, target, kept = _shifted(logits, labels, shift, ignore_index)
+    flat, target, kept = flat_tokens(logits, labels, shift, ignore_index)
     total = F.cross_entropy(
         flat, target, ignore_index=ignore_index, reduction="sum", label_smoothing=label_smoothing
     )
@@ -69,7 +58,7 @@ def z_loss(
     shift: bool = True, ignore_index: int = -100,
 ) -> Terms:  # fmt: skip
     """``logsumexp(logits)²`` per labelled token (keeps the softmax normaliser near 1)."""
-    flat, _, kept = _shifted(logits, labels, shift, ignore_index)
+    flat, _, kept = flat_tokens(logits, labels, shift, ignore_index)
     return {name: Term((flat.logsumexp(-1)[kept] ** 2).sum(), kept.sum(), weight)}
 
 
@@ -78,7 +67,7 @@ def sequence_logps(
 ) -> torch.Tensor:
     """Each sequence's log-probability of its labelled tokens, ``[n]`` (a DPO policy score;
     half-precision logits are upcast, as for ``token_nll``)."""
-    flat, target, kept = _shifted(logits, labels, shift, ignore_index)
+    flat, target, kept = flat_tokens(logits, labels, shift, ignore_index)
     picked = flat.log_softmax(-1).gather(-1, target.clamp_min(0)[:, None]).squeeze(-1)
     return (picked * kept).reshape(*labels.shape[:-1], -1).sum(-1)
 
