@@ -15,13 +15,14 @@ import torch
 
 
 def tensor_leaves(tree: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor in ``tree``, depth first, in a stable order."""
+    """Yield ``(path, tensor)`` for every tensor in ``tree``, depth first, in a stable order
+    (``path=""``: no paths are built, each is ``""``)."""
     if isinstance(tree, torch.Tensor):
         yield path, tree
     elif isinstance(tree, (tuple, list, Mapping)):
         items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
         for key, value in items:
-            yield from tensor_leaves(value, f"{path}[{key!r}]")
+            yield from tensor_leaves(value, path and f"{path}[{key!r}]")
 
 
 def map_tensors(fn: Callable[[Any], Any], tree: Any, n: int | None = None) -> Any:

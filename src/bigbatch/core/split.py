@@ -27,6 +27,9 @@ def batch_size(batch: Batch) -> int:
         TypeError: ``batch`` holds no tensor, or a 0-dimensional one.
         ValueError: the tensors disagree on the first dimension, or the batch is empty.
     """
+    distinct = {t.shape[0] if t.dim() else 0 for _, t in tensor_leaves(batch, "")}
+    if len(distinct) == 1 and (n := next(iter(distinct))) > 0:
+        return n  # the usual case, without naming the leaves (the messages below do)
     sizes: dict[str, int] = {}
     for path, tensor in tensor_leaves(batch):
         if tensor.dim() == 0:
@@ -40,16 +43,13 @@ def batch_size(batch: Batch) -> int:
             f"batch: found no tensor in a {type(batch).__name__}; pass a tensor or a tuple / list / "
             "dict of tensors whose first dimension is the sample dimension."
         )
-    distinct = sorted(set(sizes.values()))
-    if len(distinct) > 1:
+    if len(set(sizes.values())) > 1:
         listing = ", ".join(f"{p} has {n}" for p, n in sizes.items())
         raise ValueError(
             f"batch: tensors disagree on the first (sample) dimension ({listing}); every tensor "
             "must hold one row per sample."
         )
-    if distinct == [0]:
-        raise ValueError("batch: the batch is empty (first dimension 0); pass at least one sample.")
-    return distinct[0]
+    raise ValueError("batch: the batch is empty (first dimension 0); pass at least one sample.")
 
 
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
