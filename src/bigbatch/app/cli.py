@@ -35,9 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bigbatch.app import config, demo
-from bigbatch.app.loop import Stopped, fit
-from bigbatch.app.report import print_check, print_plan, print_summary, report
+from bigbatch.app import config, demo, loop, report
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.distributed import launch as distributed
@@ -48,7 +46,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
 # Stopped is no error: a run stopped by a signal says how to resume (exit 130 / 143).
 CHECKED = (ValueError, TypeError, RuntimeError, OSError, MemoryError, FloatingPointError,
-           ImportError, Stopped)  # fmt: skip
+           ImportError, loop.Stopped)  # fmt: skip
 
 
 class UsageError(Exception):
@@ -283,15 +281,15 @@ def _run_train(args: argparse.Namespace) -> None:
         raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
                          "--config.")  # fmt: skip
     _rng.seed_all(chosen.seed)  # the task function builds the model: same seed, same weights
-    fit(config.load_task(chosen.task), chosen)
+    loop.fit(config.load_task(chosen.task), chosen)
 
 
 def _run_report(args: argparse.Namespace) -> None:
     """Print the summary of a `bigbatch train` run and draw DIR/report.png: the loss per
     optimizer step and the peak memory per step. A run still running, or stopped before its
     end, gets a partial report that says so."""
-    summary, partial, path = report(args.out, args.png)
-    print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
+    summary, partial, path = report.report(args.out, args.png)
+    report.print_summary(summary, title="bigbatch report" + (" (partial)" if partial else ""))
     print(f"partial report: {partial}.\nplot: {path}" if partial else f"plot: {path}")
 
 
@@ -311,7 +309,7 @@ def _run_check(args: argparse.Namespace) -> int:
     batch = config.first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
     found = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
-    print_check(found, title=f"bigbatch check {args.task}: worst parameters")
+    report.print_check(found, title=f"bigbatch check {args.task}: worst parameters")
     return 0 if found.exact else 1
 
 
@@ -329,7 +327,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     task = config.load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    print_plan(plan(
+    report.print_plan(plan(
         task.model, config.first_batch(task, args.batch_size), task.loss_fn,
         memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
         checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,

@@ -46,16 +46,15 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
+from bigbatch.core import batchnorm as bn
 from bigbatch.core._precision import PRECISIONS
 from bigbatch.core._stepping import NONFINITE
 from bigbatch.core._units import parse_bytes
 from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core.batchnorm import POLICIES as BATCHNORM_POLICIES
-from bigbatch.core.batchnorm import batchnorm as apply_batchnorm
 from bigbatch.core.loss import LossFn
 from bigbatch.distributed import launch as distributed
 
-BATCHNORMS = ("keep", *(p for p in BATCHNORM_POLICIES if p != "keep"))  # the default first
+BATCHNORMS = ("keep", *(p for p in bn.POLICIES if p != "keep"))  # the default first
 DEFAULT_BATCH_SIZE = 32
 
 
@@ -622,7 +621,7 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig,
 
         enable_checkpointing(model)
     if config.batchnorm != "keep":
-        apply_batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
+        bn.batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
     model.train()
     # under local rounds each rank steps its own replica (Note [local rounds])
     model = model.to(ranks.device) if config.local_steps > 1 else distributed.wrap(model, ranks)

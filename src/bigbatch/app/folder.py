@@ -261,13 +261,11 @@ def bytes_needed(obj: Any) -> int:
     return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
 
 
-def clean_stale_temps(out: str) -> list[str]:
-    """Remove the temporary files of writers killed mid-write; return their paths. Call it only
-    while holding the folder's lock (Note [one writer])."""
-    stale = glob.glob(os.path.join(glob.escape(out), ".*.tmp.*"))
-    for path in stale:
+def clean_stale_temps(out: str) -> None:
+    """Remove the temporary files of writers killed mid-write. Call it only while holding the
+    folder's lock (Note [one writer])."""
+    for path in glob.glob(os.path.join(glob.escape(out), ".*.tmp.*")):
         os.remove(path)
-    return stale
 
 
 def sync_folder(path: str) -> None:
@@ -343,7 +341,7 @@ class Snapshot:
 
 
 def write_snapshot(out: str, snapshot: Snapshot, keep: int = 2,
-                   previous_step: int | None = None) -> str:  # fmt: skip
+                   previous_step: int | None = None) -> None:  # fmt: skip
     """Write ``snapshot`` as ``out/snapshot.pt``, the newest ``keep`` kept (Note [atomic snapshot]).
 
     Args:
@@ -363,7 +361,6 @@ def write_snapshot(out: str, snapshot: Snapshot, keep: int = 2,
     older = older_snapshots(out)
     for _, old in older[: max(0, len(older) - (keep - 1))]:
         os.remove(old)
-    return path
 
 
 def older_snapshots(out: str) -> list[tuple[int, str]]:

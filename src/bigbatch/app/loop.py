@@ -103,7 +103,7 @@ from bigbatch.app import config as cfg
 from bigbatch.app import folder
 from bigbatch.app.config import Task, TrainConfig, check_task, make_config
 from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
-from bigbatch.core import _rng
+from bigbatch.core import _rng, split
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._tree import map_tensors
@@ -113,8 +113,6 @@ from bigbatch.core.engine import Accumulator, StepResult
 from bigbatch.core.loss import as_sum_and_count
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.core.peak import PeakProbe
-from bigbatch.core.split import Batch
-from bigbatch.core.split import batch_size as samples_in
 from bigbatch.distributed import launch as distributed
 from bigbatch.distributed.local import LocalAccumulation
 
@@ -212,7 +210,7 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
             row.update(columns(summed) if run.local else {})
         # evaluate at multiples of eval_every (under local rounds: at the end of the round)
         if crossed(step, ended, run.config.eval_every) and run.task.eval_data is not None:
-            eval_loss, metric = evaluate(run.task, run.acc.model, _eval_batch_size(run))
+            eval_loss, metric = evaluate(run)
             row.update(eval_loss=eval_loss, metric="" if metric is None else metric)
         log.step(row) if log else None
         if not ended:  # mid-round: the ranks hold different models (Note [local rounds])
@@ -229,7 +227,7 @@ def _train(run: _Run, progress: _Progress, log: RunLog | None) -> None:
 def _finish(run: _Run, progress: _Progress) -> Summary:
     """The final evaluation (a signal stops it: Note [clean stop]), ``model.pt`` and the
     summary."""
-    final = evaluate(run.task, run.acc.model, _eval_batch_size(run), run.stop)
+    final = evaluate(run, run.stop)
     signum = run.stop.requested()[0]  # also: every rank waits here for rank 0's metrics.csv
     if signum:
         raise stopped(signum, progress.step, run.total_steps, run.folder.out, final=True)
@@ -265,7 +263,7 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
         raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
                            f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
-    counted = samples if run.local is None else samples_in(batch)  # the samples result.count saw
+    counted = samples if run.local is None else split.batch_size(batch)  # what result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
 
@@ -377,7 +375,7 @@ def check_local_steps(config: TrainConfig, ranks: distributed.Ranks, model: Any)
                         f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
 
 
-def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: Batch, task: Task,
+def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: split.Batch, task: Task,
                last: bool) -> tuple[StepResult, dict[str, Any]]:  # fmt: skip
     """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
     the outer step after every λ-th, and after the run's ``last`` step. Returns the step's
@@ -530,27 +528,22 @@ def _last_good(run: _Run, progress: _Progress) -> str:
 
 
 # ---------------------------------------------------------------------------- evaluation
-def _eval_batch_size(run: _Run) -> int:
-    """Evaluate in batches of the training micro-batch; under auto, of the size adopted so far
-    (it fits with gradients kept, so it fits without): never the whole batch that did not."""
-    return run.acc.current_micro_batch_size or run.batch_size
-
-
-def evaluate(
-    task: Task, model: torch.nn.Module, batch_size: int, stop: StopSignals | None = None
-) -> tuple[float | None, float | None]:
-    """``(eval_loss, metric)`` over the task's eval data, each ``Σ sum / Σ count``; Nones without.
+def evaluate(run: _Run, stop: StopSignals | None = None) -> tuple[float | None, float | None]:
+    """``(eval_loss, metric)`` of the run's model over its task's eval data, each ``Σ sum / Σ
+    count``; Nones without. In eval mode, without gradients, in batches of the training
+    micro-batch; under auto, of the size adopted so far (it fits with gradients kept, so it fits
+    without): never the whole batch that did not.
 
     Args:
-        task: the task (its ``eval_data``, ``loss_fn``, ``metric`` and ``collate_fn``).
-        model: the model to evaluate (in eval mode and without gradients here).
-        batch_size: samples per forward.
+        run: the run (its model; its task's ``eval_data``, ``loss_fn``, ``metric``, ``collate_fn``).
         stop: the run's signals: a signal ends the evaluation at the next batch, and the
             figures returned are then partial (the caller, who sees ``stop.signum``, drops them).
     """
+    task, model = run.task, run.acc.model
     if task.eval_data is None:
         return None, None
     device = next(model.parameters()).device
+    batch_size = run.acc.current_micro_batch_size or run.batch_size
     loader = torch.utils.data.DataLoader(task.eval_data, batch_size, collate_fn=task.collate_fn)
     fns = [task.loss_fn, *([task.metric] if task.metric is not None else [])]
     sums = [[0.0, 0.0] for _ in fns]  # each function's Σ sum, Σ count
@@ -562,7 +555,7 @@ def evaluate(
                 break
             batch = map_tensors(lambda t: t.to(device), batch)
             for total, fn in zip(sums, fns, strict=True):
-                value, count = as_sum_and_count(fn(model, batch), samples_in(batch))
+                value, count = as_sum_and_count(fn(model, batch), split.batch_size(batch))
                 total[0], total[1] = total[0] + float(value), total[1] + float(count)
     model.train(was_training)
     metric = sums[1][0] / sums[1][1] if len(sums) > 1 and sums[1][1] else None

@@ -47,15 +47,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bigbatch.app.folder import lock_holder, no_follow, replace_file
 from bigbatch.core._units import format_bytes
-
-if TYPE_CHECKING:
-    from bigbatch.memory._candidates import Candidate
-    from bigbatch.memory.planner import Plan
-    from bigbatch.verifier._check import CheckReport
+from bigbatch.memory._candidates import Candidate
+from bigbatch.memory.planner import Plan
+from bigbatch.verifier._check import CheckReport
 
 COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
