@@ -184,9 +184,9 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def bench_model(
-    label: str, model: nn.Module, features: int, args: argparse.Namespace
-) -> list[list[str]]:
+def timed(model: nn.Module, features: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds per step of each contender (``args.k`` micro-batches of ``args.micro``), one
+    sample per alternated round, after a warm-up."""
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     n = args.micro * args.k
@@ -201,9 +201,14 @@ def bench_model(
     for step in steps.values():  # warm-up: allocator, optimizer state, lazy inits
         for _ in range(args.warmup):
             step()
-    rounds = args.rounds
     per_round = max(1, round(args.round_ms / 1e3 / _one_step_s(steps["hand loop"], device)))
-    seconds = alternate(steps, device, rounds, per_round, CLOCKS[_clock(args)])
+    return alternate(steps, device, args.rounds, per_round, CLOCKS[_clock(args)])
+
+
+def bench_model(
+    label: str, model: nn.Module, features: int, args: argparse.Namespace
+) -> list[list[str]]:
+    seconds = timed(model, features, args)
     hand = seconds["hand loop"]
     rows = []
     for name, times in seconds.items():
@@ -247,23 +252,10 @@ def costs(args: argparse.Namespace) -> None:
     micro-batches of the tiny model (whose work is so small that what is left is the loop's own
     Python), fitted as ``fixed + k * per_micro_batch`` (least squares). Less noisy than a ratio:
     the differences are taken within each round, and the tiny model's rounds are short."""
-    model, clock, rows = mlp(32, 1, 16), CLOCKS[_clock(args)], []
+    model, rows, ks = mlp(32, 1, 16), [], (1, 2, 4, 8)
     extra: dict[str, dict[int, float]] = {}
-    ks = (1, 2, 4, 8)
     for k in ks:
-        one = argparse.Namespace(**{**vars(args), "k": k})
-        gen, n = torch.Generator().manual_seed(0), args.micro * k
-        batch = (torch.randn(n, 16, generator=gen), torch.randint(0, 10, (n,), generator=gen))
-        steps = {
-            name: make(copy.deepcopy(model), batch, args.micro)
-            for name, (make, module) in CONTENDERS.items()
-            if installed(module) and (args.only is None or name in args.only or name == "hand loop")
-        }
-        for step in steps.values():
-            for _ in range(args.warmup):
-                step()
-        per_round = max(1, round(args.round_ms / 1e3 / _one_step_s(steps["hand loop"], "cpu")))
-        seconds = alternate(steps, torch.device("cpu"), one.rounds, per_round, clock)
+        seconds = timed(model, 16, argparse.Namespace(**{**vars(args), "k": k, "device": "cpu"}))
         for name, times in seconds.items():
             diffs = [t - h for t, h in zip(times, seconds["hand loop"], strict=True)]
             extra.setdefault(name, {})[k] = statistics.median(diffs) * 1e6
