@@ -216,3 +216,30 @@ def test_a_budget_below_the_gradients_fails_at_the_first_overrun_naming_them():
         acc.train_step(torch.randn(1024, 1024), loss)
     assert forwards == [1024]  # one attempt: the first micro-batch of the whole batch
     assert all(p.grad is None for p in net.parameters())
+
+
+# ---------------------------------------------------------------------------- garbage from before
+def test_a_cpu_budget_collects_the_garbage_left_from_before_the_run():
+    """A CPU reading is the high-water mark over the resident set at the window's start, so a
+    reference cycle from before the run, freed by the collector inside a window, would hide as
+    much of the window's own memory (Note [honest CPU peaks]): the budget's meter collects such
+    garbage once, when the Accumulator is built."""
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    gc.disable()  # no automatic collection: only the meter's may free the cycle
+    try:
+        left = Cycle()
+        left.me, left.tensor = left, torch.ones(2**20)
+        gone = weakref.ref(left)
+        del left
+        net = nn.Linear(4, 2)
+        bigbatch.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        assert gone() is not None  # without a budget nothing is collected
+        bigbatch.Accumulator(net, torch.optim.SGD(net.parameters(), lr=0.1), memory_budget="1GiB")
+        assert gone() is None
+    finally:
+        gc.enable()

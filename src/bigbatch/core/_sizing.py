@@ -40,6 +40,7 @@ Note [re-measure before shrinking]
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -211,6 +212,7 @@ class WindowMeter:
         self._record: PeakMemory | None = None
         if self.budget is not None and device.type == "cpu":
             fix_mmap_threshold()  # Note [honest CPU peaks]: a failed attempt's pages leave
+            gc.collect()  # ... and garbage from before the run is not freed inside a window
 
     def start(self) -> None:
         """Begin measuring an attempt."""

@@ -36,6 +36,10 @@ Note [honest CPU peaks]
     when it is given one: otherwise the pages of a failed attempt stay in the heap and the next
     reading of a size that fit follows them (measured: a size that fit read 17 to 26 MiB from
     window to window against a 25 MiB budget; with the threshold fixed, within 1%).
+    The reading is the high-water mark minus the resident set at the start, so memory freed
+    during a window hides as much of the window's own: the meter also collects the process's
+    garbage once, when it is built, so that cycles left from before the run (a long-lived
+    process, a notebook, a test worker) are not freed by the collector inside a window.
 
 Note [one counter per process]
     ``_open_probes`` is module state on purpose: the counters a probe reads (``VmHWM``, the CUDA
@@ -56,6 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bigbatch.core._units import format_bytes
+from bigbatch.core.split import check_choice
 
 
 @dataclass
@@ -162,10 +167,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"device={str(device)!r} is not supported by measure_peak: use 'cpu' or 'cuda'."
-        )
+    check_choice("device", device.type, ("cpu", "cuda"))  # what measure_peak can read
     return device
 
 
