@@ -162,7 +162,7 @@ def run_task(task: str, args: argparse.Namespace) -> list[float]:
                 (p.runner_up.micro_batch_size, p.runner_up.policy, p.runner_up.checkpointing)),
         ])  # fmt: skip
     print_table(
-        f"{task}: {args.plans} plans side by side (each in a fresh process)",
+        f"{task}: {args.plans} plan{'s' * (args.plans > 1)} side by side (each in a fresh process)",
         ["plan", "choice", "plan ms", "plan spread", "reference ms", "/ fastest", "within 10%",
          "runner-up"],
         rows,

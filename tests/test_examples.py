@@ -1,12 +1,13 @@
-"""Every script in examples/ runs to completion (each checks its own claim where it makes one)."""
+"""Every script in examples/ runs to completion (each checks its own claim where it makes one), in
+a child forked from the test worker's fork server (``forks.py``: a process of its own, without a
+new interpreter's two seconds of importing torch)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forks
 import pytest
 
 pytestmark = pytest.mark.slow  # each example runs in a child process
@@ -32,13 +33,6 @@ def test_example_runs(name: str) -> None:
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    done = forks.run([str(ROOT / "examples" / name)], env, timeout=180, cwd=str(ROOT))
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     assert SAYS.get(name, "step 0") in done.stdout

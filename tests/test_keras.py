@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import forks
 import pytest
 
 os.environ["KERAS_BACKEND"] = "torch"  # before keras is first imported: bigbatch.keras needs it
@@ -548,12 +549,6 @@ def test_check_on_a_float32_keras_model_needs_a_float32_tolerance(gen) -> None:
 @pytest.mark.slow
 def test_the_example_runs() -> None:
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(TESTS.parent / "examples" / "keras_fit.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = forks.run([str(TESTS.parent / "examples" / "keras_fit.py")], env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "equal to the full batch" in done.stdout
