@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_runs import HERE, TORCHRUN, launch, start_and_stop_rank0
+from torchrun_runs import BIGBATCH, FORKED, HERE, TORCHRUN, launch, start_and_stop_rank0
 
 from bigbatch.app.report import read_csv
 from bigbatch.core import _rng
@@ -87,7 +87,7 @@ def test_local_steps_train_as_written_out_and_rank0_alone_writes(tmp_path):
              "--local-steps", "4", "--outer-lr", "2", "--outer-momentum", "0.5",
              "--outer-nesterov", "--eval-every", "3"]  # fmt: skip
     done = launch(
-        [*TORCHRUN, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out", str(out),
+        [*FORKED, str(HERE / "train_child.py"), "train", f"{TASKS}:classify", "--out", str(out),
          "--quiet", "--seed", str(SEED), *flags], COUNT_COLLECTIVES="1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_a_step_skipped_on_one_rank_is_counted(tmp_path):
     three inner steps applied (before: skipped 0, round loss NaN, final loss null)."""
     out = tmp_path / "run"
     done = launch(
-        [*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:nan_data", "--out", str(out), "--quiet",
+        [*FORKED, BIGBATCH, "train", f"{TASKS}:nan_data", "--out", str(out), "--quiet",
          "--seed", str(SEED), "--batch-size", "10", "--micro-batch-size", "4", "--steps", "4",
          "--lr", str(LR), "--local-steps", "2", "--nonfinite", "skip", "--no-shuffle"],
         NAN_SAMPLE="1",
@@ -169,7 +169,7 @@ STOP_AT = 12
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("local") / "whole"
-    done = launch([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(out)])
+    done = launch([*FORKED, BIGBATCH, *KILLABLE, "--out", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -194,7 +194,7 @@ def test_killed_mid_round_resumes_bitwise_equal(tmp_path, uninterrupted):
     assert len(snapshot["local"]["optimizers"]) == 2  # each rank's own AdamW state
     assert snapshot["local"]["outer"]["outer_steps"] == 1
 
-    done = launch([*TORCHRUN, "-m", "bigbatch", *KILLABLE, "--out", str(run), "--resume"])
+    done = launch([*FORKED, BIGBATCH, *KILLABLE, "--out", str(run), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_samerun(run, uninterrupted)
 
@@ -212,12 +212,14 @@ def test_a_signal_mid_round_finishes_the_round_then_stops(tmp_path, uninterrupte
     assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 8
     assert [int(r["step"]) for r in read_csv(str(run / "metrics.csv"))] == list(range(1, 9))
 
-    done = launch([*TORCHRUN, "-m", "bigbatch", *args, "--resume"])
+    done = launch([*FORKED, BIGBATCH, *args, "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_samerun(run, uninterrupted)
 
 
 def test_a_sharded_task_model_is_refused(tmp_path):
+    # New interpreters: a forked rank inherits the agent's SIGTERM handler (it raises), so a rank
+    # stopped by torchrun while it shards would say that in a line of its own
     done = launch([*TORCHRUN, "-m", "bigbatch", "train", f"{TASKS}:fsdp_classify", "--out",
                  str(tmp_path / "run"), "--local-steps", "4", "--quiet"])  # fmt: skip
     assert done.returncode != 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_runs import HERE, TORCHRUN, launch, start_and_stop_rank0
+from torchrun_runs import BIGBATCH, FORKED, HERE, TORCHRUN, launch, start_and_stop_rank0
 
 from bigbatch.app.report import read_csv
 
@@ -62,7 +62,7 @@ def test_two_ranks_equal_one_process(tmp_path, batch_size, micro_batch_size):
 
 def test_a_batch_smaller_than_the_ranks_is_refused(tmp_path):
     # 50 samples at 7: the last batch of the epoch holds 1 sample for 2 ranks
-    done = launch([*TORCHRUN, "-m", "bigbatch", "train", TASK, "--batch-size", "7", "--epochs", "1",
+    done = launch([*FORKED, BIGBATCH, "train", TASK, "--batch-size", "7", "--epochs", "1",
                  "--out", str(tmp_path), "--quiet"])  # fmt: skip
     assert done.returncode != 0
     assert (
@@ -81,7 +81,7 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
              "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3"]  # fmt: skip
     whole, run = tmp_path / "whole", tmp_path / "run"
-    done = launch([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(whole)])
+    done = launch([*FORKED, BIGBATCH, *flags, "--out", str(whole)])
     assert done.returncode == 0, done.stderr[-3000:]
 
     # rank 0 starts micro-batches 4+1 per step: number 8 is the second of step 4 (snapshot: 3)
@@ -91,7 +91,7 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     assert proc.wait(timeout=60) != 0
     assert torch.load(run / "snapshot.pt", weights_only=True)["step"] == 3
 
-    done = launch([*TORCHRUN, "-m", "bigbatch", *flags, "--out", str(run), "--resume"])
+    done = launch([*FORKED, BIGBATCH, *flags, "--out", str(run), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     want, got = torch.load(whole / "model.pt"), torch.load(run / "model.pt")
     assert all(torch.equal(want[k], got[k]) for k in want)

@@ -1,5 +1,13 @@
 """``bigbatch train`` under a real ``torchrun --nproc_per_node 2``: the launcher, the children's
-environment, and stopping rank 0 at a chosen micro-batch (shared by the torchrun trainer tests)."""
+environment, and stopping rank 0 at a chosen micro-batch (shared by the torchrun trainer tests).
+
+``TORCHRUN`` starts each rank as torchrun does by default, a new interpreter (``subprocess``).
+``FORKED`` is torchrun with its own ``--run-path --start-method fork``: the same launcher, agent,
+rendezvous and failure handling, each rank a process that the agent forks and that runs the
+script with ``runpy`` (the launcher is forked from the test worker's fork server, which has
+imported torch and bigbatch, so a rank starts without two seconds of imports). ``BIGBATCH`` is
+``-m bigbatch`` as the path that ``--run-path`` takes.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,8 @@ import forks
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent.parent / "src"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+FORKED = [*TORCHRUN, "--run-path", "--start-method", "fork"]
+BIGBATCH = str(SRC / "bigbatch" / "__main__.py")
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -27,20 +37,22 @@ def env(**extra: str) -> dict[str, str]:
 
 def launch(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
     """Run ``args`` (``TORCHRUN ...``) to its end: the launcher is forked (``forks.py``), the ranks
-    are the fresh processes torchrun starts."""
+    are the processes torchrun starts (new interpreters, or forked under ``FORKED``)."""
+    forks.needs_the_command_line()  # every launch here runs bigbatch's command line
     return forks.run(args, env(**extra), timeout=120)
 
 
 def start_and_stop_rank0(
     bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
 ) -> tuple[forks.Child, list[int]]:
-    """Start ``torchrun ... -m bigbatch *bigbatch_args`` on a ``tasks.killable`` task and wait
+    """Start ``FORKED BIGBATCH *bigbatch_args`` on a ``tasks.killable`` task and wait
     until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
     launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
     """
     child_env = env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
     err = str(stderr) if stderr is not None else None
-    proc = forks.python([*TORCHRUN, "-m", "bigbatch", *bigbatch_args], child_env, stderr=err)
+    forks.needs_the_command_line()
+    proc = forks.python([*FORKED, BIGBATCH, *bigbatch_args], child_env, stderr=err)
     logs = [tmp_path / f"calls-{rank}.log" for rank in (0, 1)]
     deadline = time.monotonic() + 120
     while not (logs[0].exists() and logs[0].read_text().split()[-1:] == [str(stop_at)]):

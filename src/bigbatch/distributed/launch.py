@@ -163,11 +163,14 @@ def exit_process(code: int) -> NoReturn:
         closed, so flushing stdout/stderr and leaving with ``os._exit`` loses nothing and skips
         the race. Whether this process is one of several ranks is read from torchrun's
         environment (``WORLD_SIZE``), not from a flag kept by ``teardown``; a plain run exits
-        with ``sys.exit(code)``.
+        with ``sys.exit(code)``. So does a rank that ``torchrun --run-path`` started as a
+        function in a multiprocessing child: torchrun waits for the function's return value,
+        which ``os._exit`` would never give (the run hung once finished), and a multiprocessing
+        child ends in ``os._exit`` after its function anyway, never finalizing the interpreter.
     """
     world_size = os.environ.get("WORLD_SIZE", "1").strip()
-    if not world_size.isdigit() or int(world_size) <= 1:
-        sys.exit(code)  # a plain run, or a bad WORLD_SIZE (the command has said so)
+    if not world_size.isdigit() or int(world_size) <= 1 or torch.multiprocessing.parent_process():
+        sys.exit(code)  # a plain run, a bad WORLD_SIZE (said so), or a multiprocessing child
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
