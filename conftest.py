@@ -4,11 +4,16 @@ alone; tests/conftest.py skips the tests that need an extra)."""
 
 import importlib.util
 import os
+import sys
 
 # One OpenMP thread in every process of the suite (the tests' and their children's, set before
 # torch is imported): pytest -n 2 runs one test process per core, and threads that outnumber
 # the cores spin against each other (tests/conftest.py sets torch's count per test too).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Bytecode cached (__pycache__, git-ignored) where the environment turned it off: every child
+# process of the suite would compile bigbatch again, and every test worker rewrite the tests.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 NEEDS_EXTRA = {
     "hf.py": "transformers", "integrations/hf.py": "transformers",
