@@ -5,8 +5,10 @@ environment, and stopping rank 0 at a chosen micro-batch (shared by the torchrun
 ``FORKED`` is torchrun with its own ``--run-path --start-method fork``: the same launcher, agent,
 rendezvous and failure handling, each rank a process that the agent forks and that runs the
 script with ``runpy`` (the launcher is forked from the test worker's fork server, which has
-imported torch and bigbatch, so a rank starts without two seconds of imports). ``BIGBATCH`` is
-``-m bigbatch`` as the path that ``--run-path`` takes.
+imported torch and bigbatch, so a rank starts without two seconds of imports); these runs also
+check that ``--run-path`` ends at all (its agent waits for each rank's return value, which the
+``os._exit`` of Note [gloo exit] never gave: it hung). ``BIGBATCH`` is ``-m bigbatch`` as the
+path that ``--run-path`` takes.
 """
 
 from __future__ import annotations
