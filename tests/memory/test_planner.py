@@ -193,7 +193,10 @@ def test_repeated_plans_choose_the_same(tmp_path):
 
 # ---------------------------------------------------------------------------- Ctrl-C
 INTERRUPTED = """
-import sys, torch
+import signal, sys, torch
+# Ctrl-C as a terminal delivers it, whatever this process inherited (a shell's background job
+# starts with SIGINT ignored, and then the test's SIGINT did nothing: the 1000 rounds ran out)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {here!r})
 import test_planner as t
 from bigbatch.memory import planner
