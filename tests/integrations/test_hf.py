@@ -199,6 +199,21 @@ def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
     assert len(seen) == 3 and abs(sum(seen) - whole) < 1e-6 * whole
 
 
+def test_training_step_outside_train_is_the_stock_step(tmp_path):
+    """transformers' own tests call ``training_step`` before ``train()`` (no optimizer yet): the
+    drop-in does what the stock Trainer does there, the batch's loss back-propagated."""
+    batch = collate(texts(4))
+    n = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()))
+    runs = []
+    for cls in (transformers.Trainer, bigbatch.hf.Trainer):
+        model = llama()
+        trainer = cls(model=model, args=arguments(tmp_path, 4, 2), data_collator=collate)
+        loss = trainer.training_step(model, dict(batch), num_items_in_batch=n)
+        runs.append((float(loss), [p.grad for p in model.parameters()]))
+    (stock, stock_grads), (ours, our_grads) = runs
+    assert stock == ours and all(map(torch.equal, stock_grads, our_grads))
+
+
 def test_errors(tmp_path):
     with pytest.raises(TypeError, match="exact\\(\\) takes a transformers.Trainer subclass"):
         bigbatch.hf.exact(torch.nn.Module)

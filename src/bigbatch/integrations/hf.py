@@ -129,6 +129,8 @@ def exact(trainer_class: type) -> type:
             self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            if self.optimizer is None or not hasattr(self, "current_gradient_accumulation_steps"):
+                return super().training_step(model, inputs, num_items_in_batch)  # outside train()
             return self.bigbatch_window.training_step(model, inputs, num_items_in_batch)
 
     Exact.__name__ = Exact.__qualname__ = trainer_class.__name__
