@@ -21,7 +21,8 @@ Note [trainer window]
     micro-batch is trimmed back to its longest sample. The loss is the Trainer's ``compute_loss``
     read as the loss contract wants it: where transformers' own ``compute_loss`` passes
     ``num_items_in_batch`` (the model's loss, label smoothing, ``compute_loss_func``), it gets the
-    window's count, as in the one-batch run, and returns ``sum / N``; anywhere else it gets
+    window's count as transformers counts it (every label where ``LOSS_MAPPING`` does not know the
+    model's ``loss_type``: GPT-2's), as in the one-batch run, and returns ``sum / N``; else it gets
     ``None`` and returns the micro-batch's mean, multiplied back by its count: the labels that
     are not -100 (shifted for a causal LM, found also inside a wrapper), else its samples, pairs
     for DPO and reward trainers. A ``(sum, count)`` pair or named terms pass through, and so does
@@ -160,10 +161,12 @@ class TrainerWindow:
         model.train()
         batch = self.reader.join([t._prepare_inputs(b) for b in window])
         loss_fn: Any = self.loss_fn
-        if not isinstance(loss_fn, WindowLoss):  # the Trainer's count may miss the shift: recount
-            n = None if num_items is None else self.window_count(batch)  # (GPT-2)
+        if not isinstance(loss_fn, WindowLoss):
+            n = None if num_items is None else self.window_count(batch)
             loss_fn = functools.partial(self.loss, self.loss_fn, n)
-        count_fn = self.reader.count if self.plain and self.loss_fn is None else None
+        given = num_items is not None and stock_compute_loss(type(t))
+        plain = self.plain and self.loss_fn is None
+        count_fn = functools.partial(self.reader.count, given=given) if plain else None
         with t.compute_loss_context_manager(), one_step(t):
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
@@ -182,11 +185,11 @@ class TrainerWindow:
 
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
         """The micro-batch's loss as the loss contract reads it (Note [trainer window])."""
-        t, count = self.trainer, self.reader.count(micro_batch)
-        mb = trim(unpairs(micro_batch) if self.reader.paired else micro_batch)
+        t, mb = self.trainer, trim(unpairs(micro_batch) if self.reader.paired else micro_batch)
         if loss_fn is not None:
             return loss_fn(model, mb)
         n = num_items if stock_compute_loss(type(t)) else None
+        count = self.reader.count(micro_batch, given=n is not None)
         out = t.compute_loss(model, dict(mb), num_items_in_batch=n)
         if self.plain is None:
             self.plain = not isinstance(out, Mapping)
@@ -197,8 +200,9 @@ class TrainerWindow:
         return (out * count, count) if n is None else (out * (n / ranks), count)
 
     def window_count(self, batch: Any) -> torch.Tensor:
-        """The window's count, every rank's where the Trainer averages tokens across them."""
-        n = torch.as_tensor(self.reader.count(batch), device=self.trainer.args.device)
+        """The window's ``num_items_in_batch`` as the Trainer counts it, every rank's where it
+        averages tokens across them."""
+        n = torch.as_tensor(self.reader.count(batch, given=True), device=self.trainer.args.device)
         if self.trainer.accelerator.num_processes > 1:
             torch.distributed.all_reduce(n)
         return n
@@ -213,15 +217,19 @@ class Reader:
         ids = (getattr(owner, "pad_token_id", None) for owner in owners)
         self.pad_id = next((i for i in ids if isinstance(i, int)), 0)
         self.paired, self.shifts = _named(type(trainer), PAIRED), shifts_labels(trainer.model)
+        # transformers' own rule for num_items_in_batch: shifted where its LOSS_MAPPING maps the
+        # model's loss_type to ForCausalLMLoss (GPT-2's None: every label counted)
+        self.given_shifts = bool(getattr(trainer, "_loss_shifts_labels", False))
 
     def join(self, batches: list[Any]) -> Any:
         """The batches as one, rows of pairs for a paired trainer."""
         return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
 
-    def count(self, batch: Any) -> Any:
-        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's
-        ``count_fn``)."""
-        return batch_size(batch) if self.paired else _audit.count_items(batch, self.shifts)
+    def count(self, batch: Any, given: bool = False) -> Any:
+        """What a mean over ``batch`` (rows of pairs if paired) averages, or (``given``) what
+        transformers counts as its ``num_items_in_batch`` (the engine's ``count_fn``)."""
+        shifts = self.given_shifts if given else self.shifts
+        return batch_size(batch) if self.paired else _audit.count_items(batch, shifts)
 
 
 @contextlib.contextmanager
