@@ -206,6 +206,62 @@ def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
     assert len(seen) == 3 and abs(sum(seen) - whole) < 1e-6 * whole
 
 
+class RegressionConfig(transformers.PretrainedConfig):
+    model_type = "bigbatch-regression"
+
+
+class Regression(transformers.PreTrainedModel):
+    """transformers' own ``RegressionPreTrainedModel`` (its tests/trainer): ``forward`` takes
+    ``**kwargs``, so the Trainer passes it ``num_items_in_batch``, and returns a mean, ignoring it
+    (transformers #47688: the stock Trainer then adds the micro-batch means up, k× the step)."""
+
+    config_class = RegressionConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.tensor(0.25, dtype=torch.float64))
+        self.post_init()
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x @ self.w + self.b
+        return (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def regression_data(n=12):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, generator=g)
+    return [{"input_x": x[i], "labels": y[i].double()} for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["regression", "gpt2"])
+def test_a_loss_that_ignores_num_items_is_a_mean(tmp_path, name):
+    """Whether the loss honours ``num_items_in_batch`` is read from what it returns (``loss_form``),
+    not from the signature: the regression model's mean and GPT-2's sum / N (which honours it)
+    both equal transformers' one-batch run, in float64."""
+    make, data = (
+        (lambda: Regression(RegressionConfig()), regression_data)
+        if name == "regression"
+        else (gpt2, texts)
+    )
+    collator = transformers.default_data_collator if name == "regression" else collate
+    base = make()
+    runs = {}
+    for key, cls, batch, steps in [
+        ("one", transformers.Trainer, 12, 1),
+        ("stock", transformers.Trainer, 5, 3),
+        ("ours", bigbatch.hf.Trainer, 5, 3),
+    ]:
+        runs[key] = copy.deepcopy(base)
+        cls(
+            model=runs[key], args=arguments(tmp_path, batch, steps), train_dataset=data(),
+            data_collator=collator, optimizers=sgd(runs[key]),
+        ).train()  # fmt: skip
+    assert distance(runs["ours"], runs["one"], base) < 1e-10
+    if name == "regression":
+        assert distance(runs["stock"], runs["one"], base) > 0.5  # 3 micro-batch means added up
+
+
 def test_training_step_outside_train_is_the_stock_step(tmp_path):
     """transformers' own tests call ``training_step`` before ``train()`` (no optimizer yet): the
     drop-in does what the stock Trainer does there, the batch's loss back-propagated."""
