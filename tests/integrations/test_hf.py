@@ -287,6 +287,8 @@ def test_errors(tmp_path):
     trainer = transformers.Trainer(model=gpt2(), args=arguments(tmp_path, 2, 2))
     with pytest.raises(ValueError, match="steps=0 is not allowed"):
         bigbatch.hf.audit(trainer, steps=0)
+    with pytest.raises(ValueError, match="steps=1.5 is not allowed: use positive ints"):
+        bigbatch.hf.audit(trainer, steps=1.5)
     assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer
 
 

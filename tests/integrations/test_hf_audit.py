@@ -164,6 +164,18 @@ def test_each_bug_is_flagged_and_bigbatch_is_exact(tmp_path, name):
     assert mine.exact and mine.loss_ratio == pytest.approx(1), mine
 
 
+def test_a_step_never_reached_is_named(tmp_path, caplog):
+    """Auditing step 50 of a 2-step run audits nothing there: said at the end of ``train()``."""
+    trainer = transformers.Trainer(
+        model=llama(), args=arguments(tmp_path, 5, 3), train_dataset=texts(12),
+        data_collator=collate,
+    )  # fmt: skip
+    report = bigbatch.hf.audit(trainer, steps=(1, 50))
+    trainer.train()
+    assert [r.step for r in report.results] == [1] and report.not_reached == (50,)
+    assert "step 50 not audited: training ended at step 2" in caplog.text
+
+
 def test_last_window_mis_scaled(tmp_path):
     """10 samples of equal length, 2 per micro-batch, 3 per window: the second window has 2."""
     data = texts(10, low=8, high=9)

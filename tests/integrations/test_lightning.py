@@ -101,6 +101,15 @@ def test_errors():
     trainer = L.Trainer(logger=False, accelerator="cpu", devices=1)
     with pytest.raises(ValueError, match="steps=\\(\\) is not allowed"):
         bigbatch.lightning.audit(trainer, steps=())
+    with pytest.raises(ValueError, match="steps=1.5 is not allowed"):
+        bigbatch.lightning.audit(trainer, steps=1.5)
+
+
+def test_a_step_never_reached_is_named(caplog):
+    """12 samples, 4 per batch, 3 batches per step, 2 epochs: steps 1 and 2, not 9."""
+    results = fit(gpt2(), 4, 3, steps=(2, 9))
+    assert [r.step for r in results] == [2]
+    assert "step 9 not audited: training ended at step 2" in caplog.text
 
 
 def test_exact_refuses_manual_optimization_and_a_loss_it_cannot_read():

@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +92,12 @@ class AuditResult:
 
 @dataclass
 class Audit:
-    """The steps to audit and, as training reaches them, one ``AuditResult`` each."""
+    """The steps to audit and, as training reaches them, one ``AuditResult`` each; when training
+    ends, ``not_reached`` holds the steps it never audited (and a warning names them)."""
 
     steps: tuple[int, ...]
     results: list[AuditResult] = field(default_factory=list)
+    not_reached: tuple[int, ...] = ()
 
 
 def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -104,7 +106,9 @@ def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
     Raises:
         ValueError: anything else.
     """
-    found = (steps,) if isinstance(steps, int) else tuple(steps)
+    found = (
+        (steps,) if isinstance(steps, int) else tuple(steps) if isinstance(steps, Iterable) else ()
+    )
     if not found or not all(type(s) is int and s > 0 for s in found):
         raise ValueError(f"steps={steps!r} is not allowed: use positive ints, e.g. 1 or (1, 100).")
     return found
@@ -120,6 +124,17 @@ class Window:
     rng: Any
     batches: list[Any] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
+
+
+def finish(log: Audit, last_step: int) -> None:
+    """Training ended at ``last_step``: the steps asked for and never audited go to
+    ``log.not_reached``, with a warning (an audit that says nothing must not look like a pass)."""
+    log.not_reached = tuple(s for s in log.steps if s not in {r.step for r in log.results})
+    if log.not_reached:
+        missed = ", ".join(map(str, log.not_reached))
+        logger.warning(
+            f"bigbatch audit: step {missed} not audited: training ended at step {last_step}"
+        )
 
 
 def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window | None:

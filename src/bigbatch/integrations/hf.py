@@ -351,7 +351,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Returns:
         An ``Audit`` whose ``.results`` gains one ``AuditResult`` (``exact``,
-        ``grad_norm_ratio``, ``loss_ratio``, ``diagnosis``) per audited step.
+        ``grad_norm_ratio``, ``loss_ratio``, ``tolerance``, ``diagnosis``) per audited step; when
+        ``train()`` ends, ``.not_reached`` holds the steps it never reached, named in a warning.
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
@@ -376,10 +377,17 @@ class _Watch:
     def __init__(self, trainer: Any, log: _audit.Audit) -> None:
         self.trainer, self.log, self.reader, self.size = trainer, log, Reader(trainer), 0
         self.window: _audit.Window | None = None  # size: its batches
-        self.wrapped = trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step
-        trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
-            self.get_batch_samples, self.prepare_inputs, self.training_step
+        self.wrapped = (
+            trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step, trainer.train
         )  # fmt: skip
+        trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step, trainer.train = (
+            self.get_batch_samples, self.prepare_inputs, self.training_step, self.train
+        )  # fmt: skip
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.wrapped[3](*args, **kwargs)
+        _audit.finish(self.log, self.trainer.state.global_step)
+        return out
 
     def get_batch_samples(self, iterator: Any, num_batches: int, device: Any) -> Any:
         batches, n = self.wrapped[0](iterator, num_batches, device)

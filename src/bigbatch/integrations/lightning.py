@@ -112,7 +112,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks.
 
     Returns:
-        An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step.
+        An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step; when
+        training ends, ``.not_reached`` holds the steps it never reached, named in a warning.
 
     Raises:
         TypeError: ``trainer`` is not a Lightning ``Trainer``. ValueError: bad ``steps``.
@@ -147,6 +148,9 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
             self.window = _audit.start(self.report, trainer.global_step + 1, k, pl_module.device)
         if self.window is not None:
             self.window.batches.append(batch)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        _audit.finish(self.report, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         w, self.window = self.window, None
