@@ -58,7 +58,19 @@ def _wrap_training_step(pl_module: Any, after: Any) -> None:
     def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         return after(step(batch, *args, **kwargs), batch)
 
+    # what the first wrapper replaced: None for the class's own method
+    own = getattr(step, "bigbatch_own", vars(pl_module).get("training_step"))
+    training_step.bigbatch_own = own  # type: ignore[attr-defined]
     pl_module.training_step = training_step
+
+
+def _unwrap_training_step(pl_module: Any) -> None:
+    """Undo every ``_wrap_training_step`` (at teardown, or when fit fails): a second fit wraps
+    the module's own ``training_step``, not the last fit's wrappers."""
+    if hasattr(vars(pl_module).get("training_step"), "bigbatch_own"):
+        own = vars(pl_module).pop("training_step").bigbatch_own
+        if own is not None:
+            pl_module.training_step = own
 
 
 class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
@@ -86,6 +98,11 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
             )
         self.strategy = trainer.strategy
         _wrap_training_step(pl_module, self._record)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None) -> None:
+        _unwrap_training_step(pl_module)
+
+    on_exception = teardown
 
     def _record(self, out: Any, batch: Any) -> dict[str, Any]:
         loss_sum, count = _sum_and_count(out, batch)
@@ -135,6 +152,11 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
         _wrap_training_step(pl_module, self._record)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None) -> None:
+        _unwrap_training_step(pl_module)
+
+    on_exception = teardown
 
     def _record(self, out: Any, batch: Any) -> Any:
         if self.window is not None and self.exact is None:  # what Lightning back-propagates
