@@ -107,6 +107,37 @@ def test_last_window():
     assert distance(ours, reference, base) < 1e-10
 
 
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1).double()
+
+    def training_step(self, batch, idx):
+        x, y = batch  # a list: TensorDataset's default collate
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+def test_audit_joins_list_batches_per_position():
+    """``[x, y]`` lists are joined as ``[x1 + x2 + x3, y1 + y2 + y3]``, not ``[x1, y1, x2, ...]``:
+    equal micro-batches of a mean are exact under Lightning's ÷ k (no false alarm)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, generator=g).double(), torch.randn(12, 1, generator=g).double()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer = L.Trainer(
+        max_epochs=1, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    report = bigbatch.lightning.audit(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Regression(), loader)
+    assert report.results[0].exact, report.results[0]
+
+
 def test_errors():
     with pytest.raises(TypeError, match="audit\\(\\) takes a lightning Trainer"):
         bigbatch.lightning.audit(object())

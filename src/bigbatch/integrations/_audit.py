@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core._tree import is_column
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
@@ -145,14 +146,18 @@ def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window
 
 def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
     """The micro-batches as one batch: rows concatenated in order, per-token tensors right-padded
-    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0)."""
+    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0); a
+    tuple or list of tensors joined per position, a column of ids or strings concatenated."""
     first = batches[0]
     if isinstance(first, Mapping):
         return {k: join([b[k] for b in batches], pad_id, str(k)) for k in first}
-    if isinstance(first, tuple):
-        return tuple(join(list(parts), pad_id) for parts in zip(*batches, strict=True))
-    if isinstance(first, list):
-        return [x for b in batches for x in b]
+    if isinstance(first, (tuple, list)):  # per position (TensorDataset's [x, y]), or a column
+        parts = zip(*batches, strict=True)
+        column = is_column(first, len(first))
+        joined = (
+            [x for b in batches for x in b] if column else [join(list(p), pad_id) for p in parts]
+        )
+        return joined if isinstance(first, list) else tuple(joined)
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
