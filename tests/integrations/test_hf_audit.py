@@ -200,6 +200,21 @@ def test_a_step_never_reached_is_named(tmp_path, caplog):
     assert "step 50 not audited: training ended at step 2" in caplog.text
 
 
+class MeanAsSum(bigbatch.hf.Trainer):
+    """bigbatch's Trainer given a token mean as the sum of ``(loss_sum, count)``: ``(mean, 1)``,
+    the micro-batch means added up (a mean of means), as the stock Trainer does on a wrapper."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs)["loss"], 1
+
+
+def test_bigbatch_trainers_get_the_real_diagnosis(tmp_path):
+    """The audit reads what each of bigbatch's micro-batches added to the window's loss, as it
+    reads the stock trainer's backwards: not always "loss couples samples"."""
+    found = audited(MeanAsSum, Wrapper(gpt2()), tmp=tmp_path)[0]
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+
+
 def test_last_window_mis_scaled(tmp_path):
     """10 samples of equal length, 2 per micro-batch, 3 per window: the second window has 2."""
     data = texts(10, low=8, high=9)

@@ -94,6 +94,19 @@ def test_a_module_fitted_twice():
         assert distance(ours, reference, base) < 1e-10
 
 
+class MeanAsSum(LM):
+    def training_step(self, batch, idx):
+        loss_sum, count = tokens(self.model, batch)
+        return loss_sum / count, 1  # a mean as the sum: micro-batch means added up
+
+
+def test_exact_gets_the_real_diagnosis():
+    """With ``Exact`` the audit reads what each micro-batch added to the window's loss, as it
+    reads Lightning's own backwards: a mean returned as the sum is named, not "loss couples"."""
+    found = fit(None, 5, 3, exact=True, module=MeanAsSum(gpt2(), True, sgd))[0]
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+
+
 def test_last_window():
     """10 equal-length samples, 2 per batch, 3 batches per step: Lightning scales the last
     window (2 batches) by 2/3."""

@@ -32,7 +32,9 @@ Note [audit tolerance]
 Note [audit diagnosis]
     When a step is not exact, each micro-batch's loss is computed again without gradient (its
     own one-batch loss ``L_i``), and the weight the trainer gave it, ``a_i`` = what it
-    back-propagated / ``L_i``, is read against its right weight ``w_i = n_i / N`` (its share of
+    back-propagated / ``L_i`` (on bigbatch's trainers, which back-propagate at the window's
+    scale: what its loss adds to the window's, each term over its window count, ``shares``), is
+    read against its right weight ``w_i = n_i / N`` (its share of
     the window's tokens, or samples). ``a_i = 1/k`` (``k`` accumulation steps) where the ``n_i``
     differ: a mean of micro-batch means, "per-micro-batch mean on padded data"; ``a_i = 1``:
     "÷ accumulation steps missing"; ``a_i = 1/k²``: "÷ accumulation steps applied twice";
@@ -204,6 +206,15 @@ def count_items(batch: Any, shifts: bool = False) -> Any:
     return next(len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
 
 
+def shares(outs: list[tuple[Any, Any]]) -> list[float]:
+    """What each micro-batch's loss adds to the loss of a window normalised as bigbatch does
+    (each term over its count in the window), from ``(micro_batch, loss)`` pairs: what each
+    back-propagated, for the diagnosis (Note [audit diagnosis])."""
+    terms = [as_terms(out, batch_size(b)) for b, out in outs]
+    totals = {k: sum(float(t[k].count) for t in terms) or 1.0 for k in terms[0]}
+    return [sum(x.weight * float(x.loss_sum) / totals[k] for k, x in t.items()) for t in terms]
+
+
 def window_mean(out: Any, rows: int) -> torch.Tensor:
     """A loss (a mean over ``rows`` samples, ``(sum, count)`` or named terms) as one batch: each
     term over its count on every rank, times the ranks (whose gradients are averaged)."""
@@ -224,15 +235,14 @@ def gradients(model: torch.nn.Module) -> Grads:
 
 def check(
     log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-    own: Own | None, average: bool, scope: Any,
+    own: Own, average: bool, scope: Any,
 ) -> None:  # fmt: skip
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
     loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult``
     to ``log``.
 
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
-    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis (``None`` when the
-    trainer weighs micro-batches right by construction: bigbatch's own).
+    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis.
     """
     acc, params = gradients(model), list(model.parameters())
     device, kept = params[0].device, [p.grad for p in params]
@@ -258,7 +268,7 @@ def check(
 
 
 def judge(
-    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own | None
+    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own
 ) -> AuditResult:
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
     ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis])."""
@@ -294,13 +304,9 @@ def rounding(dtype: torch.dtype, items: int) -> float:
     return max(1e-10, 2 * torch.finfo(dtype).eps * low + sums)
 
 
-def _diagnose(
-    window: Window, loss: float, ranks_differ: bool, own: Own | None, tolerance: float
-) -> str:
+def _diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, tolerance: float) -> str:
     if ranks_differ:
         return "ranks did not synchronise"
-    if own is None:
-        return "loss couples samples across micro-batches"
     with torch.no_grad():
         losses, counts = zip(*[own(b) for b in window.batches], strict=True)
     k, m, total = window.accumulation_steps, len(losses), sum(counts)

@@ -60,7 +60,7 @@ import torch
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
 from bigbatch.core._tokens import make_cut
-from bigbatch.core._tree import take
+from bigbatch.core._tree import map_tensors, take
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import WindowLoss
@@ -383,6 +383,15 @@ class _Watch:
         trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step, trainer.train = (
             self.get_batch_samples, self.prepare_inputs, self.training_step, self.train
         )  # fmt: skip
+        self.seen: list[tuple[Any, Any]] = []  # bigbatch's micro-batches and their losses
+        if (window := getattr(trainer, "bigbatch_window", None)) is not None:
+            window.loss = functools.partial(self.record, window.loss)
+
+    def record(self, loss: Any, *args: Any) -> Any:
+        out = loss(*args)
+        if self.window is not None:  # an audited window's micro-batch, its loss detached
+            self.seen.append((args[-1], map_tensors(torch.Tensor.detach, out)))
+        return out
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         out = self.wrapped[3](*args, **kwargs)
@@ -409,10 +418,15 @@ class _Watch:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
-                mine = getattr(self.trainer, "bigbatch_window", None) is not None
-                own = None if mine else functools.partial(self._own, model)
                 joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
-                once = functools.partial(self._loss, model, joined)
+                if self.seen:  # bigbatch's: its last pass's micro-batches (not a count pass's)
+                    seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
+                    w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
+                    w.accumulation_steps, self.seen = len(seen), []
+                once, own = (
+                    functools.partial(self._loss, model, joined),
+                    functools.partial(self._own, model),
+                )
                 _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
         return loss
 

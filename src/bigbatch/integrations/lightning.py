@@ -87,6 +87,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
 
     def __init__(self) -> None:
         self.seen: list[torch.Tensor] = []  # each micro-batch's (loss_sum, count), float64
+        self.last: list[torch.Tensor] = []  # the last window's
         self.scale: Any = None
         self.window_loss: Any = None  # the last window's loss, Σ sum / C
 
@@ -119,7 +120,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
         scale_grads_(params_of(optimizer), factor)
-        self.seen, self.scale = [], None
+        self.last, self.seen, self.scale = self.seen, [], None
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
@@ -178,9 +179,10 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         w, self.window = self.window, None
         if w is None:
             return
-        if self.exact is not None:
-            w.returns = [float(self.exact.window_loss)]
-        own = None if self.exact else functools.partial(self._own, pl_module)
+        if self.exact is not None:  # each micro-batch over the window's count
+            seen = zip(w.batches, self.exact.last, strict=True)
+            w.returns = _audit.shares([(b, tuple(s)) for b, s in seen])
+        own = functools.partial(self._own, pl_module)
         loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
         scope = trainer.precision_plugin.train_step_context()
         _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope)
@@ -192,7 +194,11 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
     def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
-        """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        """A micro-batch's own loss and its items: its labels (else its samples), or the
+        count its loss gives where that is within a row each of them (shifted labels); a count of
+        1 for a token loss is a mean returned as a sum, not its items."""
         out = type(pl_module).training_step(pl_module, batch, 0)
         loss_sum, count = _sum_and_count(out, batch, _audit.count_items)
-        return float(loss_sum / count), float(count)
+        items = float(_audit.count_items(batch))
+        near = abs(float(count) - items) <= batch_size(batch)
+        return float(loss_sum / count), float(count) if near else items
