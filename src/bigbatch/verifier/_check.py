@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ class Diagnosis:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
             ``"batch-coupled-loss"``, ``"term-mean"`` (a named term normalised inside the
             micro-batch), ``"term-batch-statistic"`` (a named term that depends on the other
-            samples of its micro-batch), ``"non-deterministic"``, ``"unprobed"`` (no cause found,
+            samples of its micro-batch), ``"non-deterministic"``, ``"randomness"`` (random draws
+            besides dropout, seeded: another seed, another gradient), ``"unprobed"`` (no cause found,
             and these modules could not be probed) or ``"checkpointing"``.
         modules: the modules (names in the model), parameters or named terms responsible.
         message: what happens and what to do.
@@ -236,6 +237,10 @@ Pair = tuple[float, float]
 MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or values named
     "non-deterministic": "two full-batch runs from the same seed give different gradients: the "
     "model or loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
+    "randomness": "another seed gives another full-batch gradient: the model or loss draws random "
+    "numbers besides dropout (torch.randn_like, ...), and a micro-batch draws other numbers than "
+    "the full batch did: equal in distribution, not in value, so the gradients cannot be compared."
+    " Draw the noise per sample in the data (a batch tensor), or turn it off to check the rest.",
     "batch-statistics": "{} change one sample's output when other samples change (batch "
     "statistics in training mode): each micro-batch sees its own statistics. Use "
     'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
@@ -282,6 +287,8 @@ def diagnose(
     ``tolerance`` is the relative difference counted as rounding (Note [float32 islands]);
     ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
     found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
+    if not found and _rerun(replace(case, seed=case.seed + 1), full) > tolerance:
+        return [_naming("randomness", case.model, [])]  # no probe can compare other draws
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
     coupled, unprobed = _runs.probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
