@@ -250,10 +250,11 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "recomputed forward is not the first (state the forward changes, or randomness outside torch).",
     "mean-as-sum": "loss_fn returns a mean as the loss_sum of (loss_sum, count): micro-batch means "
     "are added up. Return (losses.sum(), count) (tokens: bigbatch.token_cross_entropy(logits, "
-    "labels), or a transformers model's out.loss * count), or a mean over samples alone.",
+    "labels), with shift=True for a causal LM, or a transformers model's out.loss * count), or a "
+    "mean over samples alone.",
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
     "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
-    "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
+    "token_cross_entropy(logits, labels{}), or (out.loss * count, count) for a labels= loss.",
     "batch-coupled-loss": "each sample's loss depends on the others (in-batch negatives): a "
     "micro-batch sees fewer. If only through reps = encode(model, micro_batch), bigbatch."
     "cached_loss(encode, batch_loss) is exact (docs/contrastive.md); else accept a smaller pool.",
@@ -273,7 +274,7 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "log of 0, a division by a zero count, ...): fix loss_fn.",
     "non-finite micro-batch": "non-finite loss on micro-batch {} while the whole batch's is finite"
     ": a mean over zero items (all padding?) is NaN. Return (loss_sum, count) with a sum (0 over "
-    "no items), e.g. bigbatch.token_cross_entropy(logits, labels).",
+    "no items), e.g. bigbatch.token_cross_entropy(logits, labels) (shift=True for a causal LM).",
     "non-finite gradients": "non-finite gradients{} from {}: a backward that divides by zero (the "
     "square root or norm of 0...): add an epsilon there.",
 }
@@ -341,7 +342,14 @@ def _loss_diagnoses(
             continue
         if terms is not None:  # a named term: name it
             kind = "term-batch-statistic" if kind == "batch-coupled-loss" else "term-mean"
-        found.append(Diagnosis(kind, () if terms is None else (name,), MESSAGES[kind].format(name)))
+        shown = name
+        if kind == "token-mean":  # over the labels after the first: a causal LM's, shift=True
+            shifted = [weights[0], *weights[2::2]]  # (its fix must train the next token)
+            shift = loss_kind(whole[name], [p[name] for p in parts], shifted, rtol) == kind
+            shown = ", shift=True" * shift
+        found.append(
+            Diagnosis(kind, () if terms is None else (name,), MESSAGES[kind].format(shown))
+        )
     return found
 
 
