@@ -13,6 +13,12 @@ Note [audit]
     (Note [audit tolerance]). On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
     read over every rank's count (``window_mean``), as the window normalises it.
+    The joined batch is computed at once, so the audited step holds the whole window's
+    activations (about k times a micro-batch's). Recomputing it micro-batch by micro-batch in the
+    big batch's normalisation would not be a one-batch reference: it is what accumulation does,
+    so it would miss what the audit is for, a loss or module coupling the samples across
+    micro-batches and a normalisation that is wrong. The memory is said where the audit is
+    documented instead; audit where the window fits.
 
 Note [audit tolerance]
     The accumulated and the one-batch gradient differ by rounding alone when the step is exact:

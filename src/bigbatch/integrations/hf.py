@@ -344,6 +344,9 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     (Note [audit] in ``bigbatch.integrations._audit``); training goes on unchanged. Costs one
     forward and backward of the window, per audited step; a wrong step costs one more forward to
     say why (Note [audit diagnosis]). Logs one line per audited step (logger ``"bigbatch"``).
+    Memory: the audited step holds the whole window as one batch, its activations at once
+    (about ``gradient_accumulation_steps`` times a step's: 224 MiB against 25 MiB in issue 30's
+    run): audit where the window fits (a short run, or fewer rows per window).
 
     Args:
         trainer: the trainer, before ``trainer.train()``.

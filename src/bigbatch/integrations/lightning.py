@@ -127,7 +127,9 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """``bigbatch.hf.audit`` for a Lightning ``Trainer``: at the optimizer steps asked for,
     compare the accumulated gradient with the same ``training_step`` on the window as one batch.
 
-    Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks.
+    Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks. The audited
+    step holds the whole window as one batch (about ``accumulate_grad_batches`` times a step's
+    activations): audit where the window fits (Note [audit]).
 
     Returns:
         An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step; when
