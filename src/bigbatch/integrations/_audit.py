@@ -133,9 +133,7 @@ def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
     Raises:
         ValueError: anything else.
     """
-    found = (
-        (steps,) if isinstance(steps, int) else tuple(steps) if isinstance(steps, Iterable) else ()
-    )
+    found = tuple(steps) if isinstance(steps, Iterable) else (steps,)  # 1.5: refused below
     if not found or not all(type(s) is int and s > 0 for s in found):
         raise ValueError(f"steps={steps!r} is not allowed: use positive ints, e.g. 1 or (1, 100).")
     return found
@@ -153,15 +151,12 @@ class Window:
     returns: list[float] = field(default_factory=list)
 
 
-def finish(log: Audit, last_step: int) -> None:
-    """Training ended at ``last_step``: the steps asked for and never audited go to
+def finish(log: Audit, last: int) -> None:
+    """Training ended at step ``last``: the steps asked for and never audited go to
     ``log.not_reached``, with a warning (an audit that says nothing must not look like a pass)."""
     log.not_reached = tuple(s for s in log.steps if s not in {r.step for r in log.results})
-    if log.not_reached:
-        missed = ", ".join(map(str, log.not_reached))
-        logger.warning(
-            f"bigbatch audit: step {missed} not audited: training ended at step {last_step}"
-        )
+    if missed := ", ".join(map(str, log.not_reached)):
+        logger.warning(f"bigbatch audit: step {missed} not audited: training ended at step {last}")
 
 
 def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window | None:
@@ -177,13 +172,11 @@ def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
     first = batches[0]
     if isinstance(first, Mapping):
         return {k: join([b[k] for b in batches], pad_id, str(k)) for k in first}
-    if isinstance(first, (tuple, list)):  # per position (TensorDataset's [x, y]), or a column
-        parts = zip(*batches, strict=True)
-        column = is_column(first, len(first))
-        joined = (
-            [x for b in batches for x in b] if column else [join(list(p), pad_id) for p in parts]
-        )
-        return joined if isinstance(first, list) else tuple(joined)
+    kind = list if isinstance(first, list) else tuple
+    if isinstance(first, (tuple, list)) and is_column(first, len(first)):  # ids, strings
+        return kind(x for b in batches for x in b)
+    if isinstance(first, (tuple, list)):  # per position: TensorDataset's [x, y]
+        return kind(join(list(p), pad_id) for p in zip(*batches, strict=True))
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
@@ -264,9 +257,8 @@ def check(
             for g in grads.values() if average else ():
                 torch.distributed.all_reduce(g)
                 g /= torch.distributed.get_world_size()
-            log.results.append(
-                judge(window, acc, grads, float(value.detach()), precision.dtype, own)
-            )
+            result = judge(window, acc, grads, float(value.detach()), precision.dtype, own)
+            log.results.append(result)
     finally:  # the gradients, the buffers and the random state as they were
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):

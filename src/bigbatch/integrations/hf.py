@@ -380,12 +380,11 @@ class _Watch:
     def __init__(self, trainer: Any, log: _audit.Audit) -> None:
         self.trainer, self.log, self.reader, self.size = trainer, log, Reader(trainer), 0
         self.window: _audit.Window | None = None  # size: its batches
-        self.wrapped = (
-            trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step, trainer.train
+        self.wrapped = trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step
+        trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
+            self.get_batch_samples, self.prepare_inputs, self.training_step
         )  # fmt: skip
-        trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step, trainer.train = (
-            self.get_batch_samples, self.prepare_inputs, self.training_step, self.train
-        )  # fmt: skip
+        self.train_fn, trainer.train = trainer.train, self.train
         self.seen: list[tuple[Any, Any]] = []  # bigbatch's micro-batches and their losses
         if (window := getattr(trainer, "bigbatch_window", None)) is not None:
             window.loss = functools.partial(self.record, window.loss)
@@ -397,7 +396,7 @@ class _Watch:
         return out
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.wrapped[3](*args, **kwargs)
+        out = self.train_fn(*args, **kwargs)
         _audit.finish(self.log, self.trainer.state.global_step)
         return out
 
@@ -426,10 +425,8 @@ class _Watch:
                     seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
                     w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
                     w.accumulation_steps, self.seen = len(seen), []
-                once, own = (
-                    functools.partial(self._loss, model, joined),
-                    functools.partial(self._own, model),
-                )
+                own = functools.partial(self._own, model)
+                once = functools.partial(self._loss, model, joined)
                 _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
         return loss
 
