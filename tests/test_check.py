@@ -229,6 +229,23 @@ def test_non_determinism_is_diagnosed(gen):
     assert "non-deterministic" in [d.kind for d in report.diagnoses]
 
 
+def test_seeded_randomness_is_named_not_blamed_on_the_loss(gen):
+    """Noise drawn in ``forward`` (``torch.randn_like``): the full batch and its micro-batches draw
+    other numbers from the same seed. That is randomness, not a batch-coupled loss."""
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            return self.net(x + 0.1 * torch.randn_like(x))
+
+    report = check(Noisy(), classification_batch(10, torch.float64, gen), mean_ce)
+    assert not report.exact and [d.kind for d in report.diagnoses] == ["randomness"]
+    assert "torch.randn_like" in report.summary()
+
+
 def test_groupnorm_policy_is_exact(gen):
     torch.manual_seed(0)
     model = nn.Sequential(

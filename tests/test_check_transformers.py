@@ -12,6 +12,8 @@ inside the model by replay (the replays see no recorded cache).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -238,6 +240,24 @@ def test_sequence_classification(gen):
     assert right.exact and right.max_difference < 1e-10, right.summary()
     wrong = check(model, batch, lambda m, b: (m(**b).loss, b["labels"].shape[0]), 4)
     assert [d.kind for d in wrong.diagnoses] == ["mean-as-sum"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.slow)])
+def test_the_suggested_token_loss_is_exact_on_the_models_target(name, gen):
+    """``check``'s fix for ``m(**b).loss``, copied as it is: exact, and it trains what the model's
+    own loss trains (a causal LM's next token: ``shift=True``; a masked LM's own positions)."""
+    model, batch = prepared(name), padded_batch(gen, masked_lm=name == "bert")
+    message = check(model, batch, lambda m, b: m(**b).loss, 4).diagnoses[0].message
+    code = re.search(r"bigbatch\.token_cross_entropy\([^)]*\)", message).group()
+
+    def suggested(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        return eval(code, {"bigbatch": bigbatch, "logits": logits, "labels": b["labels"]})
+
+    assert check(model, batch, suggested, 4).exact
+    loss_sum, count = suggested(model, batch)
+    assert torch.allclose(loss_sum / count, model(**batch).loss, rtol=1e-6)
+    assert ("shift=True" in code) == (name == "gpt2")
 
 
 @pytest.mark.slow  # beyond the per-model verdicts; the quick suite has a plain-model twin

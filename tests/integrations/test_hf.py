@@ -100,6 +100,12 @@ def model_loss(m, b):
     return m(**b).loss
 
 
+def counted(m, b):
+    """GPT-2's loss as transformers' one-batch run computes it: ``num_items_in_batch`` counts
+    every label (its ``loss_type`` is None), the loss sums the shifted ones."""
+    return m(**b, num_items_in_batch=(b["labels"] != -100).sum()).loss
+
+
 def smoothing(m, b):
     out = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
     return transformers.trainer_pt_utils.LabelSmoother(0.1)(out, b["labels"], shift_labels=True)
@@ -143,9 +149,10 @@ def test_equals_the_one_batch_step(tmp_path, name, optimizers, split, loss):
     cls, kwargs, args, plain_loss = LOSSES[loss]
     ours = copy.deepcopy(base)
     train(cls, ours, *split, optimizers, tmp=tmp_path, args=args, **kwargs)
-    assert distance(ours, plain(base, plain_loss, optimizers), base) < TOLERANCE[name]
-    if cls is bigbatch.hf.Trainer and name == "llama":  # transformers' own one-batch run
-        # (not GPT-2's: transformers counts its labels unshifted, test_hf_audit.py)
+    if cls is not bigbatch.hf.Trainer or name == "llama":  # (GPT-2's num_items_in_batch counts
+        # every label, the first of each row too, as transformers does: test_hf_audit.py)
+        assert distance(ours, plain(base, plain_loss, optimizers), base) < TOLERANCE[name]
+    if cls is bigbatch.hf.Trainer:  # transformers' own one-batch run
         one = copy.deepcopy(base)
         train(transformers.Trainer, one, 12, 1, optimizers, tmp=tmp_path, args=args, **kwargs)
         assert distance(ours, one, base) < 1e-10  # the same float32 roundings as transformers
@@ -175,7 +182,7 @@ def test_token_windows_and_auto(tmp_path, settings):
     base = gpt2()
     ours = copy.deepcopy(base)
     trainer = train(bigbatch.hf.Trainer, ours, 6, 2, tmp=tmp_path, **settings)
-    assert distance(ours, plain(base, model_loss, sgd), base) < 1e-10
+    assert distance(ours, plain(base, counted, sgd), base) < 1e-10
     last = trainer.bigbatch_window.last
     assert last.samples == 12 and (last.micro_batches > 1 or "auto" in settings.values())
 
@@ -199,6 +206,77 @@ def test_the_backward_runs_at_the_full_batch_scale(tmp_path):
     assert len(seen) == 3 and abs(sum(seen) - whole) < 1e-6 * whole
 
 
+class RegressionConfig(transformers.PretrainedConfig):
+    model_type = "bigbatch-regression"
+
+
+class Regression(transformers.PreTrainedModel):
+    """transformers' own ``RegressionPreTrainedModel`` (its tests/trainer): ``forward`` takes
+    ``**kwargs``, so the Trainer passes it ``num_items_in_batch``, and returns a mean, ignoring it
+    (transformers #47688: the stock Trainer then adds the micro-batch means up, k× the step)."""
+
+    config_class = RegressionConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.tensor(0.25, dtype=torch.float64))
+        self.post_init()
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x @ self.w + self.b
+        return (torch.nn.functional.mse_loss(y, labels), y)
+
+
+def regression_data(n=12):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, generator=g)
+    return [{"input_x": x[i], "labels": y[i].double()} for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["regression", "gpt2"])
+def test_a_loss_that_ignores_num_items_is_a_mean(tmp_path, name):
+    """Whether the loss honours ``num_items_in_batch`` is read from what it returns (``loss_form``),
+    not from the signature: the regression model's mean and GPT-2's sum / N (which honours it)
+    both equal transformers' one-batch run, in float64."""
+    make, data = (
+        (lambda: Regression(RegressionConfig()), regression_data)
+        if name == "regression"
+        else (gpt2, texts)
+    )
+    collator = transformers.default_data_collator if name == "regression" else collate
+    base = make()
+    runs = {}
+    for key, cls, batch, steps in [
+        ("one", transformers.Trainer, 12, 1),
+        ("stock", transformers.Trainer, 5, 3),
+        ("ours", bigbatch.hf.Trainer, 5, 3),
+    ]:
+        runs[key] = copy.deepcopy(base)
+        cls(
+            model=runs[key], args=arguments(tmp_path, batch, steps), train_dataset=data(),
+            data_collator=collator, optimizers=sgd(runs[key]),
+        ).train()  # fmt: skip
+    assert distance(runs["ours"], runs["one"], base) < 1e-10
+    if name == "regression":
+        assert distance(runs["stock"], runs["one"], base) > 0.5  # 3 micro-batch means added up
+
+
+def test_training_step_outside_train_is_the_stock_step(tmp_path):
+    """transformers' own tests call ``training_step`` before ``train()`` (no optimizer yet): the
+    drop-in does what the stock Trainer does there, the batch's loss back-propagated."""
+    batch = collate(texts(4))
+    n = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()))
+    runs = []
+    for cls in (transformers.Trainer, bigbatch.hf.Trainer):
+        model = llama()
+        trainer = cls(model=model, args=arguments(tmp_path, 4, 2), data_collator=collate)
+        loss = trainer.training_step(model, dict(batch), num_items_in_batch=n)
+        runs.append((float(loss), [p.grad for p in model.parameters()]))
+    (stock, stock_grads), (ours, our_grads) = runs
+    assert stock == ours and all(map(torch.equal, stock_grads, our_grads))
+
+
 def test_errors(tmp_path):
     with pytest.raises(TypeError, match="exact\\(\\) takes a transformers.Trainer subclass"):
         bigbatch.hf.exact(torch.nn.Module)
@@ -209,6 +287,8 @@ def test_errors(tmp_path):
     trainer = transformers.Trainer(model=gpt2(), args=arguments(tmp_path, 2, 2))
     with pytest.raises(ValueError, match="steps=0 is not allowed"):
         bigbatch.hf.audit(trainer, steps=0)
+    with pytest.raises(ValueError, match="steps=1.5 is not allowed: use positive ints"):
+        bigbatch.hf.audit(trainer, steps=1.5)
     assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer
 
 

@@ -43,7 +43,7 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=0.01)
 
 
-def fit(model, batch, k, pair=False, exact=False, optimizer=sgd, data=None, steps=1):
+def fit(model, batch, k, pair=False, exact=False, optimizer=sgd, data=None, steps=1, module=None):
     loader = torch.utils.data.DataLoader(data or texts(12), batch_size=batch, collate_fn=collate)
     trainer = L.Trainer(
         max_epochs=2, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
@@ -53,7 +53,7 @@ def fit(model, batch, k, pair=False, exact=False, optimizer=sgd, data=None, step
     report = bigbatch.lightning.audit(trainer, steps=steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(LM(model, pair, optimizer), loader)
+        trainer.fit(module or LM(model, pair, optimizer), loader)
     return report.results
 
 
@@ -82,6 +82,31 @@ def test_exact_on_padded_tokens(optimizer):
     assert distance(ours, reference, base) < 1e-10 < 0.05 < distance(plain, reference, base)
 
 
+def test_a_module_fitted_twice():
+    """Each fit wraps the module's own ``training_step``, not the last fit's wrappers (the second
+    fit was 6% off): two fits with ``Exact``, each equal to its full-batch steps."""
+    base = gpt2()
+    ours, reference = copy.deepcopy(base), base
+    module = LM(ours, True, sgd)
+    for _ in range(2):
+        assert fit(None, 5, 3, exact=True, module=module)[0].exact
+        reference = full(reference, sgd, [texts(12)] * 2)  # a fresh optimizer, as each fit
+        assert distance(ours, reference, base) < 1e-10
+
+
+class MeanAsSum(LM):
+    def training_step(self, batch, idx):
+        loss_sum, count = tokens(self.model, batch)
+        return loss_sum / count, 1  # a mean as the sum: micro-batch means added up
+
+
+def test_exact_gets_the_real_diagnosis():
+    """With ``Exact`` the audit reads what each micro-batch added to the window's loss, as it
+    reads Lightning's own backwards: a mean returned as the sum is named, not "loss couples"."""
+    found = fit(None, 5, 3, exact=True, module=MeanAsSum(gpt2(), True, sgd))[0]
+    assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+
+
 def test_last_window():
     """10 equal-length samples, 2 per batch, 3 batches per step: Lightning scales the last
     window (2 batches) by 2/3."""
@@ -95,12 +120,52 @@ def test_last_window():
     assert distance(ours, reference, base) < 1e-10
 
 
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1).double()
+
+    def training_step(self, batch, idx):
+        x, y = batch  # a list: TensorDataset's default collate
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+def test_audit_joins_list_batches_per_position():
+    """``[x, y]`` lists are joined as ``[x1 + x2 + x3, y1 + y2 + y3]``, not ``[x1, y1, x2, ...]``:
+    equal micro-batches of a mean are exact under Lightning's ÷ k (no false alarm)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, generator=g).double(), torch.randn(12, 1, generator=g).double()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer = L.Trainer(
+        max_epochs=1, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    report = bigbatch.lightning.audit(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Regression(), loader)
+    assert report.results[0].exact, report.results[0]
+
+
 def test_errors():
     with pytest.raises(TypeError, match="audit\\(\\) takes a lightning Trainer"):
         bigbatch.lightning.audit(object())
     trainer = L.Trainer(logger=False, accelerator="cpu", devices=1)
     with pytest.raises(ValueError, match="steps=\\(\\) is not allowed"):
         bigbatch.lightning.audit(trainer, steps=())
+    with pytest.raises(ValueError, match="steps=1.5 is not allowed"):
+        bigbatch.lightning.audit(trainer, steps=1.5)
+
+
+def test_a_step_never_reached_is_named(caplog):
+    """12 samples, 4 per batch, 3 batches per step, 2 epochs: steps 1 and 2, not 9."""
+    results = fit(gpt2(), 4, 3, steps=(2, 9))
+    assert [r.step for r in results] == [2]
+    assert "step 9 not audited: training ended at step 2" in caplog.text
 
 
 def test_exact_refuses_manual_optimization_and_a_loss_it_cannot_read():

@@ -52,8 +52,8 @@ def config(cls, tmp, batch: int, steps: int, **kwargs):
     return cls(
         output_dir=str(tmp), per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
         learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[],
-        save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, max_steps=2,
-        dataloader_num_workers=0, disable_tqdm=True, bf16=False, optim="sgd", **kwargs,
+        save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, optim="sgd", **{"max_steps": 2, "bf16": False, **kwargs},
     )  # fmt: skip
 
 
@@ -98,6 +98,64 @@ def test_sft_per_token(tmp_path):
     assert stock_audit.exact and our_audit.exact
     assert our_audit.loss_ratio == pytest.approx(1, abs=FLOAT32)
     assert distance(stock, one, base) < FLOAT32 and distance(ours, one, base) < FLOAT32
+
+
+def docstrings(n: int = 300, low: int = 6, high: int = 256) -> list[str]:
+    """``n`` of Python's own docstrings of ``low`` to ``high`` words, each word mapped to one of
+    ``WORDS``: a realistic spread of lengths, shipped with Python (nothing downloaded)."""
+    import builtins
+    import collections
+    import inspect
+    import zlib
+
+    found: dict[str, str] = {}
+    for module in (builtins, collections, inspect, torch, torch.nn.functional, torch.nn):
+        for name in sorted(dir(module)):
+            words = (inspect.getdoc(getattr(module, name, None)) or "").split()[:high]
+            if len(words) >= low:
+                found.setdefault(
+                    " ".join(words),
+                    " ".join(WORDS[zlib.crc32(w.encode()) % len(WORDS)] for w in words),
+                )
+    assert len(found) >= n
+    return list(found.values())[:n]
+
+
+def long_gpt2():
+    torch.manual_seed(0)
+    settings = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=260, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(settings).to(torch.float64)
+
+
+@pytest.mark.parametrize(
+    "name, bf16", [("gpt2", False), pytest.param("llama", True, marks=pytest.mark.slow)]
+)
+def test_sft_on_docstrings_equals_the_one_batch_run(tmp_path, name, bf16):
+    """A newcomer's first hour: 300 docstrings of 6 to 256 tokens, a float64 model, SFTConfig's
+    own default ``bf16=True`` or not; 3 steps of 4 × 4. ``exact(SFTTrainer)`` ends where stock SFT
+    and the one-batch run end: its loss's form is read before the first window (``loss_form``):
+    SFT's loss honours ``num_items_in_batch``, which gets what transformers counts (every label
+    for GPT-2: 1.8% off before), and the first window runs at the one-batch run's scale too (in
+    bf16 every scale rounds: 3e-3 off before)."""
+    data, base = (
+        datasets.Dataset.from_dict({"text": docstrings()}),
+        long_gpt2() if name == "gpt2" else llama(),
+    )
+    runs = {
+        key: train(cls, base, batch, steps, tmp_path, data, args={"bf16": bf16, "max_steps": 3})[0]
+        for key, cls, batch, steps in [
+            ("one", trl.SFTTrainer, 16, 1), ("stock", trl.SFTTrainer, 4, 4),
+            ("ours", bigbatch.hf.exact(trl.SFTTrainer), 4, 4),
+        ]
+    }  # fmt: skip
+    stock, ours = (
+        distance(runs["stock"], runs["one"], base),
+        distance(runs["ours"], runs["one"], base),
+    )
+    assert ours < 1e-6 and abs(ours - stock) < 1e-9, (stock, ours)
 
 
 @pytest.mark.slow

@@ -9,16 +9,38 @@ Note [audit]
     step, the audit keeps the accumulated gradients aside, restores that random state, runs the
     trainer's own loss on the joined batch once with gradients (the one extra forward and
     backward), compares, and puts the gradients and the random state back: training goes on as
-    if nothing had happened. The tolerance is the rounding of the lowest precision that forward
-    really computes in (Note [float32 islands] in ``bigbatch.verifier._runs``), so a float64
-    model with float32 islands is not a false alarm. On several ranks every rank compares and
+    if nothing had happened. The tolerance is the rounding that forward and backward can make
+    (Note [audit tolerance]). On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
     read over every rank's count (``window_mean``), as the window normalises it.
+    The joined batch is computed at once, so the audited step holds the whole window's
+    activations (about k times a micro-batch's). Recomputing it micro-batch by micro-batch in the
+    big batch's normalisation would not be a one-batch reference: it is what accumulation does,
+    so it would miss what the audit is for, a loss or module coupling the samples across
+    micro-batches and a normalisation that is wrong. The memory is said where the audit is
+    documented instead; audit where the window fits.
+
+Note [audit tolerance]
+    The accumulated and the one-batch gradient differ by rounding alone when the step is exact:
+    each sums the window's items in another order. The relative difference allowed is twice the
+    epsilon of the lowest precision an operation on the gradient path computes in (its outputs
+    rounded: a float32 island in a float64 model, bf16 under autocast), plus the
+    accumulation over the window's ``R`` items (its largest tensor's elements: tokens), which
+    runs in float32 below float64: ``4 · eps(float32) · √R`` (float32 over 2,400 tokens: 2e-5),
+    and never less than 1e-10 (float64). Only operations whose output carries a gradient count
+    (``observe``): a metric computed in bf16 under ``no_grad`` does not make a float64 model's
+    tolerance bf16's. The tolerance is in every ``AuditResult`` and printed with its verdict; it
+    never exceeds the rounding of the precision really computed in, so an error larger than that
+    rounding is always reported (one below bf16's, 2e-2, cannot be told from it: a bf16 run's
+    line says bf16). Measured: TRL's DPO under bf16 autocast, 3e-3 to 5e-3 apart (2e-2 allowed);
+    float32 islands in float64, 1e-7 apart (2e-5 allowed over 2,400 tokens).
 
 Note [audit diagnosis]
     When a step is not exact, each micro-batch's loss is computed again without gradient (its
     own one-batch loss ``L_i``), and the weight the trainer gave it, ``a_i`` = what it
-    back-propagated / ``L_i``, is read against its right weight ``w_i = n_i / N`` (its share of
+    back-propagated / ``L_i`` (on bigbatch's trainers, which back-propagate at the window's
+    scale: what its loss adds to the window's, each term over its window count, ``shares``), is
+    read against its right weight ``w_i = n_i / N`` (its share of
     the window's tokens, or samples). ``a_i = 1/k`` (``k`` accumulation steps) where the ``n_i``
     differ: a mean of micro-batch means, "per-micro-batch mean on padded data"; ``a_i = 1``:
     "÷ accumulation steps missing"; ``a_i = 1/k²``: "÷ accumulation steps applied twice";
@@ -35,17 +57,18 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core._tree import is_column, tensor_leaves
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
-from bigbatch.verifier._runs import ROUNDING, Grads, differences, observe
+from bigbatch.verifier._runs import Grads, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
@@ -69,7 +92,9 @@ class AuditResult:
         grad_norm_ratio: ‖accumulated gradient‖ / ‖one-batch gradient‖ (1 when right).
         loss_ratio: the loss the trainer accumulated / the one-batch loss.
         difference: the largest relative difference of a parameter's gradient.
-        tolerance: the rounding allowed, from the precision the model computes in.
+        tolerance: the rounding allowed, from the precision the model computes in and the
+            window's size (Note [audit tolerance]).
+        rounding: where the tolerance comes from ("float32 rounding over 2,400 items").
         diagnosis: what went wrong, in words ("" when exact; Note [audit diagnosis]).
     """
 
@@ -80,22 +105,26 @@ class AuditResult:
     difference: float
     tolerance: float
     diagnosis: str = ""
+    rounding: str = ""
 
     def __str__(self) -> str:
         verdict = "exact" if self.exact else f"NOT exact: {self.diagnosis}"
         return (
             f"bigbatch audit, step {self.step}: {verdict} (gradient norm ×"
             f"{self.grad_norm_ratio:.4g}, loss ×{self.loss_ratio:.4g} of the one-batch step; "
-            f"largest difference {self.difference:.1e}, tolerance {self.tolerance:.0e})"
+            f"largest difference {self.difference:.1e}, tolerance {self.tolerance:.0e}: "
+            f"{self.rounding})"
         )
 
 
 @dataclass
 class Audit:
-    """The steps to audit and, as training reaches them, one ``AuditResult`` each."""
+    """The steps to audit and, as training reaches them, one ``AuditResult`` each; when training
+    ends, ``not_reached`` holds the steps it never audited (and a warning names them)."""
 
     steps: tuple[int, ...]
     results: list[AuditResult] = field(default_factory=list)
+    not_reached: tuple[int, ...] = ()
 
 
 def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -104,7 +133,7 @@ def check_steps(steps: int | tuple[int, ...]) -> tuple[int, ...]:
     Raises:
         ValueError: anything else.
     """
-    found = (steps,) if isinstance(steps, int) else tuple(steps)
+    found = tuple(steps) if isinstance(steps, Iterable) else (steps,)  # 1.5: refused below
     if not found or not all(type(s) is int and s > 0 for s in found):
         raise ValueError(f"steps={steps!r} is not allowed: use positive ints, e.g. 1 or (1, 100).")
     return found
@@ -122,6 +151,14 @@ class Window:
     returns: list[float] = field(default_factory=list)
 
 
+def finish(log: Audit, last: int) -> None:
+    """Training ended at step ``last``: the steps asked for and never audited go to
+    ``log.not_reached``, with a warning (an audit that says nothing must not look like a pass)."""
+    log.not_reached = tuple(s for s in log.steps if s not in {r.step for r in log.results})
+    if missed := ", ".join(map(str, log.not_reached)):
+        logger.warning(f"bigbatch audit: step {missed} not audited: training ended at step {last}")
+
+
 def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window | None:
     """A window about to run (its random state now) if ``step`` is audited, else ``None``."""
     audited = step in log.steps
@@ -130,14 +167,16 @@ def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window
 
 def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
     """The micro-batches as one batch: rows concatenated in order, per-token tensors right-padded
-    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0)."""
+    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0); a
+    tuple or list of tensors joined per position, a column of ids or strings concatenated."""
     first = batches[0]
     if isinstance(first, Mapping):
         return {k: join([b[k] for b in batches], pad_id, str(k)) for k in first}
-    if isinstance(first, tuple):
-        return tuple(join(list(parts), pad_id) for parts in zip(*batches, strict=True))
-    if isinstance(first, list):
-        return [x for b in batches for x in b]
+    kind = list if isinstance(first, list) else tuple
+    if isinstance(first, (tuple, list)) and is_column(first, len(first)):  # ids, strings
+        return kind(x for b in batches for x in b)
+    if isinstance(first, (tuple, list)):  # per position: TensorDataset's [x, y]
+        return kind(join(list(p), pad_id) for p in zip(*batches, strict=True))
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         return first
     shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
@@ -166,6 +205,15 @@ def count_items(batch: Any, shifts: bool = False) -> Any:
     return next(len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
 
 
+def shares(outs: list[tuple[Any, Any]]) -> list[float]:
+    """What each micro-batch's loss adds to the loss of a window normalised as bigbatch does
+    (each term over its count in the window), from ``(micro_batch, loss)`` pairs: what each
+    back-propagated, for the diagnosis (Note [audit diagnosis])."""
+    terms = [as_terms(out, batch_size(b)) for b, out in outs]
+    totals = {k: sum(float(t[k].count) for t in terms) or 1.0 for k in terms[0]}
+    return [sum(x.weight * float(x.loss_sum) / totals[k] for k, x in t.items()) for t in terms]
+
+
 def window_mean(out: Any, rows: int) -> torch.Tensor:
     """A loss (a mean over ``rows`` samples, ``(sum, count)`` or named terms) as one batch: each
     term over its count on every rank, times the ranks (whose gradients are averaged)."""
@@ -186,15 +234,14 @@ def gradients(model: torch.nn.Module) -> Grads:
 
 def check(
     log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-    own: Own | None, average: bool, scope: Any,
+    own: Own, average: bool, scope: Any,
 ) -> None:  # fmt: skip
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
     loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult``
     to ``log``.
 
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
-    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis (``None`` when the
-    trainer weighs micro-batches right by construction: bigbatch's own).
+    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis.
     """
     acc, params = gradients(model), list(model.parameters())
     device, kept = params[0].device, [p.grad for p in params]
@@ -210,8 +257,8 @@ def check(
             for g in grads.values() if average else ():
                 torch.distributed.all_reduce(g)
                 g /= torch.distributed.get_world_size()
-            tolerance = max(1e-10, ROUNDING.get(precision.dtype, 0.0))
-            log.results.append(judge(window, acc, grads, float(value.detach()), tolerance, own))
+            result = judge(window, acc, grads, float(value.detach()), precision.dtype, own)
+            log.results.append(result)
     finally:  # the gradients, the buffers and the random state as they were
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):
@@ -219,10 +266,12 @@ def check(
 
 
 def judge(
-    window: Window, acc: Grads, grads: Grads, loss: float, tolerance: float, own: Own | None
+    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own
 ) -> AuditResult:
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
-    ``loss``); diagnose a difference (Note [audit diagnosis])."""
+    ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis])."""
+    items = sum(max((t.numel() for _, t in tensor_leaves(b)), default=1) for b in window.batches)
+    tolerance = rounding(dtype, items)
     worst = max(differences(acc, grads).values(), default=0.0)
     returned, whole, disagree = sum(window.returns), loss, 0.0
     if _world() > 1:  # every rank takes the same path from here: agree on the worst difference
@@ -237,6 +286,7 @@ def judge(
     result = AuditResult(
         window.step, worst <= tolerance, _norm(acc) / max(_norm(grads), 1e-300),
         returned / whole if whole else math.nan, worst, tolerance,
+        rounding=f"{str(dtype).removeprefix('torch.')} rounding over {items:,} items",
     )  # fmt: skip
     if not result.exact:
         result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), own, tolerance)
@@ -244,13 +294,17 @@ def judge(
     return result
 
 
-def _diagnose(
-    window: Window, loss: float, ranks_differ: bool, own: Own | None, tolerance: float
-) -> str:
+def rounding(dtype: torch.dtype, items: int) -> float:
+    """The relative gradient difference rounding can make: computing down to ``dtype`` over
+    ``items`` (Note [audit tolerance])."""
+    low = dtype != torch.float64  # below float64, sums run in float32 (half types' too)
+    sums = torch.finfo(torch.float32 if low else torch.float64).eps * 4 * math.sqrt(items)
+    return max(1e-10, 2 * torch.finfo(dtype).eps * low + sums)
+
+
+def _diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, tolerance: float) -> str:
     if ranks_differ:
         return "ranks did not synchronise"
-    if own is None:
-        return "loss couples samples across micro-batches"
     with torch.no_grad():
         losses, counts = zip(*[own(b) for b in window.batches], strict=True)
     k, m, total = window.accumulation_steps, len(losses), sum(counts)

@@ -19,12 +19,18 @@ Note [trainer window]
     the normalised gradient stays in ``.grad`` for the Trainer's own clipping, optimizer, scheduler
     and logging; its backward is the Trainer's ``accelerator.backward`` (its loss scaler). Each
     micro-batch is trimmed back to its longest sample. The loss is the Trainer's ``compute_loss``
-    read as the loss contract wants it: where transformers' own ``compute_loss`` passes
-    ``num_items_in_batch`` (the model's loss, label smoothing, ``compute_loss_func``), it gets the
-    window's count, as in the one-batch run, and returns ``sum / N``; anywhere else it gets
-    ``None`` and returns the micro-batch's mean, multiplied back by its count: the labels that
-    are not -100 (shifted for a causal LM, found also inside a wrapper), else its samples, pairs
-    for DPO and reward trainers. A ``(sum, count)`` pair or named terms pass through, and so does
+    read as the loss contract wants it. What it does with ``num_items_in_batch`` is read from
+    what it returns, once, before the first window (``loss_form``: its loss on two samples
+    without gradient, given 1 and 2), not from the model's signature as transformers reads it (a
+    ``forward`` taking ``**kwargs`` may return a mean: transformers #47688). A loss that returns
+    ``sum / N`` gets the window's count as transformers counts it (every label where
+    ``LOSS_MAPPING`` does not know the model's ``loss_type``: GPT-2's), as in the one-batch run; a
+    loss that ignores it, or that the Trainer gives ``None``, is a mean over the micro-batch,
+    multiplied back by its count: the labels that are not -100 (shifted for a causal LM, found
+    also inside a wrapper), else its samples, pairs for DPO and reward trainers. Knowing the form
+    before the first window, the engine gets the counts before every window (``count_fn``): each
+    backward then runs at the one-batch run's scale, so a bf16 run rounds as the stock one does.
+    A ``(sum, count)`` pair or named terms pass through, and so does
     a bigbatch ``loss_fn`` (``cached_loss`` included).
 
 Note [generating trainers]
@@ -44,14 +50,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
 
+from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
 from bigbatch.core._tokens import make_cut
+from bigbatch.core._tree import map_tensors, take
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import WindowLoss
@@ -129,6 +138,8 @@ def exact(trainer_class: type) -> type:
             self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            if self.optimizer is None or not hasattr(self, "current_gradient_accumulation_steps"):
+                return super().training_step(model, inputs, num_items_in_batch)  # outside train()
             return self.bigbatch_window.training_step(model, inputs, num_items_in_batch)
 
     Exact.__name__ = Exact.__qualname__ = trainer_class.__name__
@@ -145,8 +156,7 @@ class TrainerWindow:
         self.pending: list[Any] = []  # the window's batches so far
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
-        # the loss has one term: count first
-        self.plain = True if loss_fn is None and stock_compute_loss(type(trainer)) else None
+        self.form: str | None = None  # how compute_loss reads num_items_in_batch (loss_form)
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""
@@ -157,12 +167,8 @@ class TrainerWindow:
         window, self.pending = self.pending, []
         model.train()
         batch = self.reader.join([t._prepare_inputs(b) for b in window])
-        loss_fn: Any = self.loss_fn
-        if not isinstance(loss_fn, WindowLoss):  # the Trainer's count may miss the shift: recount
-            n = None if num_items is None else self.window_count(batch)  # (GPT-2)
-            loss_fn = functools.partial(self.loss, self.loss_fn, n)
-        count_fn = self.reader.count if self.plain and self.loss_fn is None else None
         with t.compute_loss_context_manager(), one_step(t):
+            loss_fn, count_fn = self.window_loss(model, batch, num_items is not None)
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
         return torch.tensor(self.last.loss, device=t.args.device)
 
@@ -178,25 +184,43 @@ class TrainerWindow:
             self.acc = Accumulator(model, held, precision=precision, **self.settings)
         return self.acc
 
+    def window_loss(self, model: Any, batch: Any, given: bool) -> tuple[Any, Any]:
+        """The window's ``loss_fn`` and ``count_fn`` (``given``: the Trainer passes its loss a
+        ``num_items_in_batch``). The loss's form is read first, once (``loss_form``): a loss that
+        ignores ``num_items_in_batch`` is a mean, counted as one (Note [trainer window])."""
+        if self.loss_fn is not None:  # a bigbatch loss_fn, cached_loss's window as it is
+            wrapped = functools.partial(self.loss, self.loss_fn, None)
+            return (self.loss_fn if isinstance(self.loss_fn, WindowLoss) else wrapped), None
+        if self.form is None:
+            rows = take(batch, slice(0, 2), batch_size(batch))  # a pair: BatchNorm takes it
+            self.form = loss_form(self.trainer, model, self.micro(rows), given)
+        sums = given and self.form != "mean"  # undecided: as transformers assumes
+        n = self.window_count(batch) if sums else None
+        counted = self.form in ("sum", "mean")  # the counts known before the window
+        count_fn = functools.partial(self.reader.count, given=sums) if counted else None
+        return functools.partial(self.loss, None, n), count_fn
+
+    def micro(self, batch: Any) -> Any:
+        """A micro-batch as the trainer's loss takes it: pairs undone, trimmed."""
+        return trim(unpairs(batch) if self.reader.paired else batch)
+
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
         """The micro-batch's loss as the loss contract reads it (Note [trainer window])."""
-        t, count = self.trainer, self.reader.count(micro_batch)
-        mb = trim(unpairs(micro_batch) if self.reader.paired else micro_batch)
+        t, mb = self.trainer, self.micro(micro_batch)
         if loss_fn is not None:
             return loss_fn(model, mb)
-        n = num_items if stock_compute_loss(type(t)) else None
-        out = t.compute_loss(model, dict(mb), num_items_in_batch=n)
-        if self.plain is None:
-            self.plain = not isinstance(out, Mapping)
+        out = t.compute_loss(model, dict(mb), num_items_in_batch=num_items)
         if not isinstance(out, torch.Tensor):
             return out
+        count = self.reader.count(micro_batch, given=num_items is not None)
         # transformers' compute_loss multiplies a num_items loss by the ranks DDP averages over
         ranks = t.accelerator.num_processes if t.args.average_tokens_across_devices else 1
-        return (out * count, count) if n is None else (out * (n / ranks), count)
+        return (out * count, count) if num_items is None else (out * (num_items / ranks), count)
 
     def window_count(self, batch: Any) -> torch.Tensor:
-        """The window's count, every rank's where the Trainer averages tokens across them."""
-        n = torch.as_tensor(self.reader.count(batch), device=self.trainer.args.device)
+        """The window's ``num_items_in_batch`` as the Trainer counts it, every rank's where it
+        averages tokens across them."""
+        n = torch.as_tensor(self.reader.count(batch, given=True), device=self.trainer.args.device)
         if self.trainer.accelerator.num_processes > 1:
             torch.distributed.all_reduce(n)
         return n
@@ -211,15 +235,19 @@ class Reader:
         ids = (getattr(owner, "pad_token_id", None) for owner in owners)
         self.pad_id = next((i for i in ids if isinstance(i, int)), 0)
         self.paired, self.shifts = _named(type(trainer), PAIRED), shifts_labels(trainer.model)
+        # transformers' own rule for num_items_in_batch: shifted where its LOSS_MAPPING maps the
+        # model's loss_type to ForCausalLMLoss (GPT-2's None: every label counted)
+        self.given_shifts = bool(getattr(trainer, "_loss_shifts_labels", False))
 
     def join(self, batches: list[Any]) -> Any:
         """The batches as one, rows of pairs for a paired trainer."""
         return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
 
-    def count(self, batch: Any) -> Any:
-        """What a mean over ``batch`` (rows of pairs if paired) averages (the engine's
-        ``count_fn``)."""
-        return batch_size(batch) if self.paired else _audit.count_items(batch, self.shifts)
+    def count(self, batch: Any, given: bool = False) -> Any:
+        """What a mean over ``batch`` (rows of pairs if paired) averages, or (``given``) what
+        transformers counts as its ``num_items_in_batch`` (the engine's ``count_fn``)."""
+        shifts = self.given_shifts if given else self.shifts
+        return batch_size(batch) if self.paired else _audit.count_items(batch, shifts)
 
 
 @contextlib.contextmanager
@@ -237,6 +265,31 @@ def one_step(trainer: Any) -> Iterator[None]:
     finally:
         for owner, name, value in held:
             setattr(owner, name, value)
+
+
+def loss_form(trainer: Any, model: Any, rows: Any, given: bool) -> str | None:
+    """How ``trainer.compute_loss`` reads ``num_items_in_batch``, from its loss on ``rows``
+    without gradient, in eval mode, from the same random state (nothing it draws or changes
+    stays): ``"sum"`` (it returns ``sum / num_items_in_batch``), ``"mean"`` (it ignores it, or is
+    given none: ``given`` False), ``"own"`` (a pair or named terms, counted by themselves), ``None``
+    (undecided: a zero or non-finite loss). Decided by behaviour, not by signature: a model that
+    takes ``**kwargs`` may still return a mean (transformers #47688)."""
+    device, outs, mode = torch.device(trainer.args.device), [], model.training
+    state = _rng.capture(device)
+    model.eval()  # no BatchNorm update, no count of trained tokens (TRL's num_tokens)
+    try:
+        for n in [1, 2] if given else [None]:
+            with torch.no_grad():
+                outs.append(trainer.compute_loss(model, dict(rows), num_items_in_batch=n))
+            _rng.restore(state, device)
+    finally:
+        model.train(mode)
+    if not isinstance(outs[0], torch.Tensor) or not given:
+        return "mean" if isinstance(outs[0], torch.Tensor) else "own"
+    one, two = float(outs[0]), float(outs[1])
+    if not math.isfinite(one) or one == 0:
+        return None
+    return "sum" if abs(one - 2 * two) < abs(one - two) else "mean"
 
 
 def _named(trainer_class: type, names: tuple[str, ...]) -> bool:
@@ -271,12 +324,6 @@ def _wide(value: Any, width: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width
 
 
-def stock_compute_loss(trainer_class: type) -> bool:
-    """Whether ``compute_loss`` is transformers' own (which honours ``num_items_in_batch``)."""
-    owner = next(c for c in trainer_class.__mro__ if "compute_loss" in vars(c))
-    return owner.__module__.startswith("transformers.")
-
-
 def shifts_labels(model: Any) -> bool:
     """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -297,6 +344,9 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     (Note [audit] in ``bigbatch.integrations._audit``); training goes on unchanged. Costs one
     forward and backward of the window, per audited step; a wrong step costs one more forward to
     say why (Note [audit diagnosis]). Logs one line per audited step (logger ``"bigbatch"``).
+    Memory: the audited step holds the whole window as one batch, its activations at once
+    (about ``gradient_accumulation_steps`` times a step's: 224 MiB against 25 MiB in issue 30's
+    run): audit where the window fits (a short run, or fewer rows per window).
 
     Args:
         trainer: the trainer, before ``trainer.train()``.
@@ -304,7 +354,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Returns:
         An ``Audit`` whose ``.results`` gains one ``AuditResult`` (``exact``,
-        ``grad_norm_ratio``, ``loss_ratio``, ``diagnosis``) per audited step.
+        ``grad_norm_ratio``, ``loss_ratio``, ``tolerance``, ``diagnosis``) per audited step; when
+        ``train()`` ends, ``.not_reached`` holds the steps it never reached, named in a warning.
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
@@ -333,6 +384,21 @@ class _Watch:
         trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
             self.get_batch_samples, self.prepare_inputs, self.training_step
         )  # fmt: skip
+        self.train_fn, trainer.train = trainer.train, self.train
+        self.seen: list[tuple[Any, Any]] = []  # bigbatch's micro-batches and their losses
+        if (window := getattr(trainer, "bigbatch_window", None)) is not None:
+            window.loss = functools.partial(self.record, window.loss)
+
+    def record(self, loss: Any, *args: Any) -> Any:
+        out = loss(*args)
+        if self.window is not None:  # an audited window's micro-batch, its loss detached
+            self.seen.append((args[-1], map_tensors(torch.Tensor.detach, out)))
+        return out
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.train_fn(*args, **kwargs)
+        _audit.finish(self.log, self.trainer.state.global_step)
+        return out
 
     def get_batch_samples(self, iterator: Any, num_batches: int, device: Any) -> Any:
         batches, n = self.wrapped[0](iterator, num_batches, device)
@@ -354,9 +420,12 @@ class _Watch:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
-                mine = getattr(self.trainer, "bigbatch_window", None) is not None
-                own = None if mine else functools.partial(self._own, model)
                 joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
+                if self.seen:  # bigbatch's: its last pass's micro-batches (not a count pass's)
+                    seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
+                    w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
+                    w.accumulation_steps, self.seen = len(seen), []
+                own = functools.partial(self._own, model)
                 once = functools.partial(self._loss, model, joined)
                 _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
         return loss
@@ -369,8 +438,8 @@ class _Watch:
         n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
         if window is None:
             return cast(torch.Tensor, t.compute_loss(model, dict(plain), num_items_in_batch=n))
-        n = None if n is None else window.window_count(batch)
-        return _audit.window_mean(window.loss(window.loss_fn, n, model, batch), batch_size(batch))
+        loss_fn = window.window_loss(model, batch, n is not None)[0]
+        return _audit.window_mean(loss_fn(model, batch), batch_size(batch))
 
     def _own(self, model: Any, batch: Any) -> tuple[float, float]:
         return float(self._loss(model, batch)), float(self.reader.count(batch))

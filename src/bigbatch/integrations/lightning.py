@@ -58,7 +58,19 @@ def _wrap_training_step(pl_module: Any, after: Any) -> None:
     def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         return after(step(batch, *args, **kwargs), batch)
 
+    # what the first wrapper replaced: None for the class's own method
+    own = getattr(step, "bigbatch_own", vars(pl_module).get("training_step"))
+    training_step.bigbatch_own = own  # type: ignore[attr-defined]
     pl_module.training_step = training_step
+
+
+def _unwrap_training_step(pl_module: Any) -> None:
+    """Undo every ``_wrap_training_step`` (at teardown, or when fit fails): a second fit wraps
+    the module's own ``training_step``, not the last fit's wrappers."""
+    if hasattr(vars(pl_module).get("training_step"), "bigbatch_own"):
+        own = vars(pl_module).pop("training_step").bigbatch_own
+        if own is not None:
+            pl_module.training_step = own
 
 
 class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
@@ -75,6 +87,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
 
     def __init__(self) -> None:
         self.seen: list[torch.Tensor] = []  # each micro-batch's (loss_sum, count), float64
+        self.last: list[torch.Tensor] = []  # the last window's
         self.scale: Any = None
         self.window_loss: Any = None  # the last window's loss, Σ sum / C
 
@@ -86,6 +99,11 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
             )
         self.strategy = trainer.strategy
         _wrap_training_step(pl_module, self._record)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None) -> None:
+        _unwrap_training_step(pl_module)
+
+    on_exception = teardown
 
     def _record(self, out: Any, batch: Any) -> dict[str, Any]:
         loss_sum, count = _sum_and_count(out, batch)
@@ -102,17 +120,20 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
         self.window_loss = loss_sum / total
         factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
         scale_grads_(params_of(optimizer), factor)
-        self.seen, self.scale = [], None
+        self.last, self.seen, self.scale = self.seen, [], None
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """``bigbatch.hf.audit`` for a Lightning ``Trainer``: at the optimizer steps asked for,
     compare the accumulated gradient with the same ``training_step`` on the window as one batch.
 
-    Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks.
+    Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks. The audited
+    step holds the whole window as one batch (about ``accumulate_grad_batches`` times a step's
+    activations): audit where the window fits (Note [audit]).
 
     Returns:
-        An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step.
+        An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step; when
+        training ends, ``.not_reached`` holds the steps it never reached, named in a warning.
 
     Raises:
         TypeError: ``trainer`` is not a Lightning ``Trainer``. ValueError: bad ``steps``.
@@ -135,6 +156,11 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         self.exact = next((c for c in trainer.callbacks if isinstance(c, Exact)), None)
         _wrap_training_step(pl_module, self._record)
 
+    def teardown(self, trainer: Any, pl_module: Any, stage: Any = None) -> None:
+        _unwrap_training_step(pl_module)
+
+    on_exception = teardown
+
     def _record(self, out: Any, batch: Any) -> Any:
         if self.window is not None and self.exact is None:  # what Lightning back-propagates
             loss_sum, count = _sum_and_count(out, batch)
@@ -148,13 +174,17 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.window is not None:
             self.window.batches.append(batch)
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        _audit.finish(self.report, trainer.global_step)
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         w, self.window = self.window, None
         if w is None:
             return
-        if self.exact is not None:
-            w.returns = [float(self.exact.window_loss)]
-        own = None if self.exact else functools.partial(self._own, pl_module)
+        if self.exact is not None:  # each micro-batch over the window's count
+            seen = zip(w.batches, self.exact.last, strict=True)
+            w.returns = _audit.shares([(b, tuple(s)) for b, s in seen])
+        own = functools.partial(self._own, pl_module)
         loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
         scope = trainer.precision_plugin.train_step_context()
         _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope)
@@ -166,7 +196,11 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         return _audit.window_mean((loss_sum, count), 0) if self.exact else loss_sum / count
 
     def _own(self, pl_module: Any, batch: Any) -> tuple[float, float]:
-        """A micro-batch's own loss and count (a mean's: its labels, else its samples)."""
+        """A micro-batch's own loss and its items: its labels (else its samples), or the
+        count its loss gives where that is within a row each of them (shifted labels); a count of
+        1 for a token loss is a mean returned as a sum, not its items."""
         out = type(pl_module).training_step(pl_module, batch, 0)
         loss_sum, count = _sum_and_count(out, batch, _audit.count_items)
-        return float(loss_sum / count), float(count)
+        items = float(_audit.count_items(batch))
+        near = abs(float(count) - items) <= batch_size(batch)
+        return float(loss_sum / count), float(count) if near else items

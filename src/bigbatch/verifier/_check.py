@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ class Diagnosis:
         kind: ``"non-finite"``, ``"batch-statistics"``, ``"mean-as-sum"``, ``"token-mean"``,
             ``"batch-coupled-loss"``, ``"term-mean"`` (a named term normalised inside the
             micro-batch), ``"term-batch-statistic"`` (a named term that depends on the other
-            samples of its micro-batch), ``"non-deterministic"``, ``"unprobed"`` (no cause found,
+            samples of its micro-batch), ``"non-deterministic"``, ``"randomness"`` (random draws
+            besides dropout, seeded: another seed, another gradient), ``"unprobed"`` (no cause found,
             and these modules could not be probed) or ``"checkpointing"``.
         modules: the modules (names in the model), parameters or named terms responsible.
         message: what happens and what to do.
@@ -236,6 +237,10 @@ Pair = tuple[float, float]
 MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or values named
     "non-deterministic": "two full-batch runs from the same seed give different gradients: the "
     "model or loss uses randomness or non-deterministic kernels outside torch's seeded RNG.",
+    "randomness": "another seed gives another full-batch gradient: the model or loss draws random "
+    "numbers besides dropout (torch.randn_like, ...), and a micro-batch draws other numbers than "
+    "the full batch did: equal in distribution, not in value, so the gradients cannot be compared."
+    " Draw the noise per sample in the data (a batch tensor), or turn it off to check the rest.",
     "batch-statistics": "{} change one sample's output when other samples change (batch "
     "statistics in training mode): each micro-batch sees its own statistics. Use "
     'bigbatch.batchnorm(model, policy="groupnorm") or "freeze", or accept ghost-batch semantics.',
@@ -245,10 +250,11 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "recomputed forward is not the first (state the forward changes, or randomness outside torch).",
     "mean-as-sum": "loss_fn returns a mean as the loss_sum of (loss_sum, count): micro-batch means "
     "are added up. Return (losses.sum(), count) (tokens: bigbatch.token_cross_entropy(logits, "
-    "labels), or a transformers model's out.loss * count), or a mean over samples alone.",
+    "labels), with shift=True for a causal LM, or a transformers model's out.loss * count), or a "
+    "mean over samples alone.",
     "token-mean": "loss_fn returns a mean over labelled tokens, read as a mean over samples: short "
     "sequences weigh as much as long ones. Instead return (loss_sum, token_count): bigbatch."
-    "token_cross_entropy(logits, labels), or (out.loss * count, count) for a labels= loss.",
+    "token_cross_entropy(logits, labels{}), or (out.loss * count, count) for a labels= loss.",
     "batch-coupled-loss": "each sample's loss depends on the others (in-batch negatives): a "
     "micro-batch sees fewer. If only through reps = encode(model, micro_batch), bigbatch."
     "cached_loss(encode, batch_loss) is exact (docs/contrastive.md); else accept a smaller pool.",
@@ -268,7 +274,7 @@ MESSAGES = {  # what happens and what to do, by kind; {}: the modules, term or v
     "log of 0, a division by a zero count, ...): fix loss_fn.",
     "non-finite micro-batch": "non-finite loss on micro-batch {} while the whole batch's is finite"
     ": a mean over zero items (all padding?) is NaN. Return (loss_sum, count) with a sum (0 over "
-    "no items), e.g. bigbatch.token_cross_entropy(logits, labels).",
+    "no items), e.g. bigbatch.token_cross_entropy(logits, labels) (shift=True for a causal LM).",
     "non-finite gradients": "non-finite gradients{} from {}: a backward that divides by zero (the "
     "square root or norm of 0...): add an epsilon there.",
 }
@@ -282,6 +288,8 @@ def diagnose(
     ``tolerance`` is the relative difference counted as rounding (Note [float32 islands]);
     ``terms`` holds each named term's difference (``term_difference``; empty: a plain loss)."""
     found = [_naming("non-deterministic", case.model, [])] * (_rerun(case, full) > tolerance)
+    if not found and _rerun(replace(case, seed=case.seed + 1), full) > tolerance:
+        return [_naming("randomness", case.model, [])]  # no probe can compare other draws
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
     coupled, unprobed = _runs.probe_coupling(
         work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
@@ -334,7 +342,14 @@ def _loss_diagnoses(
             continue
         if terms is not None:  # a named term: name it
             kind = "term-batch-statistic" if kind == "batch-coupled-loss" else "term-mean"
-        found.append(Diagnosis(kind, () if terms is None else (name,), MESSAGES[kind].format(name)))
+        shown = name
+        if kind == "token-mean":  # over the labels after the first: a causal LM's, shift=True
+            shifted = [weights[0], *weights[2::2]]  # (its fix must train the next token)
+            shift = loss_kind(whole[name], [p[name] for p in parts], shifted, rtol) == kind
+            shown = ", shift=True" * shift
+        found.append(
+            Diagnosis(kind, () if terms is None else (name,), MESSAGES[kind].format(shown))
+        )
     return found
 
 

@@ -15,9 +15,9 @@ Note [float32 islands]
     micro-batches by float32 rounding (1e-7 relative on those families), far above float64's
     1e-10, although accumulation is exact. ``observe`` watches every torch function called
     during the float64 forward and loss (a ``TorchFunctionMode``, public torch API) and records
-    each call that returns a floating tensor below float64 from tensor arguments (constants made
-    from Python numbers are not computation and do not count), with the innermost module it ran
-    in. The lowest such dtype sets the tolerance, ``ROUNDING[dtype]`` (1e-5 for float32: a
+    each call that returns a floating tensor below float64 on the gradient path (it requires
+    grad) from tensor arguments (constants made from Python numbers are not computation, a metric
+    under ``no_grad`` is not on the path: neither counts), with the innermost module it ran in. The lowest such dtype sets the tolerance, ``ROUNDING[dtype]`` (1e-5 for float32: a
     hundred times the rounding measured, while a wrong loss or a coupled module differs by 1e-3
     to 1), and ``check`` reports the dtype and the modules, so "exact" says how exact. Observing
     finds islands in any model, including ones written after this note, and names them.
@@ -136,8 +136,8 @@ class Watch(TorchFunctionMode):
         if off and where not in self.observed.dropout:
             self.observed.dropout.append(where)
         if next(tensor_leaves((args, kwargs)), None) is not None:  # computed, not a constant
-            for _, t in tensor_leaves(out):
-                if t.is_floating_point() and t.dtype != torch.float64:
+            for _, t in tensor_leaves(out):  # on the gradient path (not a metric under no_grad)
+                if t.is_floating_point() and t.dtype != torch.float64 and t.requires_grad:
                     self.observed.add(t.dtype, where)
         return out
 
