@@ -20,10 +20,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "bigbatch"
 MODULE_SOFT, MODULE_HARD = 300, 500
 FUNCTION_SOFT, FUNCTION_HARD = 30, 40
-# Issue 20 asks for <= 6,000 with issues 22-24 in: 5,985 on 2026-11-25 (from 7,830 at the
-# start of the shrink). The hard cap is a ratchet at what is reached: lower it as code goes, never
-# raise it.
-PACKAGE_SOFT, PACKAGE_HARD = 4800, 5985
+# Issue 20 asked for <= 6,000 with issues 22-24 in: 5,985 on 2026-11-25 (from 7,830 at the
+# start of the shrink). Round 4 allows what its issues add: 30 (mends, <= 250), 31 (the chunked
+# head, <= 350), 32 (the GPU run, <= 150): at most 6,735. The hard cap is a ratchet at what is
+# reached: lower it as code goes; raise it only by an issue's stated allowance.
+PACKAGE_SOFT, PACKAGE_HARD = 4800, 6735
 PUBLIC_NAMES_HARD = 25
 MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting
 FUNCTION_CAPS: dict[tuple[str, str], int] = {}  # none: fit() fits the common cap now
