@@ -101,6 +101,39 @@ def test_each_micro_batch_is_trimmed_and_capped(gen):
     assert result.padded_tokens - result.tokens < 10 * CTX - result.tokens  # less padding
 
 
+@pytest.mark.parametrize("left, trim", [(False, True), (True, True), (False, False)])
+def test_fixed_count_micro_batches_are_trimmed_to_their_longest(gen, left, trim):
+    """The sample cut trims right-padded text too (Note [per-token tensors]) and reports its
+    padding; a left-padded batch, or trim_padding=False, keeps the whole width. Exact either
+    way (a causal model)."""
+    batch, widths = text_batch(10, gen, left=left), []
+    short = (slice(4, None), slice(None, CTX // 2) if left else slice(CTX // 2, None))
+    batch["attention_mask"][short] = 0  # samples 4-9: at most half the padded length
+    batch["labels"][short] = PAD
+
+    def loss(model, mb):
+        widths.append(mb["input_ids"].shape[1])
+        assert mb["labels"].shape == mb["attention_mask"].shape == mb["input_ids"].shape
+        return lm_loss(model, mb)
+
+    torch.manual_seed(0)
+    ref, model = TinyCausalLM().double(), TinyCausalLM().double()
+    model.load_state_dict(ref.state_dict())
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), lm_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = bigbatch.Accumulator(model, opt, 4, trim_padding=trim).train_step(batch, loss)
+    assert max_relative_error(ref, model) < 1e-10
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    if left or not trim:
+        assert widths == [CTX] * 3 and result.tokens is None
+        return
+    assert widths == [max(lengths[i : i + 4]) for i in (0, 4, 8)] and max(widths[1:]) <= CTX // 2
+    assert (
+        result.tokens == sum(lengths)
+        and result.padded_tokens == 4 * sum(widths[:2]) + 2 * widths[2]
+    )
+
+
 def test_buckets_give_one_shape_per_bucket(gen):
     torch.manual_seed(0)
     model = TinyCausalLM().double()
@@ -142,6 +175,8 @@ def test_lengths_function_for_a_tuple_batch(gen):
         ({"micro_batch_tokens": 0}, ValueError, r"micro_batch_tokens=0 is not allowed"),
         ({"micro_batch_tokens": 1.5}, TypeError, r"micro_batch_tokens=1.5 is not allowed"),
         ({"pad_to_multiple_of": 8}, ValueError, r"give micro_batch_tokens too"),
+        ({"trim_padding": "no"}, TypeError, r"trim_padding='no' is not allowed: use True or"),
+        ({"micro_batch_tokens": 64, "trim_padding": False}, ValueError, r"trim every micro-batch"),
         ({"micro_batch_tokens": 64, "pad_to_multiple_of": 0}, ValueError, r"pad_to_multiple_of=0"),
         ({"micro_batch_tokens": 64, "lengths": 3}, TypeError, r"lengths=3 is not callable"),
         ({"micro_batch_tokens": 64, "micro_batch_size": "auto"}, ValueError, r'micro_batch_tokens="auto"'),

@@ -95,6 +95,9 @@ class TrainConfig:
             the task's lengths); or auto; --micro-batch-size is then an optional row cap
         pad_to_multiple_of: with --micro-batch-tokens: pad lengths to a multiple (one shape
             per bucket)
+        trim_padding: cut by samples, trim each micro-batch of right-padded text (a batch
+            with attention_mask) to its longest sample; false keeps the batch's padded
+            width, for a model or loss that reads the padding (mean pooling without the mask)
         compile: torch.compile the model (give --pad-to-multiple-of with tokens)
         gradient_checkpointing: recompute the model's repeated blocks in backward (less
             memory, ~1 more forward)
@@ -153,6 +156,7 @@ class TrainConfig:
     gradient_accumulation_steps: int | None = setting(None, low=1)
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
+    trim_padding: bool = setting(True)
     compile: bool = setting(False)
     gradient_checkpointing: bool = setting(False)
     precision: str = setting("fp32", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16"))
