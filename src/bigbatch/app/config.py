@@ -40,7 +40,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -441,6 +441,9 @@ class Task:
         count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
             (e.g. non-padding tokens): fp16 then back-propagates at the full batch's scale
             (Note [backward scale] in ``bigbatch.core.engine``).
+        pad_values: optional ``{key: pad value}`` for a mapping batch's per-token tensors
+            beyond transformers' keys, ``{key: None}`` for a 2-D tensor that is not per-token
+            (Note [per-token tensors] in ``bigbatch.core._tokens``).
 
     Example:
         >>> def my_task():  # in my_project/tasks.py, run as `bigbatch train my_project.tasks:my_task`
@@ -459,6 +462,7 @@ class Task:
     collate_fn: Callable[[list[Any]], Any] | None = None
     count_fn: Callable[[Any], Any] | None = None
     lengths: Callable[[Any], Any] | None = None
+    pad_values: Mapping[str, float | None] | None = None
 
 
 def check_task(task: object) -> None:

@@ -281,6 +281,7 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         config.max_grad_norm, config.precision, config.memory_budget, nonfinite=config.nonfinite,
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
         pad_to_multiple_of=config.pad_to_multiple_of, trim_padding=config.trim_padding,
+        pad_values=task.pad_values,
     )  # fmt: skip
     local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # collective
         acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,

@@ -23,7 +23,16 @@ Note [token windows]
 
 Note [per-token tensors]
     A micro-batch is trimmed to its longest sample by cutting the columns of its per-token
-    tensors: the tensors whose second dimension is the batch's padded length. Both cuts trim:
+    tensors. Which tensors those are is not guessed from shapes (a per-sample vector of 128
+    features in a batch padded to 128 columns would be cut; labels padded to another length than
+    the mask would be left whole and the loss fail in torch): in a mapping batch a tensor of two
+    or more dimensions is per-token when its key is one of transformers' (``PAD_VALUES``:
+    ``input_ids``, ``attention_mask``, ``labels``, ``token_type_ids``, ``position_ids``, ...) or
+    given a pad value in ``pad_values``, and has the padded length; ``pad_values={key: None}``
+    says a key is not (kept whole). Any other such tensor is refused by ``TokenCut`` in one line
+    naming the key and both ways to say it; the sample cut warns once and trims nothing (the
+    batch's width is always exact). Tensors without a key (a tuple batch with ``lengths=``) are
+    per-token when they have the padded length; another width is refused. Both cuts trim:
     ``TokenCut`` always, and the sample cut (``TrimmedSampleCut``, a fixed number of samples per
     micro-batch) whenever the batch is right-padded text with an ``attention_mask`` (a left-padded
     batch is cut whole), so a fixed-count micro-batch of short samples computes its own length,
@@ -57,7 +66,10 @@ from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core._window import Piece, SampleCut
 from bigbatch.core.split import batch_size
 
-PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+PAD_VALUES: dict[str, float | None] = {"input_ids": 0, "attention_mask": 0, "labels": -100,
+    "token_type_ids": 0, "position_ids": 0, "inputs_embeds": 0, "completion_mask": 0,
+    "assistant_masks": 0}  # fmt: skip
+"""The per-token keys of transformers (and TRL) and their pad value (Note [per-token tensors])."""
 MAX_ROW_PADDING = 0.25  # a sample joins a micro-batch if it pads at most this of its row
 PAD_ROWS_NEED_SUMS = (
     "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
@@ -240,13 +252,20 @@ class TrimmedSampleCut(SampleCut):
     """
 
     def __init__(self, pad_values: Mapping[str, float | None] | None = None) -> None:
-        self.pad_values = {**PAD_VALUES, **(pad_values or {})}
+        self.pad_values, self.warned = {**PAD_VALUES, **(pad_values or {})}, False
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         pieces = super().__call__(batch, size)
         if (lengths := right_padded(batch)) is None:  # not text, or left padding: cut whole
             return pieces
         out, start, width = [], 0, padded_length(batch)
+        try:
+            per_token(batch, width, self.pad_values)
+        except ValueError as exc:  # the batch's width is exact: say so once, trim nothing
+            if not self.warned:
+                warnings.warn(f"{exc} Until then no micro-batch is trimmed.", BigBatchWarning, 4)
+            self.warned = True
+            return pieces
         for p in pieces:
             part, start = lengths[start : start + p.samples], start + p.samples
             fitted = fit_columns(p.batch, width, max(part), self.pad_values)
@@ -280,12 +299,11 @@ def fit_columns(
     """``batch`` with its per-token tensors (Note [per-token tensors]) cut or padded from
     ``width`` to ``length`` columns, and every tensor padded with ``rows`` rows; pads take
     ``pad_values`` by key (0 for other keys)."""
-    items = batch.items() if isinstance(batch, Mapping) else ()
-    keys = {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}
+    tokens, keys = per_token(batch, width, pad_values), _keys(batch)
 
     def fit(t: torch.Tensor) -> torch.Tensor:
-        value = pad_values.get(keys.get(id(t), ""), 0)
-        if t.dim() >= 2 and t.shape[1] == width:  # a per-token tensor: trim or pad its columns
+        value = pad_values.get(keys.get(id(t), ""), 0) or 0
+        if id(t) in tokens:  # trim or pad its columns
             t = t[:, :length].contiguous()  # as a collator gives it (transformers .view()s labels)
             if t.shape[1] < length:  # a bucket longer than the batch: pad columns
                 extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
@@ -293,3 +311,32 @@ def fit_columns(
         return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
 
     return map_tensors(fit, batch)
+
+
+def per_token(batch: Any, width: int, pad_values: Mapping[str, Any]) -> set[int]:
+    """The ids of ``batch``'s per-token tensors, of ``width`` columns (Note [per-token tensors]).
+
+    Raises:
+        ValueError: a tensor that may or may not be per-token, named with how to say which.
+    """
+    keys, found = _keys(batch), set()
+    for path, t in tensor_leaves(batch):
+        key = keys.get(id(t))
+        if t.dim() < 2 or pad_values.get(key or "", 0) is None:  # not per-token
+            continue
+        if t.shape[1] != width or key not in (None, *pad_values):
+            name = repr(key or "key")  # a tuple batch: use a mapping batch to name it
+            raise ValueError(
+                f"{path} has {t.shape[1]} columns where the tokens have {width}: bigbatch cannot "
+                f"tell whether they are tokens. Say which: pad_values={{{name}: None}} keeps it "
+                f"whole (not per-token), {{{name}: 0}} trims it with the tokens (padded to {width} "
+                "columns, 0 its pad value; Task(pad_values=...) for bigbatch train)."
+            )
+        found.add(id(t))
+    return found
+
+
+def _keys(batch: Any) -> dict[int, str]:
+    """The key of each tensor at the top of a mapping batch, by id."""
+    items = batch.items() if isinstance(batch, Mapping) else ()
+    return {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}

@@ -77,8 +77,9 @@ class Accumulator:
             sees one shape per bucket (Note [compile buckets]).
         lengths: with ``micro_batch_tokens``: ``lengths(batch)`` -> each sample's tokens;
             default ``attention_mask.sum(-1)`` of a mapping batch.
-        pad_values: with ``pad_to_multiple_of``: pad value per key (``input_ids`` 0,
-            ``attention_mask`` 0, ``labels`` -100 by default).
+        pad_values: the per-token keys of a mapping batch beyond transformers' and their pad
+            value (``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100, ...), ``None`` for a
+            key that is not per-token (Note [per-token tensors] in ``bigbatch.core._tokens``).
         trim_padding: cut by samples, trim each micro-batch of right-padded text (a mapping
             batch with an ``attention_mask``) to its longest sample (Note [per-token tensors] in
             ``bigbatch.core._tokens``); ``False`` keeps the batch's padded width, for a model or

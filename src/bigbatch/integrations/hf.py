@@ -259,7 +259,10 @@ def trim(batch: Any) -> Any:
     """A right-padded micro-batch cut back to its longest sample, as the ``Accumulator`` trims
     (Note [per-token tensors] in ``bigbatch.core._tokens``); a left-padded batch stays whole."""
     lengths = right_padded(batch)
-    return batch if lengths is None else fit_columns(batch, padded_length(batch), max(lengths))
+    try:
+        return batch if lengths is None else fit_columns(batch, padded_length(batch), max(lengths))
+    except ValueError:  # a tensor that may be per-token: the whole width is exact
+        return batch
 
 
 def _wide(value: Any, width: int) -> bool:
