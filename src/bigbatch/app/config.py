@@ -507,8 +507,7 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """
     module_name, sep, func_name = path.partition(":")
     if not sep or not module_name or not func_name:
-        raise TaskError(f"task {path!r} is not of the form module:function (e.g. "
-                        "my_project.tasks:mnist).")  # fmt: skip
+        raise TaskError(_no_function(path, module_name))
     with _current_folder_importable():
         func = getattr(_import(module_name, path), func_name, None)
         if func is None or not callable(func):
@@ -519,6 +518,23 @@ def load_task(path: str, **kwargs: Any) -> Task:
     except TaskError as exc:
         raise TaskError(f"task {path!r}: {exc}") from None
     return task
+
+
+def _no_function(path: str, module_name: str) -> str:
+    """Why ``path`` is not a task: the two forms, and the module's functions returning a Task."""
+    names = []
+    if module_name:
+        with _current_folder_importable():
+            module = _import(module_name, path)
+        for name, f in vars(module).items():
+            returns = getattr(f, "__annotations__", {}).get("return", "")
+            returns = returns if isinstance(returns, str) else getattr(returns, "__name__", "")
+            if inspect.isfunction(f) and returns.rpartition(".")[2] == "Task":
+                names.append(name)
+    example = f"{module_name}:{names[0]}" if names else "my_project.tasks:mnist"
+    return (f"task {path!r} names no function: give module:function or file.py:function, e.g. "
+            f"{example} (its functions that return a bigbatch.Task: "
+            f"{', '.join(names) or 'none'}).")  # fmt: skip
 
 
 def _import(module_name: str, path: str) -> Any:
