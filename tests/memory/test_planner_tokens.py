@@ -136,7 +136,7 @@ def test_cli_plan_compares_token_budgets(tmp_path, capsys, monkeypatch):
     assert main(args + ["--micro-batch-tokens", "64,512"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the paragraph is wrapped to the terminal
     assert "tokens" in out and "padding" in out and "x token;" in out and "choice: " in out
-    budgets = re.findall(r"│ +≤\d+ │ +(\d+) │ +(\d+)% │", out)  # budget, padding
+    budgets = re.findall(r"│ +≤\d+ rows │ +(\d+) tokens │ +(\d+)% │", out)  # budget, padding
     assert [b for b, _ in budgets] == ["64", "512"] and all(int(p) < 50 for _, p in budgets)
     assert main(args + ["--micro-batch-tokens", "8"]) == 2
     assert "micro_batch_tokens=[8] is not allowed" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import torch
 from runs import argv, assert_same_run, kill_when_stopped, snapshot_step, train_ok
 
 import bigbatch
+from bigbatch.app import report
 from bigbatch.app.cli import main
 from bigbatch.app.report import read_csv
 
@@ -43,7 +44,10 @@ def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
     code = main(["train", task, "--batch-size", "10", "--epochs", "1", "--micro-batch-tokens",
                  "24", "--pad-to-multiple-of", "4", "--out", str(out), "--quiet"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    assert {int(r["micro_batch_size"]) for r in read_csv(str(out / "metrics.csv"))} == {24}
+    assert {int(r["micro_batch_tokens"]) for r in read_csv(str(out / "metrics.csv"))} == {24}
+    assert " | micro-batch 24 tokens x " in (out / "train.log").read_text()  # the unit, said
+    report.print_summary(report.report(str(out))[0])
+    assert "10 (micro-batch 24 tokens)" in capsys.readouterr().out
     code = main(["train", task, "--micro-batch-tokens", "24", "--gradient-accumulation-steps",
                  "3", "--out", str(tmp_path / "bad")])  # fmt: skip
     assert code == 2

@@ -479,6 +479,7 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
         "step": step, "epoch": (step - 1) // run.steps_per_epoch, "loss": r.loss,
         "lr": run.acc.optimizer.param_groups[0]["lr"], "grad_norm": r.grad_norm,
         "samples": samples, "count": r.count, "micro_batch_size": r.micro_batch_size,
+        "micro_batch_tokens": r.micro_batch_size if run.config.micro_batch_tokens else "",
         "micro_batches": r.micro_batches, "oom_retries": r.oom_retries, "skipped": int(r.skipped),
         "nonfinite": int(r.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
         "tokens_per_s": (r.tokens or r.count) / seconds if tokens else "",
