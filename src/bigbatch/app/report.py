@@ -37,6 +37,7 @@ Note [progress]
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -45,7 +46,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -190,7 +191,26 @@ def _readable(row: dict[str, Any]) -> bool:
     return None not in row and None not in row.values()
 
 
-def _progress_bar(total: int, done: int) -> Any:
+@contextlib.contextmanager
+def progress_lines(title: str) -> Iterator[Callable[[str, int, int], None]]:
+    """``progress(line, done, total)`` for long work (``bigbatch plan``): a transient bar showing
+    the line on stderr when it is a terminal, else the line itself (Note [progress])."""
+    bar = _progress_bar(0, 0, title)
+
+    def show(line: str, done: int, total: int) -> None:
+        if bar is None:
+            print(f"{title}: {line}", file=sys.stderr, flush=True)
+        else:
+            bar.update(bar.task_ids[0], completed=done, total=total, info=line)
+
+    try:
+        yield show
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _progress_bar(total: int, done: int, what: str = "step") -> Any:
     """A transient bar on stderr when it is a terminal (Note [progress]), else ``None``."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -198,7 +218,7 @@ def _progress_bar(total: int, done: int) -> Any:
     console = Console(stderr=True)
     if not console.is_terminal:
         return None
-    bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+    bar = Progress(TextColumn(what), MofNCompleteColumn(), BarColumn(),
                    TextColumn("{task.fields[info]}"), console=console, transient=True)  # fmt: skip
     bar.add_task("train", total=total, completed=done, info="")
     bar.start()
