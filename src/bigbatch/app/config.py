@@ -522,15 +522,12 @@ def load_task(path: str, **kwargs: Any) -> Task:
 
 def _no_function(path: str, module_name: str) -> str:
     """Why ``path`` is not a task: the two forms, and the module's functions returning a Task."""
-    names = []
+    names: list[str] = []
     if module_name:
         with _current_folder_importable():
             module = _import(module_name, path)
-        for name, f in vars(module).items():
-            returns = getattr(f, "__annotations__", {}).get("return", "")
-            returns = returns if isinstance(returns, str) else getattr(returns, "__name__", "")
-            if inspect.isfunction(f) and returns.rpartition(".")[2] == "Task":
-                names.append(name)
+        names = [name for name, f in vars(module).items() if inspect.isfunction(f)  # -> Task
+                 and str(f.__annotations__.get("return")).rstrip("'>").endswith("Task")]  # fmt: skip
     example = f"{module_name}:{names[0]}" if names else "my_project.tasks:mnist"
     return (f"task {path!r} names no function: give module:function or file.py:function, e.g. "
             f"{example} (its functions that return a bigbatch.Task: "
