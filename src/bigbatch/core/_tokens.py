@@ -68,8 +68,9 @@ from bigbatch.core.split import batch_size
 
 PAD_VALUES: dict[str, float | None] = {"input_ids": 0, "attention_mask": 0, "labels": -100,
     "token_type_ids": 0, "position_ids": 0, "inputs_embeds": 0, "completion_mask": 0,
-    "assistant_masks": 0}  # fmt: skip
-"""The per-token keys of transformers (and TRL) and their pad value (Note [per-token tensors])."""
+    "assistant_masks": 0, "pixel_values": None}  # fmt: skip
+"""The per-token keys of transformers (and TRL) and their pad value; ``None``: a known key that is
+not per-token (an image's pixels). Note [per-token tensors]."""
 MAX_ROW_PADDING = 0.25  # a sample joins a micro-batch if it pads at most this of its row
 PAD_ROWS_NEED_SUMS = (
     "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
