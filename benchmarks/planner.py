@@ -12,6 +12,12 @@ Two tasks:
   ``--gpt2-budget`` (60%) of the whole batch's peak without checkpointing, so the fastest
   configurations compete with checkpointed ones.
 
+A third, **lm** (``--task lm``), times the plan itself: ``bigbatch plan
+examples/causal_lm.py:task --batch-size 32 --micro-batch-tokens auto`` (a 2-layer GPT-2 on the
+standard library's docstrings, default options and budget), in a fresh process: the plan's
+seconds, the configurations it measured and timed, the timed steps, its choice. Run it against
+another checkout's ``src`` (``PYTHONPATH=../old/src``) for a before/after.
+
 Each plan runs in a fresh process, as ``bigbatch plan`` does. Then a reference pass, in a fresh
 process of its own that never touches malloc's settings (as a training script), builds every
 configuration that fits (by the first plan's peaks) with its own model copy and AdamW, and times
@@ -22,6 +28,7 @@ reported as its reference time over the fastest's, and is within the target when
 Run (11 minutes on 2 idle cores, 18 with four other jobs on them):
     PYTHONPATH=src python benchmarks/planner.py
     PYTHONPATH=src python benchmarks/planner.py --task gpt2 --plans 3 --rounds 9
+    PYTHONPATH=src python benchmarks/planner.py --task lm
 """
 
 from __future__ import annotations
@@ -61,6 +68,13 @@ def build(task: str, tiny: bool) -> tuple[torch.nn.Module, Any, Any]:
         n = 64 if tiny else 512
         model = demo.make_model(256 if tiny else 8192)
         return model, (data.x_train[:n], data.y_train[:n]), demo.loss_fn
+    if task == "lm":  # examples/causal_lm.py:task, as `bigbatch plan` reads it
+        from bigbatch.app import config
+
+        lm = config.load_task(
+            str(Path(__file__).resolve().parents[1] / "examples/causal_lm.py:task")
+        )
+        return lm.model, config.first_batch(lm, 8 if tiny else 32), lm.loss_fn
     from transformers import GPT2Config, GPT2LMHeadModel
 
     dim, layers, seq, vocab, n = (32, 2, 16, 256, 4) if tiny else (128, 4, 64, 4096, 16)
@@ -82,6 +96,10 @@ def child(args: argparse.Namespace) -> Any:
         sizes, options = [batch_size(batch)], ("none",)
         whole = bigbatch.plan(model, batch, loss_fn, micro_batch_sizes=sizes, checkpointing=options)
         return whole.candidates[0].peak_bytes
+    if args.child == "plan" and args.task == "lm":  # the plan's own time
+        start = time.perf_counter()
+        lm = bigbatch.plan(model, batch, loss_fn, steps=args.steps, micro_batch_tokens="auto")
+        return lm, time.perf_counter() - start
     if args.child == "plan":
         return bigbatch.plan(model, batch, loss_fn, memory_budget=args.budget, steps=args.steps)
     return reference(model, batch, loss_fn, args.configs, args.rounds)
@@ -171,6 +189,19 @@ def run_task(task: str, args: argparse.Namespace) -> list[float]:
     return ratios
 
 
+def run_lm(args: argparse.Namespace) -> None:
+    """One plan of the language model with token budgets: how long, and what it ran."""
+    p, seconds = in_fresh_process(args, task="lm", child="plan", budget=None)
+    timed = [c for c in p.candidates if c.seconds_per_step]
+    print_table(
+        f"lm: bigbatch plan examples/causal_lm.py:task --batch-size {p.batch_size} "
+        "--micro-batch-tokens auto (default options and budget)",
+        ["plan s", "measured", "timed", "timed steps", "choice"],
+        [[f"{seconds:,.1f}", str(sum(c.measured for c in p.candidates)), str(len(timed)),
+          str(sum(len(c.step_seconds) for c in timed)), p.choice.describe()]],
+    )  # fmt: skip
+
+
 def describe(key: tuple) -> str:
     m, policy, fraction = key
     return f"{m} {option_label((policy, fraction))}"
@@ -185,7 +216,7 @@ def print_reference(ref: dict, fastest: tuple) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--task", choices=["both", "demo", "gpt2"], default="both")
+    parser.add_argument("--task", choices=["both", "demo", "gpt2", "lm"], default="both")
     parser.add_argument("--plans", type=int, default=3, help="plans per task (fresh processes)")
     parser.add_argument("--steps", type=int, default=5, help="plan(steps=): timed rounds")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the reference pass")
@@ -198,6 +229,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# bigbatch planner benchmark on {device_name('cpu')} (torch {torch.__version__})")
     print("command: python benchmarks/planner.py " + " ".join(sys.argv[1:]))
+    if args.task == "lm":
+        return run_lm(args)
     ratios = []
     for task in ("demo", "gpt2") if args.task == "both" else (args.task,):
         ratios += run_task(task, args)

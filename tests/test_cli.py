@@ -79,7 +79,11 @@ def test_config_file_and_flags_override_it(capsys, tmp_path):
     "argv, line",
     [
         (["train", "no_such_module:task"], r"cannot import 'no_such_module'"),
-        (["train", "tasks"], r"task 'tasks' is not of the form module:function"),
+        (
+            ["train", TASKS],
+            r"task '.*tasks\.py' names no function: give module:function or file\.py:function, "
+            r"e\.g\. .*tasks\.py:\w+ \(its functions that return a bigbatch\.Task: \w+, \w+, ",
+        ),
         (["train", f"{TASKS}:nope"], r"has no function 'nope'"),
         (
             ["train", f"{TASKS}:not_a_task"],

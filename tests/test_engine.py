@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from cases import OPTIMIZERS  # the optimizers every exactness test uses
 from models import (
+    PAD,
     causal_lm,
     classification_batch,
     cnn,
@@ -26,7 +27,13 @@ MODELS = {
     "mlp": (mlp, lambda n, g, dt: classification_batch(n, dt, g), mean_ce),
     "cnn": (cnn, lambda n, g, dt: classification_batch(n, dt, g, image=True), mean_ce),
     "causal_lm": (causal_lm, lambda n, g, dt: padded_lm_batch(n, g), lm_token_loss),
+    # right-padded text with its mask: each micro-batch is trimmed to its longest sample
+    "causal_lm_masked": (causal_lm, lambda n, g, dt: masked(padded_lm_batch(n, g)), lm_token_loss),
 }
+
+
+def masked(batch: dict) -> dict:
+    return {**batch, "attention_mask": (batch["labels"] != PAD).long()}
 
 
 def _twins(make_model, make_opt, dtype, scheduler=False):
@@ -54,6 +61,11 @@ def test_train_step_equals_full_batch_float64(model_name, opt_name, n, micro, ge
         assert result.loss == pytest.approx(ref_loss, rel=1e-10)
         assert result.micro_batches == -(-n // micro)
         assert result.samples == n
+        if "attention_mask" in batch:  # real and computed tokens, as token cuts report them
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            cuts = [lengths[i : i + micro] for i in range(0, n, micro)]
+            assert result.tokens == sum(lengths)
+            assert result.padded_tokens == sum(len(c) * max(c) for c in cuts)
     assert max_relative_error(ref, eng) < 1e-10
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -101,6 +102,99 @@ def test_each_micro_batch_is_trimmed_and_capped(gen):
     assert result.padded_tokens - result.tokens < 10 * CTX - result.tokens  # less padding
 
 
+@pytest.mark.parametrize("left, trim", [(False, True), (True, True), (False, False)])
+def test_fixed_count_micro_batches_are_trimmed_to_their_longest(gen, left, trim):
+    """The sample cut trims right-padded text too (Note [per-token tensors]) and reports its
+    padding; a left-padded batch, or trim_padding=False, keeps the whole width. Exact either
+    way (a causal model)."""
+    batch, widths = text_batch(10, gen, left=left), []
+    short = (slice(4, None), slice(None, CTX // 2) if left else slice(CTX // 2, None))
+    batch["attention_mask"][short] = 0  # samples 4-9: at most half the padded length
+    batch["labels"][short] = PAD
+
+    def loss(model, mb):
+        widths.append(mb["input_ids"].shape[1])
+        assert mb["labels"].shape == mb["attention_mask"].shape == mb["input_ids"].shape
+        return lm_loss(model, mb)
+
+    torch.manual_seed(0)
+    ref, model = TinyCausalLM().double(), TinyCausalLM().double()
+    model.load_state_dict(ref.state_dict())
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), lm_loss, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result = bigbatch.Accumulator(model, opt, 4, trim_padding=trim).train_step(batch, loss)
+    assert max_relative_error(ref, model) < 1e-10
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    if left or not trim:
+        assert widths == [CTX] * 3 and result.tokens is None
+        return
+    assert widths == [max(lengths[i : i + 4]) for i in (0, 4, 8)] and max(widths[1:]) <= CTX // 2
+    assert (
+        result.tokens == sum(lengths)
+        and result.padded_tokens == 4 * sum(widths[:2]) + 2 * widths[2]
+    )
+
+
+def feats_loss(model: nn.Module, mb: dict):
+    """The token loss plus a per-sample term of ``feats``, a vector of CTX features per sample."""
+    loss_sum, count = lm_loss(model, mb)
+    return loss_sum + (mb["feats"].sum(-1) * model.head[0].bias.sum()).sum(), count
+
+
+@pytest.mark.parametrize("cut", [{"micro_batch_tokens": 30}, {"micro_batch_size": 4}])
+def test_a_per_sample_tensor_as_wide_as_the_tokens_is_never_trimmed(gen, cut):
+    """Issue 30: a per-sample ``feats`` of CTX columns in a batch padded to CTX was trimmed as
+    if per-token, a silently wrong step. Token windows refuse it until ``pad_values`` says; the
+    sample cut warns and keeps the batch's width; declared, both are exact."""
+    batch = {
+        **text_batch(10, gen),
+        "feats": torch.randn(10, CTX, generator=gen, dtype=torch.float64),
+    }
+    for declared in (None, {"feats": None}):
+        torch.manual_seed(0)
+        ref, model = PerToken().double(), PerToken().double()
+        model.load_state_dict(ref.state_dict())
+        full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), feats_loss, batch)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        acc = bigbatch.Accumulator(model, opt, **cut, pad_values=declared)
+        message = r"batch\['feats'\] has 12 columns where the tokens have 12: .*=\{'feats': None\}"
+        if declared is None and "micro_batch_tokens" in cut:
+            with pytest.raises(ValueError, match=message):
+                acc.train_step(batch, feats_loss)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", bigbatch.BigBatchWarning)
+            assert acc.train_step(batch, feats_loss).micro_batches > 1
+        shown = [str(w.message) for w in caught]  # undeclared: said once, nothing trimmed
+        assert (
+            shown == []
+            if declared
+            else re.match(message + ".* no micro-batch is trimmed", shown[0])
+        )
+        assert max_relative_error(ref, model) < 1e-10
+
+
+@pytest.mark.parametrize("form", ["labels", "unnamed", "key"])
+def test_a_per_token_tensor_of_another_width_is_refused(gen, form):
+    """Issue 30: labels padded to another length than the mask were left whole, and the loss
+    failed in torch naming nothing. Named keys and a tuple batch's tensors alike."""
+    batch = text_batch(10, gen)
+    wide = torch.nn.functional.pad(batch["labels"], (0, 2), value=PAD)  # CTX + 2 columns
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), micro_batch_tokens=30,
+        lengths=(lambda b: (b[1] != PAD).sum(-1).clamp_min(1)) if form == "unnamed" else None,
+    )  # fmt: skip
+    where = {"labels": r"batch\['labels'\]", "unnamed": r"batch\[1\]", "key": r"batch\['targets'\]"}
+    if form == "unnamed":
+        batch = (batch["input_ids"], wide)
+    else:
+        batch["labels" if form == "labels" else "targets"] = wide
+    with pytest.raises(ValueError, match=where[form] + " has 14 columns where the tokens have 12"):
+        acc.train_step(batch, lm_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_buckets_give_one_shape_per_bucket(gen):
     torch.manual_seed(0)
     model = TinyCausalLM().double()
@@ -142,6 +236,8 @@ def test_lengths_function_for_a_tuple_batch(gen):
         ({"micro_batch_tokens": 0}, ValueError, r"micro_batch_tokens=0 is not allowed"),
         ({"micro_batch_tokens": 1.5}, TypeError, r"micro_batch_tokens=1.5 is not allowed"),
         ({"pad_to_multiple_of": 8}, ValueError, r"give micro_batch_tokens too"),
+        ({"trim_padding": "no"}, TypeError, r"trim_padding='no' is not allowed: use True or"),
+        ({"micro_batch_tokens": 64, "trim_padding": False}, ValueError, r"trim every micro-batch"),
         ({"micro_batch_tokens": 64, "pad_to_multiple_of": 0}, ValueError, r"pad_to_multiple_of=0"),
         ({"micro_batch_tokens": 64, "lengths": 3}, TypeError, r"lengths=3 is not callable"),
         ({"micro_batch_tokens": 64, "micro_batch_size": "auto"}, ValueError, r'micro_batch_tokens="auto"'),

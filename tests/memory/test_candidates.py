@@ -210,3 +210,13 @@ def test_a_load_that_slowed_a_whole_round_cancels():
     assert not ties(ta, tb) and decide([ta, tb])[0] is tb
     raw_a, raw_b = cand(16, steps[0], 50), cand(32, steps[1], 80)  # each on its own
     assert raw_a.spread_seconds[1] > raw_b.spread_seconds[0]  # the load alone made them overlap
+
+
+def test_configurations_no_longer_timed_keep_their_rounds():
+    """After two rounds only those within 1.5x of the fastest are timed again (Note [timing
+    under load]): the rounds' level is read from those timed in every round."""
+    a, b, slow = cand(16, None, 50), cand(32, None, 80), cand(1, None, 10)
+    ta, tb, ts = timed([a, b, slow], [[1.0, 2.0, 1.0, 1.0], [1.1, 2.2, 1.1, 1.1], [3.0, 6.0]], 32)
+    assert ts.step_seconds == (3.0, 6.0) and ts.seconds_per_step == pytest.approx(3.0, rel=0.05)
+    assert tb.seconds_per_step / ta.seconds_per_step == pytest.approx(1.1)
+    assert decide([ta, tb, ts])[0] is ta

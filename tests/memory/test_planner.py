@@ -263,6 +263,26 @@ def test_sizes_above_one_that_does_not_fit_are_predicted_not_run():
     assert fit.largest_fitting(400) == 3
 
 
+def test_by_default_checkpointing_is_measured_only_where_it_is_needed():
+    """Where every size fits without checkpointing, recompute can only be slower: the default
+    options measure none of it and say so; where the largest does not, only that one is."""
+    batch = torch.randn(8, 256, 128, generator=torch.Generator().manual_seed(1))
+    lines: list[tuple[str, int, int]] = []
+    roomy = plan(make_model(128, 2), batch, square_loss, micro_batch_sizes=[4, 8], steps=1,
+                 progress=lambda *seen: lines.append(seen))  # fmt: skip
+    assert {c.policy for c in roomy.candidates} == {"none"}
+    assert "checkpointing: every micro-batch fits without it (it only adds time)" in roomy.skipped
+    assert lines[0][0].startswith("peak of micro-batch 4 x 2 steps without checkpointing: ")
+    assert all(done <= total for _, done, total in lines) and lines[-1][1] == lines[-1][2]
+    whole = roomy.candidates[1].peak_bytes  # micro-batch 8 without checkpointing
+    tight = plan(make_model(128, 2), batch, square_loss, micro_batch_sizes=[4, 8], steps=1,
+                 memory_budget=int((whole + roomy.candidates[0].peak_bytes) / 2 / 0.9))  # fmt: skip
+    checkpointed = {
+        c.micro_batch_size for c in tight.candidates if c.policy != "none" and c.measured
+    }
+    assert checkpointed == {8} and not tight.skipped
+
+
 def test_nothing_fits_names_the_budget_the_margin_and_the_smallest_peak():
     batch = torch.randn(8, 64, 128)
     with pytest.raises(
@@ -375,11 +395,13 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 def test_stock_transformers_models_with_their_default_config(build):
     """Every default option runs, 50% of the blocks included (the fraction once crashed on the
-    key/value cache, Note [key/value caches under recompute])."""
+    key/value cache, Note [key/value caches under recompute]): named, since by default
+    checkpointing is measured only where the model does not fit without it."""
     model = build()
     assert model.config.use_cache
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-    result = plan(model, ids, lm_loss, micro_batch_sizes=[2, 4], steps=1)
+    every = ("none", "selective", 0.5, 1)
+    result = plan(model, ids, lm_loss, micro_batch_sizes=[2, 4], steps=1, checkpointing=every)
     measured = {(c.label, c.micro_batch_size) for c in result.candidates if c.seconds_per_step}
     labels = ("none", "selective", "full 50%", "full")
     assert measured == {(label, m) for label in labels for m in (2, 4)}

@@ -16,6 +16,7 @@ from reference import full_batch_step, max_relative_error
 
 import bigbatch
 from bigbatch.app.cli import main
+from bigbatch.core._tokens import TokenCut
 from bigbatch.core.loss import token_cross_entropy
 from bigbatch.memory import _candidates as rules
 from bigbatch.memory.planner import plan
@@ -53,10 +54,18 @@ def test_plan_offers_token_budgets_that_train_exactly_like_the_full_batch():
              checkpointing=(0,), steps=2, memory_budget="8GiB")  # fmt: skip
     by_tokens = [c for c in p.candidates if c.micro_batch_tokens is not None]
     by_samples = [c for c in p.candidates if c.micro_batch_tokens is None]
-    assert [c.micro_batch_tokens for c in by_tokens] == [m * CTX for m in (1, 2, 4, 8, 16)]
+    # 128 to 512 cut the batch as 64 does (the rows are bounded by the padding rule): measured
+    # once, under the smallest of them
+    cuts = {
+        b: [(p.rows.tolist(), p.padded_tokens) for p in TokenCut()(batch, b)] for b in (64, 512)
+    }
+    assert cuts[64] == cuts[512] and len(cuts[64]) > 1
+    assert [c.micro_batch_tokens for c in by_tokens] == [CTX, 2 * CTX]
     assert [c.micro_batch_size for c in by_samples] == [4, N]
-    real = int(batch["attention_mask"].sum())
-    assert all(c.padding == pytest.approx(1 - real / (N * CTX)) for c in by_samples)
+    lengths = batch["attention_mask"].sum(-1)
+    for c in by_samples:  # each micro-batch of the sample cut trimmed to its longest
+        computed = sum(len(part) * int(part.max()) for part in lengths.split(c.micro_batch_size))
+        assert c.padding == pytest.approx(1 - int(lengths.sum()) / computed)
     assert all(c.padding < by_samples[0].padding for c in by_tokens)  # sorted: less padding
     assert all(c.fits and c.measured and c.seconds_per_step for c in p.candidates)
     for c in by_tokens:  # each configuration offered trains exactly like the full batch
@@ -133,10 +142,15 @@ def test_cli_plan_compares_token_budgets(tmp_path, capsys, monkeypatch):
     (tmp_path / "text_task.py").write_text(textwrap.dedent(TASK))
     args = ["plan", f"{tmp_path / 'text_task.py'}:task", "--batch-size", "16", "--steps", "1",
             "--micro-batch-sizes", "16", "--checkpointing", "none"]  # fmt: skip
-    assert main(args + ["--micro-batch-tokens", "64,512"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # the paragraph is wrapped to the terminal
+    assert main(args + ["--micro-batch-tokens", "32,64,512"]) == 0  # 512 cuts as 64 does
+    out, err = capsys.readouterr()
+    out = " ".join(out.split())  # the paragraph is wrapped to the terminal
+    # progress, a line per measurement (stderr is not a terminal here: lines, not a bar)
+    assert re.search(r"^bigbatch plan: peak of token budget 64 \(up to \d+ rows\) x \d+ steps "
+                     r"without checkpointing: [\d.]+ [KM]iB$", err, re.M)  # fmt: skip
+    assert re.search(r"^bigbatch plan: timing round 1/1: micro-batch 16 x 1 steps", err, re.M)
     assert "tokens" in out and "padding" in out and "x token;" in out and "choice: " in out
-    budgets = re.findall(r"│ +≤\d+ │ +(\d+) │ +(\d+)% │", out)  # budget, padding
-    assert [b for b, _ in budgets] == ["64", "512"] and all(int(p) < 50 for _, p in budgets)
+    budgets = re.findall(r"│ +≤\d+ rows │ +(\d+) tokens │ +(\d+)% │", out)  # budget, padding
+    assert [b for b, _ in budgets] == ["32", "64"] and all(int(p) < 50 for _, p in budgets)
     assert main(args + ["--micro-batch-tokens", "8"]) == 2
     assert "micro_batch_tokens=[8] is not allowed" in capsys.readouterr().err

@@ -5,6 +5,7 @@ real tokens/s and each term, and a run killed mid-window resumes bitwise equal."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import tasks
@@ -12,6 +13,7 @@ import torch
 from runs import argv, assert_same_run, kill_when_stopped, snapshot_step, train_ok
 
 import bigbatch
+from bigbatch.app import report
 from bigbatch.app.cli import main
 from bigbatch.app.report import read_csv
 
@@ -42,13 +44,32 @@ def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
     code = main(["train", task, "--batch-size", "10", "--epochs", "1", "--micro-batch-tokens",
                  "24", "--pad-to-multiple-of", "4", "--out", str(out), "--quiet"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    assert {int(r["micro_batch_size"]) for r in read_csv(str(out / "metrics.csv"))} == {24}
+    assert {int(r["micro_batch_tokens"]) for r in read_csv(str(out / "metrics.csv"))} == {24}
+    assert " | micro-batch 24 tokens x " in (out / "train.log").read_text()  # the unit, said
+    report.print_summary(report.report(str(out))[0])
+    assert "10 (micro-batch 24 tokens)" in capsys.readouterr().out
     code = main(["train", task, "--micro-batch-tokens", "24", "--gradient-accumulation-steps",
                  "3", "--out", str(tmp_path / "bad")])  # fmt: skip
     assert code == 2
     assert "gradient_accumulation_steps=3 has no meaning with micro_batch_tokens" in (
         capsys.readouterr().err
     )
+
+
+def test_the_language_model_example_trains_through_the_cli(tmp_path, capsys):
+    """examples/causal_lm.py:task (a GPT-2 on the standard library's docstrings) by tokens and
+    by samples: both cut the padded batch into trimmed micro-batches and log their padding."""
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parents[2] / "examples" / "causal_lm.py"
+    for cut in (["--micro-batch-tokens", "512"], ["--micro-batch-size", "4"]):
+        out = tmp_path / cut[0]
+        code = main(["train", f"{example}:task", "--batch-size", "16", "--steps", "3", *cut,
+                     "--out", str(out), "--quiet"])  # fmt: skip
+        assert code == 0, capsys.readouterr().err
+        rows = read_csv(str(out / "metrics.csv"))
+        assert len(rows) == 3 and all(0 < float(r["loss"]) < 10 for r in rows)
+        bound = 0.2 if "tokens" in cut[0] else 0.45  # the batch padded whole: about 55%
+        assert all(int(r["micro_batches"]) >= 2 and float(r["padding"]) < bound for r in rows)
 
 
 def test_compile_wraps_the_model_and_snapshots_the_plain_one():

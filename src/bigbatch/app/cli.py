@@ -315,24 +315,30 @@ def _run_check(args: argparse.Namespace) -> int:
 
 def _run_plan(args: argparse.Namespace) -> None:
     """Run real optimizer steps of one effective batch of TASK on copies of its model and
-    optimizer, at several micro-batch sizes, without checkpointing, with selective
-    checkpointing and with 50% and 100% of the repeated blocks recomputed (offloaded too on
-    CUDA). First the peak memory of each (model, gradients, optimizer state, activations;
+    optimizer, at several micro-batch sizes, without checkpointing and, where a size does not
+    fit without it, with selective checkpointing and with 50% and 100% of the repeated blocks
+    recomputed (offloaded too on CUDA; --checkpointing measures the options it names at every
+    size). First the peak memory of each (model, gradients, optimizer state, activations;
     fitted as a + b x micro-batch to predict sizes not run); then the configurations that fit
-    the budget less the safety margin are timed in --steps alternating rounds: the median time
-    per step and its spread (interquartile range). Chooses the fastest; spreads that overlap
-    within 5% tie, and a tie goes to the one with more headroom. Prints the table, the choice,
-    the runner-up and why it lost. With --micro-batch-tokens (variable-length text), token
-    budgets are compared too, and every row shows the padding it computes."""
+    the budget less the safety margin are timed in --steps alternating rounds (after two, only
+    those within 1.5x of the fastest): the median time per step and its spread (interquartile
+    range). Chooses the fastest; spreads that overlap within 5% tie, and a tie goes to the one
+    with more headroom. Shows its progress, then prints the table, the choice, the runner-up and
+    why it lost. With --micro-batch-tokens (variable-length text), token budgets are compared
+    too (a budget that cuts as a smaller one does is measured once), and every row shows the
+    padding it computes."""
     task = config.load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    report.print_plan(plan(
-        task.model, config.first_batch(task, args.batch_size), task.loss_fn,
-        memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
-        checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
-        margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
-    ))  # fmt: skip
+    with report.progress_lines("bigbatch plan") as progress:
+        result = plan(
+            task.model, config.first_batch(task, args.batch_size), task.loss_fn,
+            memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
+            checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
+            margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
+            progress=progress,
+        )  # fmt: skip
+    report.print_plan(result)
 
 
 def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:

@@ -40,7 +40,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -95,6 +95,9 @@ class TrainConfig:
             the task's lengths); or auto; --micro-batch-size is then an optional row cap
         pad_to_multiple_of: with --micro-batch-tokens: pad lengths to a multiple (one shape
             per bucket)
+        trim_padding: cut by samples, trim each micro-batch of right-padded text (a batch
+            with attention_mask) to its longest sample; false keeps the batch's padded
+            width, for a model or loss that reads the padding (mean pooling without the mask)
         compile: torch.compile the model (give --pad-to-multiple-of with tokens)
         gradient_checkpointing: recompute the model's repeated blocks in backward (less
             memory, ~1 more forward)
@@ -153,6 +156,7 @@ class TrainConfig:
     gradient_accumulation_steps: int | None = setting(None, low=1)
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
+    trim_padding: bool = setting(True)
     compile: bool = setting(False)
     gradient_checkpointing: bool = setting(False)
     precision: str = setting("fp32", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16"))
@@ -437,6 +441,9 @@ class Task:
         count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
             (e.g. non-padding tokens): fp16 then back-propagates at the full batch's scale
             (Note [backward scale] in ``bigbatch.core.engine``).
+        pad_values: optional ``{key: pad value}`` for a mapping batch's per-token tensors
+            beyond transformers' keys, ``{key: None}`` for a 2-D tensor that is not per-token
+            (Note [per-token tensors] in ``bigbatch.core._tokens``).
 
     Example:
         >>> def my_task():  # in my_project/tasks.py, run as `bigbatch train my_project.tasks:my_task`
@@ -455,6 +462,7 @@ class Task:
     collate_fn: Callable[[list[Any]], Any] | None = None
     count_fn: Callable[[Any], Any] | None = None
     lengths: Callable[[Any], Any] | None = None
+    pad_values: Mapping[str, float | None] | None = None
 
 
 def check_task(task: object) -> None:
@@ -499,8 +507,7 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """
     module_name, sep, func_name = path.partition(":")
     if not sep or not module_name or not func_name:
-        raise TaskError(f"task {path!r} is not of the form module:function (e.g. "
-                        "my_project.tasks:mnist).")  # fmt: skip
+        raise TaskError(_no_function(path, module_name))
     with _current_folder_importable():
         func = getattr(_import(module_name, path), func_name, None)
         if func is None or not callable(func):
@@ -511,6 +518,20 @@ def load_task(path: str, **kwargs: Any) -> Task:
     except TaskError as exc:
         raise TaskError(f"task {path!r}: {exc}") from None
     return task
+
+
+def _no_function(path: str, module_name: str) -> str:
+    """Why ``path`` is not a task: the two forms, and the module's functions returning a Task."""
+    names: list[str] = []
+    if module_name:
+        with _current_folder_importable():
+            module = _import(module_name, path)
+        names = [name for name, f in vars(module).items() if inspect.isfunction(f)  # -> Task
+                 and str(f.__annotations__.get("return")).rstrip("'>").endswith("Task")]  # fmt: skip
+    example = f"{module_name}:{names[0]}" if names else "my_project.tasks:mnist"
+    return (f"task {path!r} names no function: give module:function or file.py:function, e.g. "
+            f"{example} (its functions that return a bigbatch.Task: "
+            f"{', '.join(names) or 'none'}).")  # fmt: skip
 
 
 def _import(module_name: str, path: str) -> Any:

@@ -280,7 +280,8 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
         model, optimizer, cfg.resolve_batch(config)[1], schedule(optimizer, total_steps),
         config.max_grad_norm, config.precision, config.memory_budget, nonfinite=config.nonfinite,
         micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
-        pad_to_multiple_of=config.pad_to_multiple_of,
+        pad_to_multiple_of=config.pad_to_multiple_of, trim_padding=config.trim_padding,
+        pad_values=task.pad_values,
     )  # fmt: skip
     local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # collective
         acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
@@ -478,6 +479,7 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
         "step": step, "epoch": (step - 1) // run.steps_per_epoch, "loss": r.loss,
         "lr": run.acc.optimizer.param_groups[0]["lr"], "grad_norm": r.grad_norm,
         "samples": samples, "count": r.count, "micro_batch_size": r.micro_batch_size,
+        "micro_batch_tokens": r.micro_batch_size if run.config.micro_batch_tokens else "",
         "micro_batches": r.micro_batches, "oom_retries": r.oom_retries, "skipped": int(r.skipped),
         "nonfinite": int(r.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
         "tokens_per_s": (r.tokens or r.count) / seconds if tokens else "",

@@ -37,6 +37,7 @@ Note [progress]
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -45,7 +46,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ from bigbatch.verifier._check import CheckReport
 
 COLUMNS = [
     "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
-    "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
+    "micro_batch_tokens", "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
     "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
     "round_loss", "round_count", "round_skipped", "padding", "terms", "graphs",
 ]  # fmt: skip
@@ -145,13 +146,19 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
     evaluated = row.get("eval_loss") not in (None, "")
     return " | ".join([
         f"step {row['step']}/{total_steps}", f"loss {float(row['loss']):.4f}", speed,
-        f"micro-batch {row['micro_batch_size']} x {row['micro_batches']}",
+        f"micro-batch {_cut(row.get('micro_batch_tokens'), row['micro_batch_size'])} x "
+        f"{row['micro_batches']}",
         f"peak {format_bytes(float(row['peak_bytes']))}",
         *([f"padding {float(row['padding']):.0%}"] if row.get("padding") not in (None, "") else []),
         *([row["terms"]] if row.get("terms") else []),
         *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
         f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
     ])  # fmt: skip
+
+
+def _cut(tokens: Any, size: Any) -> str:
+    """A micro-batch in its unit: ``"1,024 tokens"`` (a token budget) or ``"8"`` (samples)."""
+    return f"{int(tokens):,} tokens" if tokens not in (None, "") else str(size)
 
 
 def read_csv(path: str) -> list[dict[str, str]]:
@@ -184,7 +191,26 @@ def _readable(row: dict[str, Any]) -> bool:
     return None not in row and None not in row.values()
 
 
-def _progress_bar(total: int, done: int) -> Any:
+@contextlib.contextmanager
+def progress_lines(title: str) -> Iterator[Callable[[str, int, int], None]]:
+    """``progress(line, done, total)`` for long work (``bigbatch plan``): a transient bar showing
+    the line on stderr when it is a terminal, else the line itself (Note [progress])."""
+    bar = _progress_bar(0, 0, title)
+
+    def show(line: str, done: int, total: int) -> None:
+        if bar is None:
+            print(f"{title}: {line}", file=sys.stderr, flush=True)
+        else:
+            bar.update(bar.task_ids[0], completed=done, total=total, info=line)
+
+    try:
+        yield show
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _progress_bar(total: int, done: int, what: str = "step") -> Any:
     """A transient bar on stderr when it is a terminal (Note [progress]), else ``None``."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -192,7 +218,7 @@ def _progress_bar(total: int, done: int) -> Any:
     console = Console(stderr=True)
     if not console.is_terminal:
         return None
-    bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+    bar = Progress(TextColumn(what), MofNCompleteColumn(), BarColumn(),
                    TextColumn("{task.fields[info]}"), console=console, transient=True)  # fmt: skip
     bar.add_task("train", total=total, completed=done, info="")
     bar.start()
@@ -223,7 +249,7 @@ class Summary:
         eval_loss: loss on the task's eval data at the end (``None`` without eval data).
         metric: the task's metric on the eval data at the end (``None`` without one).
         batch_size: effective batch.
-        micro_batch_size: the last micro-batch size used.
+        micro_batch_size: the last micro-batch size used (a token budget: ``micro_batch_tokens``).
         out: the run folder.
         retry_peak_bytes: highest memory a step added counting the attempts that ran out of
             memory and were redone smaller (``None`` when no step was redone).
@@ -233,6 +259,7 @@ class Summary:
             ``None``.
         terms: the last step's named loss terms (``"lm=2.31 aux=0.052"``), else empty.
         compiled_graphs: graphs ``torch.compile`` built (its recompiles), else ``None``.
+        micro_batch_tokens: the last token budget used (token windows), else ``None``.
     """
 
     steps: int
@@ -254,6 +281,7 @@ class Summary:
     padding: float | None = None
     terms: str = ""
     compiled_graphs: int | None = None
+    micro_batch_tokens: int | None = None
 
 
 def summarize(out: str, time_s: float, batch_size: int,
@@ -278,6 +306,7 @@ def summarize(out: str, time_s: float, batch_size: int,
         padding=statistics.fmean(col("padding")) if col("padding") else None,
         terms=(rows[-1].get("terms") or "") if rows else "",
         compiled_graphs=_whole(col("graphs")[-1:]),
+        micro_batch_tokens=_whole(col("micro_batch_tokens")[-1:]),
     )  # fmt: skip
     if write:  # NaN and inf as null: summary.json stays JSON
         plain = {k: v if not isinstance(v, float) or math.isfinite(v) else None
@@ -338,7 +367,8 @@ def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
     s, retried = summary, summary.retry_peak_bytes
     rows: list[tuple[str, Any]] = [
         ("optimizer steps", f"{s.steps:,}"),
-        ("effective batch", f"{s.batch_size:,} (micro-batch {s.micro_batch_size})"),
+        ("effective batch", f"{s.batch_size:,} (micro-batch "
+                            f"{_cut(s.micro_batch_tokens, s.micro_batch_size)})"),
         ("time", f"{s.time_s:.1f} s"),
         ("samples/s", f"{s.samples_per_s:,.1f}"),
         ("tokens/s", None if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"),
@@ -434,7 +464,7 @@ def print_plan(result: Plan) -> None:
     """Every configuration as a table, then the margin, the memory fits, the choice and why."""
     budget, usable = format_bytes(result.memory_budget), format_bytes(result.usable_bytes)
     title = f"bigbatch plan: batch {result.batch_size} on {result.device}, budget {budget}, "
-    columns = ["micro-batch", "tokens", "padding", "steps", "checkpointing", "peak MiB",
+    columns = ["micro-batch", "token budget", "padding", "steps", "checkpointing", "peak MiB",
                "saved MiB", "ms/step", "spread (ms)", "samples/s", "fits"]  # fmt: skip
     rows = [_plan_row(result, c) for c in result.candidates]
     console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 160)
@@ -468,8 +498,8 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     fits = "OOM" if c.out_of_memory else "yes" if c.fits else over
     mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
     return (
-        f"≤{c.micro_batch_size}" if c.micro_batch_tokens else str(c.micro_batch_size),
-        str(c.micro_batch_tokens or "-"), "-" if c.padding is None else f"{c.padding:.0%}",
+        f"≤{c.micro_batch_size} rows" if c.micro_batch_tokens else str(c.micro_batch_size),
+        f"{c.micro_batch_tokens:,} tokens" if c.micro_batch_tokens else "-", "-" if c.padding is None else f"{c.padding:.0%}",
         str(c.gradient_accumulation_steps), c.label,
         "-" if c.out_of_memory else peak, saved + ("!" if c.saves_nothing else ""),
         f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",

@@ -44,8 +44,9 @@ class StepResult:
         peak_bytes: memory the successful attempt of the window added at its peak (measured
             with ``micro_batch_size="auto"`` or a ``memory_budget``; else ``None``).
         terms: each named term's value ``Σ loss_sum_k / Σ count_k`` (one ``"loss"`` otherwise).
-        tokens: real tokens in the window on this rank (token cuts), else ``None``.
-        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
+        tokens: real tokens in the window on this rank (token cuts, and sample cuts of text with
+            an ``attention_mask``: Note [per-token tensors]), else ``None``.
+        padded_tokens: tokens computed, padding included (where ``tokens`` is), else ``None``.
     """
 
     loss: float

@@ -17,10 +17,28 @@ Note [token windows]
 
     Lengths come from ``attention_mask.sum(-1)`` for a mapping batch in the transformers
     convention (``input_ids``, ``attention_mask``, ``labels``, right padding), else from
-    ``lengths(batch)``. Per-token tensors are the batch's tensors whose second dimension is its
-    padded length. Left padding is refused: trimming a left-padded micro-batch would move its real
-    tokens to other positions (other position embeddings, and a shifted loss would lose the
+    ``lengths(batch)``. Left padding is refused: trimming a left-padded micro-batch would move its
+    real tokens to other positions (other position embeddings, and a shifted loss would lose the
     prediction of the first token), so the step could not be the full batch's.
+
+Note [per-token tensors]
+    A micro-batch is trimmed to its longest sample by cutting the columns of its per-token
+    tensors. Which tensors those are is not guessed from shapes (a per-sample vector of 128
+    features in a batch padded to 128 columns would be cut; labels padded to another length than
+    the mask would be left whole and the loss fail in torch): in a mapping batch a tensor of two
+    or more dimensions is per-token when its key is one of transformers' (``PAD_VALUES``:
+    ``input_ids``, ``attention_mask``, ``labels``, ``token_type_ids``, ``position_ids``, ...) or
+    given a pad value in ``pad_values``, and has the padded length; ``pad_values={key: None}``
+    says a key is not (kept whole). Any other such tensor is refused by ``TokenCut`` in one line
+    naming the key and both ways to say it; the sample cut warns once and trims nothing (the
+    batch's width is always exact). Tensors without a key (a tuple batch with ``lengths=``) are
+    per-token when they have the padded length; another width is refused. Both cuts trim:
+    ``TokenCut`` always, and the sample cut (``TrimmedSampleCut``, a fixed number of samples per
+    micro-batch) whenever the batch is right-padded text with an ``attention_mask`` (a left-padded
+    batch is cut whole), so a fixed-count micro-batch of short samples computes its own length,
+    not the whole batch's, and reports its real and padded tokens. Trimming is exact for a model
+    that lets no padding reach the real tokens (a causal model, or one that takes the mask): the
+    columns cut are padding in every row of the micro-batch.
 
 Note [compile buckets]
     ``torch.compile`` compiles again for every new input shape. With ``pad_to_multiple_of=M`` a
@@ -48,7 +66,11 @@ from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core._window import Piece, SampleCut
 from bigbatch.core.split import batch_size
 
-PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+PAD_VALUES: dict[str, float | None] = {"input_ids": 0, "attention_mask": 0, "labels": -100,
+    "token_type_ids": 0, "position_ids": 0, "inputs_embeds": 0, "completion_mask": 0,
+    "assistant_masks": 0, "pixel_values": None}  # fmt: skip
+"""The per-token keys of transformers (and TRL) and their pad value; ``None``: a known key that is
+not per-token (an image's pixels). Note [per-token tensors]."""
 MAX_ROW_PADDING = 0.25  # a sample joins a micro-batch if it pads at most this of its row
 PAD_ROWS_NEED_SUMS = (
     "pad_to_multiple_of pads micro-batches with rows that count nothing, and loss_fn returned a "
@@ -57,30 +79,40 @@ PAD_ROWS_NEED_SUMS = (
 )
 
 
-def make_cut(
-    micro_batch_size: int | str | None, micro_batch_tokens: int | str | None, *options: Any
-) -> tuple[Sizing, SampleCut]:
-    """The ``Accumulator``'s sizing policy and cut: by samples, or by tokens with
-    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap); ``options``:
-    ``TokenCut``'s ``pad_to_multiple_of``, ``lengths`` and ``pad_values``.
+def make_cut(micro_batch_size: int | str | None, micro_batch_tokens: int | str | None,
+             pad_to_multiple_of: int | None = None, lengths: Callable[[Any], Any] | None = None,
+             pad_values: Mapping[str, float | None] | None = None, trim_padding: bool = True,
+             ) -> tuple[Sizing, SampleCut]:  # fmt: skip
+    """The ``Accumulator``'s sizing policy and cut: by samples (each micro-batch trimmed to its
+    longest sample unless ``trim_padding=False``: Note [per-token tensors]), or by tokens with
+    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
 
     Raises:
         TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
     """
+    if not isinstance(trim_padding, bool):
+        raise TypeError(f"trim_padding={trim_padding!r} is not allowed: use True or False.")
     if micro_batch_tokens is None:
-        if any(option is not None for option in options):
+        if pad_to_multiple_of is not None or lengths is not None:
             raise ValueError(
-                "pad_to_multiple_of, lengths and pad_values shape token windows: give "
-                "micro_batch_tokens too (e.g. micro_batch_tokens=4096)."
+                "pad_to_multiple_of and lengths shape token windows: give micro_batch_tokens "
+                "too (e.g. micro_batch_tokens=4096)."
             )
-        return Sizing(32 if micro_batch_size is None else micro_batch_size), SampleCut()
+        cut = TrimmedSampleCut(pad_values) if trim_padding else SampleCut()
+        return Sizing(32 if micro_batch_size is None else micro_batch_size), cut
     if micro_batch_size == "auto":
         raise ValueError(
             'micro_batch_size="auto" with micro_batch_tokens: the token budget is what auto '
             'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
         )
+    if not trim_padding:
+        raise ValueError(
+            "trim_padding=False with micro_batch_tokens: token windows trim every micro-batch "
+            "by design; cut by samples (micro_batch_size) to keep the batch's padded width."
+        )
     sizing = Sizing(micro_batch_tokens, "micro_batch_tokens")
-    return sizing, TokenCut(micro_batch_size, *options)  # type: ignore[arg-type]  # not "auto"
+    cut = TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]  # not "auto"
+    return sizing, cut
 
 
 class TokenCut(SampleCut):
@@ -158,23 +190,12 @@ class TokenCut(SampleCut):
     def _piece(
         self, batch: Any, index: list[int], lengths: list[int], length: int, pad: int
     ) -> Piece:
-        rows, width = take(batch, index, batch_size(batch)), _padded_length(batch)
-        items = rows.items() if isinstance(rows, Mapping) else ()
-        keys = {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}  # for pad values
-
-        def fit(t: torch.Tensor) -> torch.Tensor:
-            value = self.pad_values.get(keys.get(id(t), ""), 0)
-            if t.dim() >= 2 and t.shape[1] == width:  # a per-token tensor: trim or pad its columns
-                t = t[:, :length]
-                if t.shape[1] < length:  # a bucket longer than the batch: pad columns
-                    extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
-                    t = torch.cat([t, extra], dim=1)
-            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)]) if pad else t
-
+        rows = take(batch, index, batch_size(batch))
         self.shapes.add((len(index) + pad, length))
         tokens, padded = sum(lengths[i] for i in index), (len(index) + pad) * length
         order = torch.tensor(index, dtype=torch.long)  # long when empty too
-        return Piece(map_tensors(fit, rows), len(index), order, tokens, padded, pad)
+        fitted = fit_columns(rows, padded_length(batch), length, self.pad_values, pad)
+        return Piece(fitted, len(index), order, tokens, padded, pad)
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens)."""
@@ -194,15 +215,13 @@ class TokenCut(SampleCut):
                 "micro_batch_tokens needs each sample's length: pass a mapping batch with a 2-D "
                 "attention_mask (as transformers does), or lengths=fn, one length per sample."
             )
-        ones = mask != 0
-        counts = ones.sum(-1)
-        if not torch.equal(ones, torch.arange(ones.shape[1], device=ones.device) < counts[:, None]):
+        if (counted := right_padded(batch)) is None:
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
                 "zeros): trimming a left-padded or gapped micro-batch would move its tokens. Pad "
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
-        return [max(1, int(v)) for v in counts.tolist()]
+        return counted
 
     def check_shapes(self, model: Any) -> None:
         """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""
@@ -225,8 +244,100 @@ class TokenCut(SampleCut):
         return length if self.multiple is None else -(-length // self.multiple) * self.multiple
 
 
-def _padded_length(batch: Any) -> int:
+class TrimmedSampleCut(SampleCut):
+    """Cut by samples (``SampleCut``), each micro-batch of right-padded text trimmed to its longest
+    sample (Note [per-token tensors]): what a fixed-count micro-batch computes, and reports.
+
+    Args:
+        pad_values: the value of a pad column per key of a mapping batch (Note [per-token tensors]).
+    """
+
+    def __init__(self, pad_values: Mapping[str, float | None] | None = None) -> None:
+        self.pad_values, self.warned = {**PAD_VALUES, **(pad_values or {})}, False
+
+    def __call__(self, batch: Any, size: int) -> list[Piece]:
+        pieces = super().__call__(batch, size)
+        if (lengths := right_padded(batch)) is None:  # not text, or left padding: cut whole
+            return pieces
+        out, start, width = [], 0, padded_length(batch)
+        try:
+            per_token(batch, width, self.pad_values)
+        except ValueError as exc:  # the batch's width is exact: say so once, trim nothing
+            if not self.warned:
+                warnings.warn(f"{exc} Until then no micro-batch is trimmed.", BigBatchWarning, 4)
+            self.warned = True
+            return pieces
+        for p in pieces:
+            part, start = lengths[start : start + p.samples], start + p.samples
+            fitted = fit_columns(p.batch, width, max(part), self.pad_values)
+            out.append(Piece(fitted, p.samples, None, sum(part), p.samples * max(part)))
+        return out
+
+
+def right_padded(batch: Any) -> list[int] | None:
+    """Each sample's length (at least 1) if ``batch`` is a mapping whose 2-D ``attention_mask``
+    is right-padded (each row: ones, then zeros), else ``None``."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    ones = mask != 0
+    counts = ones.sum(-1)
+    if not torch.equal(ones, torch.arange(ones.shape[1], device=ones.device) < counts[:, None]):
+        return None
+    return [max(1, int(v)) for v in counts.tolist()]
+
+
+def padded_length(batch: Any) -> int:
     """The batch's padded length: the second dimension of its attention mask or first 2-D tensor."""
     if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
         return int(batch["attention_mask"].shape[1])
     return next((int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2), 0)
+
+
+def fit_columns(
+    batch: Any, width: int, length: int, pad_values: Mapping[str, Any] = PAD_VALUES, rows: int = 0
+) -> Any:
+    """``batch`` with its per-token tensors (Note [per-token tensors]) cut or padded from
+    ``width`` to ``length`` columns, and every tensor padded with ``rows`` rows; pads take
+    ``pad_values`` by key (0 for other keys)."""
+    tokens, keys = per_token(batch, width, pad_values), _keys(batch)
+
+    def fit(t: torch.Tensor) -> torch.Tensor:
+        value = pad_values.get(keys.get(id(t), ""), 0) or 0
+        if id(t) in tokens:  # trim or pad its columns
+            t = t[:, :length].contiguous()  # as a collator gives it (transformers .view()s labels)
+            if t.shape[1] < length:  # a bucket longer than the batch: pad columns
+                extra = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
+                t = torch.cat([t, extra], dim=1)
+        return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
+
+    return map_tensors(fit, batch)
+
+
+def per_token(batch: Any, width: int, pad_values: Mapping[str, Any]) -> set[int]:
+    """The ids of ``batch``'s per-token tensors, of ``width`` columns (Note [per-token tensors]).
+
+    Raises:
+        ValueError: a tensor that may or may not be per-token, named with how to say which.
+    """
+    keys, found = _keys(batch), set()
+    for path, t in tensor_leaves(batch):
+        key = keys.get(id(t))
+        if t.dim() < 2 or pad_values.get(key or "", 0) is None:  # not per-token
+            continue
+        if t.shape[1] != width or key not in (None, *pad_values):
+            name = repr(key or "key")  # a tuple batch: use a mapping batch to name it
+            raise ValueError(
+                f"{path} has {t.shape[1]} columns where the tokens have {width}: bigbatch cannot "
+                f"tell whether they are tokens. Say which: pad_values={{{name}: None}} keeps it "
+                f"whole (not per-token), {{{name}: 0}} trims it with the tokens (padded to {width} "
+                "columns, 0 its pad value; Task(pad_values=...) for bigbatch train)."
+            )
+        found.add(id(t))
+    return found
+
+
+def _keys(batch: Any) -> dict[int, str]:
+    """The key of each tensor at the top of a mapping batch, by id."""
+    items = batch.items() if isinstance(batch, Mapping) else ()
+    return {id(v): str(k) for k, v in items if isinstance(v, torch.Tensor)}

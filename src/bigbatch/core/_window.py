@@ -71,8 +71,9 @@ class Piece:
         batch: the micro-batch, as ``loss_fn`` sees it.
         samples: its samples (real rows; pad rows of a compile bucket are not counted).
         rows: its rows' positions in the window's batch (``None``: consecutive, in order).
-        tokens: real tokens (token cuts), else ``None``.
-        padded_tokens: tokens computed, padding included (token cuts), else ``None``.
+        tokens: real tokens (text: Note [per-token tensors] in ``bigbatch.core._tokens``), else
+            ``None``.
+        padded_tokens: tokens computed, padding included (text), else ``None``.
         pad_rows: rows of padding added for a compile bucket (Note [compile buckets]).
     """
 

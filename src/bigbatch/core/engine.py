@@ -77,8 +77,13 @@ class Accumulator:
             sees one shape per bucket (Note [compile buckets]).
         lengths: with ``micro_batch_tokens``: ``lengths(batch)`` -> each sample's tokens;
             default ``attention_mask.sum(-1)`` of a mapping batch.
-        pad_values: with ``pad_to_multiple_of``: pad value per key (``input_ids`` 0,
-            ``attention_mask`` 0, ``labels`` -100 by default).
+        pad_values: the per-token keys of a mapping batch beyond transformers' and their pad
+            value (``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100, ...), ``None`` for a
+            key that is not per-token (Note [per-token tensors] in ``bigbatch.core._tokens``).
+        trim_padding: cut by samples, trim each micro-batch of right-padded text (a mapping
+            batch with an ``attention_mask``) to its longest sample (Note [per-token tensors] in
+            ``bigbatch.core._tokens``); ``False`` keeps the batch's padded width, for a model or
+            loss that reads the padding (e.g. mean pooling without the mask).
 
     Raises:
         TypeError, ValueError: a bad argument, named with what is allowed.
@@ -107,11 +112,13 @@ class Accumulator:
         micro_batch_tokens: int | str | None = None,
         pad_to_multiple_of: int | None = None,
         lengths: Callable[[Any], Any] | None = None,
-        pad_values: Mapping[str, float] | None = None,
+        pad_values: Mapping[str, float | None] | None = None,
+        trim_padding: bool = True,
     ) -> None:
         sizing, cut = make_cut(
-            micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values
-        )
+            micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values,
+            trim_padding,
+        )  # fmt: skip
         settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
         self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
         self.scheduler, self.max_grad_norm, self.nonfinite = settings

@@ -59,7 +59,7 @@ import torch
 
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
-from bigbatch.core._tokens import make_cut
+from bigbatch.core._tokens import fit_columns, make_cut, padded_length, right_padded
 from bigbatch.core._tree import map_tensors, take
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
@@ -309,14 +309,13 @@ def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def trim(batch: Any) -> Any:
-    """A right-padded micro-batch cut back to its longest sample (the columns that are padding in
-    every row go; a left-padded batch keeps them all)."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask[:, -1:].eq(0).all()):
+    """A right-padded micro-batch cut back to its longest sample, as the ``Accumulator`` trims
+    (Note [per-token tensors] in ``bigbatch.core._tokens``); a left-padded batch stays whole."""
+    lengths = right_padded(batch)
+    try:
+        return batch if lengths is None else fit_columns(batch, padded_length(batch), max(lengths))
+    except ValueError:  # a tensor that may be per-token: the whole width is exact
         return batch
-    used = mask.ne(0).any(0).nonzero()
-    width, full = (int(used.max()) + 1 if len(used) else 1), mask.shape[1]
-    return {k: v[:, :width] if _wide(v, full) else v for k, v in batch.items()}
 
 
 def _wide(value: Any, width: int) -> bool:

@@ -66,8 +66,8 @@ class Candidate:
         micro_batch_tokens: the token budget of a cut by tokens (Note [token windows] in
             ``bigbatch.core._tokens``); ``None`` when cut by samples.
         padding: the fraction of the tokens computed that is padding (``None`` without lengths);
-            cut by samples, every row counts as padded to the longest sample (a batch padded
-            wider than that computes more).
+            cut by samples, each micro-batch of text with an ``attention_mask`` is trimmed to its
+            longest sample (Note [per-token tensors]), other batches count the whole width.
     """
 
     micro_batch_size: int
@@ -126,13 +126,15 @@ def timed(
     fitting: Sequence[Candidate], seconds: Sequence[Sequence[float]], samples: int
 ) -> list[Candidate]:
     """``fitting`` with their times: ``seconds[i][r]`` is candidate ``i``'s timed step in round
-    ``r`` (Note [timing under load]). Each round's times are divided by the round's median;
+    ``r`` (Note [timing under load]; one no longer timed has fewer). Each round's times are
+    divided by the round's median over the candidates timed in every round;
     a candidate's time is the median of its relative times and its spread their interquartile
     range, both times the median round."""
-    rounds = [statistics.median(column) for column in zip(*seconds, strict=True)]
+    every = [t for t in seconds if len(t) == max(map(len, seconds))]  # timed in every round
+    rounds = [statistics.median(column) for column in zip(*every, strict=True)]
     scale, out = statistics.median(rounds), []
     for c, times in zip(fitting, seconds, strict=True):
-        relative = [t / level * scale for t, level in zip(times, rounds, strict=True)]
+        relative = [t / level * scale for t, level in zip(times, rounds, strict=False)]
         q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 \
             else relative * 3  # fmt: skip
         out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,

@@ -10,7 +10,12 @@ Note [what the planner measures]
     gradients between micro-batches). Within one option the peak grows about linearly with the
     micro-batch, ``peak ≈ a + b·m``: ``a`` is the model, gradients and optimizer state, ``b`` the
     activations per sample. Sizes are measured smallest first; once one does not fit, the larger
-    ones of that option are not run, only predicted by the fit. With ``micro_batch_tokens`` the
+    ones of that option are not run, only predicted by the fit. With the default options,
+    checkpointing is measured only at the sizes that do not fit without it: it recomputes the
+    same micro-batches, so where they fit it can only be slower (and the safety margin already
+    keeps the headroom a step needs: Note [ties and headroom]); explicit options are all
+    measured. A token budget that cuts the batch into the same micro-batches as a smaller one is
+    left out: it would measure the same. With ``micro_batch_tokens`` the
     token budgets of variable-length text are swept the same way after the sizes, per option
     (Note [token windows] in ``bigbatch.core._tokens``): the fit is then per token of the budget,
     and a budget's micro-batch count, rows and padding are read from the cut itself, without a
@@ -36,9 +41,12 @@ Note [timing under load]
     configuration, in alternating order (forward, then backward), and runs one untimed step
     (the allocator and kernels settle on that size) and one timed step. A load that rises or
     falls while planning so touches all configurations alike; dividing each round's times by
-    the round's median cancels a load that slowed a whole round. A configuration's time is the
-    median of its relative times (in seconds: times the median round), its spread their
-    interquartile range; Note [ties and headroom] (in ``bigbatch.memory._candidates``) decides.
+    the round's median cancels a load that slowed a whole round. After two rounds, only the
+    configurations within 1.5x of the fastest median are timed again: a tie needs 5%, so the
+    others cannot win, and timing them again was most of a plan's time. A configuration's time
+    is the median of its relative times (in seconds: times the median round, over those timed
+    in every round), its spread their interquartile range; Note [ties and headroom] (in
+    ``bigbatch.memory._candidates``) decides. ``progress`` hears of each measurement.
     On the CPU the timing runs on a thread of its own: glibc gives a new thread its own malloc
     arena, so the heap those steps leave behind is not the one later peaks are read from
     (timed on the main thread, a second plan in the same process read micro-batch 16 of the
@@ -58,6 +66,7 @@ import copy
 import ctypes.util
 import dataclasses
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,7 +75,7 @@ from typing import Any
 
 import torch
 
-from bigbatch.core._tokens import TokenCut
+from bigbatch.core._tokens import TokenCut, TrimmedSampleCut
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.loss import LossFn
@@ -80,6 +89,9 @@ from bigbatch.memory.checkpointing import disable_checkpointing, enable_checkpoi
 
 OptimizerArg = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters (copied with it), a factory ``f(params)``, or None."""
+Progress = Callable[[str, int, int], None]
+"""``progress(line, done, total)``: after each measurement, what it found and how far the plan is
+(``done`` of at most ``total`` measurements and timed steps)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +149,7 @@ class _Setup:
     margin: float
     device: torch.device
     cut: TokenCut | None  # with the lengths, when the batch is text (padding, token budgets)
+    progress: Progress = lambda line, done, total: None
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -157,13 +170,13 @@ class _Setup:
 
     def shape(self, m: int, tokens: bool, option: Option) -> Candidate:
         """Micro-batch ``m`` (a token budget if ``tokens``) under ``option``, not yet measured;
-        its padding is of the tokens computed, cut by tokens or padded to the longest sample."""
+        its padding is of the tokens computed (cut by samples: trimmed as the sample cut trims)."""
         cut, rows, steps, padding = self.cut, m, math.ceil(self.n / m), None
-        if cut is not None:
-            whole = cut.units(self.batch)
+        if cut is not None:  # by samples: trimmed to each micro-batch's longest, if text
+            whole, trimmed = cut.units(self.batch), TrimmedSampleCut()(self.batch, m)
             pieces = cut(self.batch, m if tokens else whole)
-            computed = sum(p.padded_tokens or 0 for p in pieces) if tokens else whole
-            padding = 1 - sum(p.tokens or 0 for p in pieces) / computed
+            computed = sum(p.padded_tokens or 0 for p in (pieces if tokens else trimmed))
+            padding = 1 - sum(p.tokens or 0 for p in pieces) / (computed or whole)
             rows, steps = (max(p.samples for p in pieces), len(pieces)) if tokens else (m, steps)
         return Candidate(micro_batch_size=rows, gradient_accumulation_steps=steps,
                          checkpointing=option[1], policy=option[0], padding=padding,
@@ -177,6 +190,15 @@ class _Setup:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+
+def _distinct(cut: TokenCut | None, batch: Batch, budgets: list[int]) -> list[int]:
+    """``budgets`` less those that cut ``batch`` into the same micro-batches as a smaller one."""
+    cuts: dict[tuple, int] = {}
+    for b in budgets:  # ascending: each cut keeps its smallest budget (no budgets without a cut)
+        pieces = cut(batch, b)  # type: ignore[misc]
+        cuts.setdefault(tuple((p.padded_tokens, *p.rows.tolist()) for p in pieces), b)  # type: ignore[union-attr]
+    return list(cuts.values())
 
 
 def checkpoint(model: torch.nn.Module, option: Option) -> None:
@@ -199,6 +221,7 @@ def plan(
     margin: float = 0.1,
     micro_batch_tokens: Sequence[int] | str | None = None,
     lengths: Callable[[Any], Any] | None = None,
+    progress: Progress | None = None,
 ) -> Plan:
     """Find a fast way to cut ``batch_size`` samples into micro-batches that fits in memory.
 
@@ -232,10 +255,14 @@ def plan(
         micro_batch_tokens: token budgets to compare as well, for a batch of variable-length
             text (Note [token windows] in ``bigbatch.core._tokens``): integers from the longest
             sample's length to the whole window's ``batch_size × longest``, or ``"auto"`` for
-            ``m × longest`` at each default ``m``; ``None``: cut by samples only.
+            ``m × longest`` at each default ``m``; ``None``: cut by samples only. A budget that
+            cuts the batch into the same micro-batches as a smaller one is left out (it would
+            measure the same).
         lengths: ``lengths(batch)`` -> each sample's tokens, for a batch that is not a mapping
             with an ``attention_mask``; with it (or with ``micro_batch_tokens``) every
             configuration shows its padding.
+        progress: ``progress(line, done, total)`` after each measurement (``Progress``), e.g.
+            to draw a progress bar.
 
     Returns:
         A ``Plan``; ``plan.choice`` is the configuration to use, ``plan.reason`` says why.
@@ -259,14 +286,17 @@ def plan(
     _check_steps_and_margin(steps, margin)
     budget = parse_bytes(memory_budget) or default_budget(device)
     cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
-    budgets = _check_tokens(micro_batch_tokens, cut, full, n)
-    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut)
+    budgets = _distinct(cut, full, _check_tokens(micro_batch_tokens, cut, full, n))
+    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut,
+                   *([progress] if progress else []))  # fmt: skip
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
-        candidates, fits = _measure_peaks(setup, options, sizes, budgets)
+        candidates, fits = _measure_peaks(setup, options, sizes, budgets, checkpointing is None)
     if not any(c.fits for c in candidates):
         raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
+    if len(options) > 1 and all(c.policy == "none" for c in candidates):
+        skipped.append("checkpointing: every micro-batch fits without it (it only adds time)")
     candidates = (_on_own_thread if cpu else _time)(setup, candidates)
     return _choose(setup, candidates, tuple(fits), tuple(skipped))
 
@@ -283,17 +313,25 @@ def _choose(setup: _Setup, candidates: list[Candidate], fits: tuple, skipped: tu
     )  # fmt: skip
 
 
-def _measure_peaks(
-    setup: _Setup, options: Sequence[Option], sizes: Sequence[int], budgets: Sequence[int]
-) -> tuple[list[Candidate], list[MemoryFit]]:
+def _measure_peaks(setup: _Setup, options: Sequence[Option], sizes: Sequence[int],
+                   budgets: Sequence[int], bound: bool = False,
+                   ) -> tuple[list[Candidate], list[MemoryFit]]:  # fmt: skip
     """Every option at every size, then every token budget, smallest first, until one does not
-    fit (the larger ones are predicted); then the fits."""
-    candidates, fits = list[Candidate](), list[MemoryFit]()
+    fit (the larger ones are predicted); then the fits. ``bound``: checkpointing only at the
+    sizes that do not fit without it (Note [what the planner measures])."""
+    candidates, fits, plain = list[Candidate](), list[MemoryFit](), set[tuple[bool, int]]()
+    total = len(options) * (len(sizes) + len(budgets))
     for option, tokens in ((o, t) for o in options for t in (False, True)):
-        larger = [setup.shape(m, tokens, option) for m in (budgets if tokens else sizes)]
+        wanted = [m for m in (budgets if tokens else sizes) if (tokens, m) not in plain]
+        larger = [setup.shape(m, tokens, option) for m in wanted]
+        if not larger:
+            continue
         measured: list[Candidate] = []
         while larger and (not measured or measured[-1].fits):
-            measured.append(_peak(setup, larger.pop(0)))
+            measured.append(c := _peak(setup, larger.pop(0)))
+            what = "out of memory" if c.out_of_memory else rules.format_bytes(c.peak_bytes)
+            setup.progress(f"peak of {c.describe()}: {what}", len(candidates) + len(measured), total)  # fmt: skip
+        plain |= {c.size for c in measured if c.fits and bound and option[0] == "none"}
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
         candidates += measured + (rules.predicted(larger, fit, measured[-1]) if larger else [])
@@ -342,6 +380,9 @@ def _time(
     seconds: list[list[float]] = [[] for _ in fitting]
     visits = list(enumerate(fitting))
     for r in range(setup.steps):
+        if r == 2:  # Note [timing under load]: later rounds time only those that can still win
+            best = min(statistics.median(t) for t in seconds)
+            visits = [(i, c) for i, c in visits if statistics.median(seconds[i]) <= 1.5 * best]
         for i, c in visits if r % 2 == 0 else visits[::-1]:
             if stop is not None and stop.is_set():
                 return candidates
@@ -349,6 +390,8 @@ def _time(
             acc = setup.accumulator(net, opt, c)
             setup.step(acc)  # untimed: the allocator and kernels settle on this size
             seconds[i].append(setup.step(acc))
+            line = f"timing round {r + 1}/{setup.steps}: {c.describe()}: {seconds[i][-1]:.2f} s"
+            setup.progress(line, sum(map(len, seconds)), setup.steps * len(visits))
     done = iter(rules.timed(fitting, seconds, setup.n))
     return [next(done) if c.fits else c for c in candidates]
 
