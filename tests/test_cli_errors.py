@@ -202,6 +202,29 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["plan", "--batch-size", "0"], "--batch-size 0 is not allowed: use a positive integer, "
+         "at most the task's 50 training samples."),
+        (["plan", "--batch-size", "-3"], "--batch-size -3 is not allowed: use a positive integer"),
+        (["plan", "--batch-size", "4", "--micro-batch-sizes", "a,b"],
+         "--micro-batch-sizes: 'a,b' is not a comma-separated list of integers"),
+        (["plan", "--batch-size", "4", "--micro-batch-tokens", "abc"],
+         "--micro-batch-tokens: 'abc' is not a comma-separated list of integers or auto"),
+        (["plan", "--batch-size", "4", "--margin", "wide"], "--margin: 'wide' is not a number"),
+        (["check", "--batch-size", "4", "--tolerance", "x"], "--tolerance: 'x' is not a number"),
+        (["check", "--micro-batch-size", "2.5"], "--micro-batch-size: '2.5' is not an integer"),
+    ],
+)  # fmt: skip
+def test_the_flags_of_plan_and_check_are_one_line(capsys, argv, line):
+    """Before: torch's collate.py frame (--batch-size 0) and "invalid <lambda> value"."""
+    code, err = run(capsys, argv[0], f"{TASKS}:classify", *argv[1:])
+    assert code == 2
+    assert one_line(err, argv[0]) == line or one_line(err, argv[0]).startswith(line)
+    assert "lambda" not in err and "collate" not in err
+
+
 # ----------------------------------------------------------------------------- memory
 def test_memory_budget_exceeded_names_the_flags(capsys, tmp_path):
     code, err = train(capsys, "hungry", tmp_path / "r", "--memory-budget", "1MiB")
