@@ -291,7 +291,8 @@ def _run_train(args: argparse.Namespace) -> None:
     --bf16). The run folder (--out) gets metrics.csv, train.log, snapshots, model.pt and
     summary.json (`bigbatch report DIR` plots it); one run at a time per folder. Ctrl-C or
     SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit
-    130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
+    130/143); a second Ctrl-C stops at once (a second SIGTERM is a copy of the first: pkill,
+    SLURM, torchrun). Reference: docs/cli.md.
     """
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
