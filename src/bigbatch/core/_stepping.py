@@ -12,12 +12,14 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.split import check_choice
 
 NONFINITE = ("raise", "skip", "apply")
@@ -78,24 +80,28 @@ NONFINITE_FIX = (
 )
 
 
-def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> None:
+def check_window(
+    sums: dict[str, float], counts: dict[str, float], bad_counts: float, expected: Any
+) -> None:
     """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine), or
     whose terms' counts are not the ones known before it (``expected``, several terms).
 
     Raises:
-        ValueError: a count was negative or not finite, the total is not positive, or a term's
-            count is not the one ``count_fn`` gave.
+        ValueError: a count was negative or not finite, a term's count is 0 and its sum is not,
+            or a term's count is not the one ``count_fn`` gave.
     """
     if bad_counts:
         raise ValueError(
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
             "number of items summed over. The window was discarded; nothing was changed."
         )
-    if not (total := sum(counts.values())) > 0:
-        raise ValueError(
-            f"the window's total count is {total:g}: no item to average over (every label "
-            "ignore_index?). The window was discarded, nothing changed: check the batch or count."
-        )
+    for name, count in counts.items():
+        if not count and sums[name] != 0 and math.isfinite(sums[name]):
+            raise ValueError(
+                f"term {name!r} sums to {sums[name]:g} over a count of 0: with no item to average "
+                "over it has no full-batch value (sum / 0). Return a count > 0 with that sum, or "
+                "a sum of 0. The window was discarded; nothing was changed."
+            )
     for name, count in counts.items() if expected is not None and len(counts) > 1 else ():
         want = float(expected.get(name, math.nan))
         if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
@@ -103,6 +109,14 @@ def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> 
                 f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
                 f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
             )
+
+
+EMPTY_WINDOW = (
+    "a window's total count is 0 (every label ignore_index, every sample masked or weighted 0?): "
+    "with nothing to average over, the step applies a zero gradient, as the full batch does in "
+    "transformers' Trainer and Keras (the optimizer still steps: AdamW decays, momentum moves); "
+    "its loss is reported as 0. Said once."
+)
 
 
 def pair_grads(
@@ -261,6 +275,7 @@ class Stepper:
         optimizer, scheduler, max_grad_norm, nonfinite: as the ``Accumulator``'s (checked there).
         precision: the ``Precision`` (unscale, step through the loss scaler).
         sync: the gradient-sync control (the totals' all-reduce, a deferred window's reduce).
+        warned: whether a window that counted nothing was warned about (once).
     """
 
     optimizer: Any
@@ -269,6 +284,7 @@ class Stepper:
     nonfinite: str
     precision: Any
     sync: Any
+    warned: bool = False  # about a window that counted nothing (EMPTY_WINDOW), once
 
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
@@ -277,8 +293,11 @@ class Stepper:
         if self.sync.world_size > 1:
             totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
-        check_window(counts, totals[-1], w.expected)  # then the bad counts
-        terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
+        check_window(sums, counts, totals[-1], w.expected)  # then the bad counts
+        if not any(counts.values()) and not self.warned:  # Note [window checks]: nothing counted
+            self.warned = True
+            warnings.warn(EMPTY_WINDOW, BigBatchWarning, stacklevel=4)
+        terms = {k: sums[k] / c if c else sums[k] * 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
         # In fp16 non-finite windows are the loss scaler's to skip.

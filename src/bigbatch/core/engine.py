@@ -12,7 +12,13 @@ Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
     finite, a loss or gradient that is NaN or infinite) are checked at ``step``, from the totals
     it reads anyway (one host sync per step), before ``optimizer.step()``: a window that fails a
-    check is discarded and nothing else changes.
+    check is discarded and nothing else changes. A window whose total count is 0 (every label
+    ``ignore_index``, every sample masked or weighted 0: a third of wikitext's lines are empty)
+    has nothing to average over; transformers' Trainer and Keras then take the step with a zero
+    gradient and report a loss of 0, and so does the engine, with one ``BigBatchWarning``: the
+    optimizer steps (AdamW still decays its moments and the weights, SGD's momentum still moves
+    them). A term whose count is 0 and whose sum is not has no full-batch value (sum / 0) and is
+    refused.
 """
 
 from __future__ import annotations
@@ -445,7 +451,9 @@ class Accumulator:
 
         Raises:
             RuntimeError: nothing was accumulated since the last step.
-            ValueError: the window's total count is 0, or a count was negative / not finite.
+            ValueError: a count was negative / not finite, or a term's count is 0 and its sum is
+                not (a window that counted nothing steps with a zero gradient: Note [window
+                checks]).
             NonFiniteError: the loss or gradient is NaN / infinite and ``nonfinite="raise"``.
             In each case the window is discarded and nothing else changed.
         """
