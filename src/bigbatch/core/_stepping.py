@@ -84,7 +84,8 @@ def check_window(
     sums: dict[str, float], counts: dict[str, float], bad_counts: float, expected: Any
 ) -> None:
     """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine), or
-    whose terms' counts are not the ones known before it (``expected``, several terms).
+    whose terms' counts are not the ones known before it (``expected``: ``count_fn``, a count
+    pass), which would run the backward at another scale than the full batch's (fp16 skips).
 
     Raises:
         ValueError: a count was negative or not finite, a term's count is 0 and its sum is not,
@@ -102,12 +103,13 @@ def check_window(
                 "over it has no full-batch value (sum / 0). Return a count > 0 with that sum, or "
                 "a sum of 0. The window was discarded; nothing was changed."
             )
-    for name, count in counts.items() if expected is not None and len(counts) > 1 else ():
-        want = float(expected.get(name, math.nan))
+    for name, count in counts.items() if expected is not None else ():
+        want = expected.get(name, math.nan)  # numbers: read with the totals (Window.totals)
         if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            term = f"term {name!r}: " if len(counts) > 1 else ""
             raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
-                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
+                f"{term}count_fn counted {want:g} before the window, loss_fn's counts add up to "
+                f"{count:g}: count_fn must return the counts loss_fn will. Nothing changed."
             )
 
 

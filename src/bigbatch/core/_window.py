@@ -164,9 +164,11 @@ class Window:
 
     def totals(self) -> list[float]:
         """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
-        checked at step time, Note [window checks]): read from the device in one host sync."""
+        checked at step time, Note [window checks]): read from the device in one host sync,
+        with the ``expected`` counts (left in ``expected`` as numbers)."""
         sums = iter(torch.stack([s for v in self.sums.values() for s in v]).tolist())
         tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
+        tensors += [c for c in (self.expected or {}).values() if isinstance(c, torch.Tensor)]
         read = iter(torch.stack(tensors).tolist() if tensors else ())
         out: list[float] = []
         bad = 0
@@ -174,6 +176,9 @@ class Window:
             counts = [next(read) if isinstance(c, torch.Tensor) else c for c in self.counts[name]]
             bad += sum(not (math.isfinite(c) and c >= 0) for c in counts)
             out += [sum(next(sums) * f for f in factors), float(sum(counts))]
+        if self.expected is not None:
+            known = self.expected.items()
+            self.expected = {k: next(read) if torch.is_tensor(c) else float(c) for k, c in known}
         return [*out, bad]
 
 
