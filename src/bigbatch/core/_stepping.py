@@ -13,7 +13,7 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,14 +122,22 @@ EMPTY_WINDOW = (
 
 
 def pair_grads(
-    optimizer: Any, grads: Mapping[torch.Tensor, Any] | Sequence[torch.Tensor | None]
+    optimizer: Any, grads: Mapping[torch.Tensor, Any] | Iterable[torch.Tensor | None]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(parameter, gradient)`` pairs from a dict, or a list in the optimizer's order.
+    """``(parameter, gradient)`` pairs from a dict, or any iterable (a list, a tuple, a
+    generator) in the optimizer's order.
 
     Raises:
-        ValueError: a list of the wrong length, or a gradient whose shape is not its parameter's.
+        TypeError: neither a mapping nor an iterable of gradients.
+        ValueError: the wrong number of gradients, or one whose shape is not its parameter's.
     """
     params = params_of(optimizer)
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, (Mapping, Iterable)):
+        raise TypeError(
+            f"accumulate_grads() got grads of type {type(grads).__name__}: pass {{parameter: "
+            "gradient}, or a list (any iterable) of one gradient per parameter, in its order."
+        )
+    grads = grads if isinstance(grads, Mapping) else list(grads)
     if not isinstance(grads, Mapping) and len(grads) != len(params):
         raise ValueError(
             f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -409,7 +409,7 @@ class Accumulator:
 
     def accumulate_grads(
         self,
-        grads: Mapping[torch.Tensor, torch.Tensor] | Sequence[torch.Tensor | None],
+        grads: Mapping[torch.Tensor, torch.Tensor] | Iterable[torch.Tensor | None],
         count: torch.Tensor | int | float,
         loss_sum: torch.Tensor | float = 0.0,
     ) -> None:
@@ -417,8 +417,8 @@ class Accumulator:
 
         Args:
             grads: gradients of a loss SUM over ``count`` items: ``{parameter: gradient}`` for
-                parameters of the optimizer, or a list in the order of the optimizer's parameters
-                (``None`` for none).
+                parameters of the optimizer, or a list (any iterable: a tuple, a generator) in
+                the order of the optimizer's parameters (``None`` for none).
             count: the items that sum covers (samples, tokens).
             loss_sum: the sum's value, for the reported loss (a number or a one-element tensor).
 
