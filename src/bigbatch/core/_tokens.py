@@ -17,10 +17,12 @@ Note [token windows]
 
     Lengths come from ``attention_mask.sum(-1)`` for a mapping batch in the transformers
     convention (``input_ids``, ``attention_mask``, ``labels``, right padding), else from
-    ``lengths(batch)``. Per-token tensors are the batch's tensors whose second dimension is its
-    padded length. Left padding is refused: trimming a left-padded micro-batch would move its real
-    tokens to other positions (other position embeddings, and a shifted loss would lose the
-    prediction of the first token), so the step could not be the full batch's.
+    ``lengths(batch)``; a mapping batch's ``labels`` / ``attention_mask`` must hold the pad value
+    past each sample's length (``TokenCut._check_extent``), or a trim would drop those tokens.
+    Per-token tensors are the batch's tensors whose second dimension is its padded length. Left
+    padding is refused: trimming a left-padded micro-batch would move its real tokens to other
+    positions (other position embeddings, and a shifted loss would lose the prediction of the
+    first token), so the step could not be the full batch's.
 
 Note [compile buckets]
     ``torch.compile`` compiles again for every new input shape. With ``pad_to_multiple_of=M`` a
@@ -36,8 +38,10 @@ Note [compile buckets]
 
 from __future__ import annotations
 
+import numbers
+import reprlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,6 +132,7 @@ class TokenCut(SampleCut):
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         lengths, n = self._lengths(batch), batch_size(batch)
+        self._check_extent(batch, lengths)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
@@ -181,13 +186,20 @@ class TokenCut(SampleCut):
         n = batch_size(batch)
         if self.lengths is not None:
             found = self.lengths(batch)
-            values = [int(v) for v in (found.tolist() if torch.is_tensor(found) else found)]
-            if len(values) != n or any(v < 1 for v in values):
+            flat = found.tolist() if torch.is_tensor(found) and found.dim() == 1 else found
+            listed = isinstance(flat, (Sequence, Iterator)) and not isinstance(flat, (str, bytes))
+            values = list(flat) if listed else []
+            wrong = [v for v in values if not isinstance(v, numbers.Real) or isinstance(v, bool)
+                     or not (float(v) >= 1 and float(v).is_integer())]  # fmt: skip
+            if not listed or len(values) != n or wrong:
+                what = (f"a length of {wrong[0]!r}" if wrong else f"{len(values)} lengths for "
+                        f"{n} samples" if listed else f"a tensor of shape {tuple(found.shape)}"
+                        if torch.is_tensor(found) else reprlib.repr(found))  # fmt: skip
                 raise ValueError(
-                    f"lengths(batch) returned {len(values)} lengths for {n} samples (or one below "
-                    "1): return one positive length (tokens) per sample."
+                    f"lengths(batch) returned {what}: return one length per sample, a positive "
+                    "integer (its tokens), as a list or a 1-D tensor."
                 )
-            return values
+            return [int(v) for v in values]
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise TypeError(
@@ -203,6 +215,25 @@ class TokenCut(SampleCut):
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
         return [max(1, int(v)) for v in counts.tolist()]
+
+    def _check_extent(self, batch: Any, lengths: list[int]) -> None:
+        """Refuse lengths shorter than a sample's labelled (``labels`` not the pad value) or
+        attended (``attention_mask`` 1) tokens: trimming to them would drop those tokens."""
+        width = _padded_length(batch)
+        source = "lengths(batch)" if self.lengths else "attention_mask"
+        for key in ("labels", "attention_mask") if isinstance(batch, Mapping) else ():
+            t, pad = batch.get(key), self.pad_values[key]
+            if not (torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == width):
+                continue
+            ends = torch.tensor(lengths, device=t.device)[:, None]
+            past = torch.arange(width, device=t.device) >= ends
+            for i, j in ((t != pad) & past).nonzero()[:1].tolist():
+                raise ValueError(
+                    f"{source} gives sample {i} {lengths[i]} tokens, but its {key} is not {pad} "
+                    f"at token {j + 1}: trimming micro-batches to these lengths would drop that "
+                    "token, and the step would not be the full batch's. Set it to "
+                    f"{pad} past each sample's length, or count it in the sample's length."
+                )
 
     def check_shapes(self, model: Any) -> None:
         """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""
