@@ -177,6 +177,11 @@ def test_toml_values_are_typed(capsys, tmp_path, toml, line):
         ),
         (["--memory-budget", "inf"], "memory_budget='inf' is not a size: write a number"),
         (
+            ["--micro-batch-tokens", "64", "--pad-to-multiple-of", "128"],  # before: a sample of
+            "pad_to_multiple_of=128 is larger than micro_batch_tokens=64: every micro-batch would "
+            "be padded to at least 128 tokens, over the budget.",  # 16 tokens "longer than 64"
+        ),
+        (
             ["--gradient-accumulation-steps", "6"],  # with --batch-size 10 and no micro-batch
             "batch_size=10 cannot be cut into gradient_accumulation_steps=6 micro-batches: at 2 "
             "samples per micro-batch it takes 5 (only the last may be smaller). Use "

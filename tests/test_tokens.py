@@ -144,6 +144,7 @@ def test_lengths_function_for_a_tuple_batch(gen):
         ({"pad_to_multiple_of": 8}, ValueError, r"give micro_batch_tokens too"),
         ({"micro_batch_tokens": 64, "pad_to_multiple_of": 0}, ValueError, r"pad_to_multiple_of=0"),
         ({"micro_batch_tokens": 64, "lengths": 3}, TypeError, r"lengths=3 is not callable"),
+        ({"micro_batch_tokens": 64, "pad_to_multiple_of": 128}, ValueError, r"^pad_to_multiple_of=128 is larger than micro_batch_tokens=64: every micro-batch would be padded to at least 128 tokens, over the budget\. Use pad_to_multiple_of=64 \(at most 64\), or a larger micro_batch_tokens\.$"),
         ({"micro_batch_tokens": 64, "micro_batch_size": "auto"}, ValueError, r'micro_batch_tokens="auto"'),
     ],
 )  # fmt: skip
@@ -290,6 +291,23 @@ def test_a_sample_longer_than_the_budget_warns_once(gen):
     with warnings.catch_warnings():
         warnings.simplefilter("error", bigbatch.BigBatchWarning)
         acc.train_step(text_batch(6, gen), lm_loss)
+
+
+def test_a_bucket_longer_than_the_budget_says_so(gen):
+    """A sample of 9 tokens fits a budget of 10, its bucket of 16 does not: the warning said the
+    sample was longer than the budget."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=10, pad_to_multiple_of=8)  # fmt: skip
+    batch = text_batch(3, gen)
+    batch["attention_mask"][:, 9:] = 0
+    batch["labels"][:, 9:] = PAD
+    with pytest.warns(
+        bigbatch.BigBatchWarning,
+        match=r"^a sample of 9 tokens, in a bucket of 16 \(pad_to_multiple_of=8\), is longer "
+        r"than micro_batch_tokens=10: it gets a micro-batch of its own",
+    ):
+        assert acc.train_step(batch, lm_loss).micro_batches == 3
 
 
 class Pooled(nn.Module):

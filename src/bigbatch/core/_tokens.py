@@ -84,7 +84,15 @@ def make_cut(
             'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
         )
     sizing = Sizing(micro_batch_tokens, "micro_batch_tokens")
-    return sizing, TokenCut(micro_batch_size, *options)  # type: ignore[arg-type]  # not "auto"
+    cut = TokenCut(micro_batch_size, *options)  # type: ignore[arg-type]  # not "auto"
+    if isinstance(micro_batch_tokens, int) and (cut.multiple or 0) > micro_batch_tokens:
+        raise ValueError(
+            f"pad_to_multiple_of={cut.multiple} is larger than micro_batch_tokens="
+            f"{micro_batch_tokens}: every micro-batch would be padded to at least {cut.multiple} "
+            f"tokens, over the budget. Use pad_to_multiple_of={min(64, micro_batch_tokens)} (at "
+            f"most {micro_batch_tokens}), or a larger micro_batch_tokens."
+        )
+    return sizing, cut
 
 
 class TokenCut(SampleCut):
@@ -140,9 +148,13 @@ class TokenCut(SampleCut):
             length = self._round(longest)
             if length > size and not self.warned:
                 self.warned = True
+                bucket = f", in a bucket of {length} (pad_to_multiple_of={self.multiple})," * (
+                    length > longest
+                )
                 warnings.warn(
-                    f"a sample of {longest} tokens is longer than micro_batch_tokens={size}: it gets "
-                    "a micro-batch of its own (raise micro_batch_tokens if that runs out of memory).",
+                    f"a sample of {longest} tokens{bucket} is longer than micro_batch_tokens={size}: "
+                    "it gets a micro-batch of its own (raise micro_batch_tokens if that runs out of "
+                    "memory).",
                     BigBatchWarning,
                     stacklevel=5,
                 )
