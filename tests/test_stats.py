@@ -179,6 +179,29 @@ def test_bad_stats_fn_is_refused_and_changes_nothing(stats_fn, error, message, g
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_stats_fn_with_a_loss_fn_of_two_arguments_is_refused_before_the_window(gen):
+    """Before: Python's "takes 2 positional arguments but 3 were given", after the pass."""
+    model = TinyMoE().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    calls = []
+
+    def counting(m, mb):
+        calls.append(1)
+        return routing(m, mb)
+
+    def two(model, batch):
+        return model(batch["input_ids"])[0].sum(), 1
+
+    with pytest.raises(
+        TypeError,
+        match=r"^stats_fn is given, so loss_fn is called as loss_fn\(model, batch, stats\), but "
+        r"it takes \(model, batch\): add the stats parameter, or drop stats_fn\.$",
+    ):
+        acc.train_step(text(10, gen), two, stats_fn=counting)
+    assert not calls and all(p.grad is None for p in model.parameters())
+    acc.train_step(text(10, gen), lambda m, b, *rest: moe_loss(m, b, *rest), stats_fn=counting)
+
+
 def test_ready_made_load_balance_terms_equal_the_full_batch(gen):
     """``terms.load_balance_stats`` + ``terms.load_balance``: the same loss as ``moe_loss``."""
     from bigbatch.losses import terms

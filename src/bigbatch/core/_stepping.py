@@ -223,7 +223,8 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
         TypeError: anything else, or a scheduler of another optimizer.
     """
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if scheduler is not None and not plateau and not _steppable_without_arguments(scheduler):
+    steppable = accepts(getattr(scheduler, "step", None), 0)
+    if scheduler is not None and not plateau and not steppable:
         raise TypeError(
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
             "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
@@ -268,12 +269,14 @@ def params_of(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _steppable_without_arguments(scheduler: Any) -> bool:
+def accepts(fn: Any, n: int) -> bool:
+    """Whether ``fn`` is callable with ``n`` positional arguments (``True`` where its signature
+    cannot be read: a builtin)."""
     try:
-        return inspect.signature(scheduler.step).bind() is not None
-    except ValueError:  # no signature (a builtin): trust it
+        return inspect.signature(fn).bind(*range(n)) is not None
+    except ValueError:  # no signature: trust it
         return True
-    except (AttributeError, TypeError):  # no step, not callable, or it needs arguments
+    except TypeError:  # not callable, or it takes other arguments
         return False
 
 

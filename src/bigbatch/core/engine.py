@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -34,7 +35,14 @@ from bigbatch.core import _rng
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
-from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
+from bigbatch.core._stepping import (
+    Stepper,
+    StepResult,
+    accepts,
+    check_step,
+    pair_grads,
+    params_of,
+)
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
@@ -237,6 +245,11 @@ class Accumulator:
             )
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
+        if stats_fn is not None and callable(loss_fn) and not accepts(loss_fn, 3):
+            raise TypeError(
+                f"stats_fn is given, so loss_fn is called as loss_fn(model, batch, stats), but it "
+                f"takes {inspect.signature(loss_fn)}: add the stats parameter, or drop stats_fn."
+            )
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
         return self._runner.run(batch, run, self._finish, self._discard_window)
 
