@@ -9,7 +9,6 @@ a clipping norm that is not a positive number.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import warnings
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.loss import accepts
 from bigbatch.core.split import check_choice
 
 NONFINITE = ("raise", "skip", "apply")
@@ -267,17 +267,6 @@ def clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.T
 def params_of(optimizer: Any) -> list[torch.Tensor]:
     """Every parameter ``optimizer`` holds, in its order (no walk over the model's modules)."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def accepts(fn: Any, n: int) -> bool:
-    """Whether ``fn`` is callable with ``n`` positional arguments (``True`` where its signature
-    cannot be read: a builtin)."""
-    try:
-        return inspect.signature(fn).bind(*range(n)) is not None
-    except ValueError:  # no signature: trust it
-        return True
-    except TypeError:  # not callable, or it takes other arguments
-        return False
 
 
 @dataclass

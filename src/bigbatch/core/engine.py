@@ -35,19 +35,12 @@ from bigbatch.core import _rng
 from bigbatch.core._precision import Precision, make_precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
-from bigbatch.core._stepping import (
-    Stepper,
-    StepResult,
-    accepts,
-    check_step,
-    pair_grads,
-    params_of,
-)
+from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
-from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
+from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
 __all__ = ["Accumulator", "CountFn", "StatsFn", "StepResult"]

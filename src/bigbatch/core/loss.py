@@ -31,6 +31,7 @@ Note [named terms]
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -138,6 +139,17 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
 def mean_of(terms: Mapping[str, Term]) -> torch.Tensor:
     """The loss the terms stand for, ``Σ_k w_k loss_sum_k / count_k`` (a full batch's value)."""
     return sum(t.weight * t.loss_sum / t.count for t in terms.values())  # type: ignore[return-value]
+
+
+def accepts(fn: Any, n: int) -> bool:
+    """Whether ``fn`` is callable with ``n`` positional arguments (``True`` where its signature
+    cannot be read: a builtin)."""
+    try:
+        return inspect.signature(fn).bind(*range(n)) is not None
+    except ValueError:  # no signature: trust it
+        return True
+    except TypeError:  # not callable, or it takes other arguments
+        return False
 
 
 def check_scalar_loss(loss: torch.Tensor, name: str) -> None:
