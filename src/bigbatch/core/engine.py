@@ -18,7 +18,8 @@ Note [window checks]
     gradient and report a loss of 0, and so does the engine, with one ``BigBatchWarning``: the
     optimizer steps (AdamW still decays its moments and the weights, SGD's momentum still moves
     them). A term whose count is 0 and whose sum is not has no full-batch value (sum / 0) and is
-    refused.
+    refused; one whose sum is 0 too adds nothing (its scale is 0: ``_reciprocal`` in ``_scale``),
+    so the other terms' gradients are the full batch's.
 """
 
 from __future__ import annotations

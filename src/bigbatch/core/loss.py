@@ -111,7 +111,7 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
 
     Raises:
         TypeError, ValueError: as ``as_sum_and_count``, for each term, naming it; a weight that
-            is not a finite number; an empty mapping.
+            is not a finite number; an empty mapping; two names that are the same text.
     """
     if isinstance(output, Term):  # one ready-made term (bigbatch.losses.terms)
         return as_terms({"loss": output}, n_samples)
@@ -132,6 +132,9 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
             raise TypeError(f"loss_fn's term {name!r} has weight {weight!r}: use a number.")
         if not math.isfinite(weight):
             raise ValueError(f"loss_fn's term {name!r} has weight {weight!r}: use a finite number.")
+        if str(name) in terms:  # 1 and "1": the window's totals are kept by text
+            raise ValueError(f"loss_fn's term names {list(output)!r} hold {str(name)!r} twice "
+                             "as text: give each term a name of its own.")  # fmt: skip
         terms[str(name)] = Term(loss_sum, count, float(weight))
     return terms
 
