@@ -195,23 +195,8 @@ class TokenCut(SampleCut):
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens)."""
-        n = batch_size(batch)
         if self.lengths is not None:
-            found = self.lengths(batch)
-            flat = found.tolist() if torch.is_tensor(found) and found.dim() == 1 else found
-            listed = isinstance(flat, (Sequence, Iterator)) and not isinstance(flat, (str, bytes))
-            values = list(flat) if listed else []
-            wrong = [v for v in values if not isinstance(v, numbers.Real) or isinstance(v, bool)
-                     or not (float(v) >= 1 and float(v).is_integer())]  # fmt: skip
-            if not listed or len(values) != n or wrong:
-                what = (f"a length of {wrong[0]!r}" if wrong else f"{len(values)} lengths for "
-                        f"{n} samples" if listed else f"a tensor of shape {tuple(found.shape)}"
-                        if torch.is_tensor(found) else reprlib.repr(found))  # fmt: skip
-                raise ValueError(
-                    f"lengths(batch) returned {what}: return one length per sample, a positive "
-                    "integer (its tokens), as a list or a 1-D tensor."
-                )
-            return [int(v) for v in values]
+            return self._given_lengths(batch, batch_size(batch))
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise TypeError(
@@ -227,6 +212,24 @@ class TokenCut(SampleCut):
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
         return [max(1, int(v)) for v in counts.tolist()]
+
+    def _given_lengths(self, batch: Any, n: int) -> list[int]:
+        """``lengths(batch)``, refused unless it is one positive integer for each of ``n``."""
+        found = self.lengths(batch)  # type: ignore[misc]  # not None: _lengths checked
+        flat = found.tolist() if torch.is_tensor(found) and found.dim() == 1 else found
+        listed = isinstance(flat, (Sequence, Iterator)) and not isinstance(flat, (str, bytes))
+        values = list(flat) if listed else []
+        wrong = [v for v in values if not isinstance(v, numbers.Real) or isinstance(v, bool)
+                 or not (float(v) >= 1 and float(v).is_integer())]  # fmt: skip
+        if not listed or len(values) != n or wrong:
+            what = (f"a length of {wrong[0]!r}" if wrong else f"{len(values)} lengths for "
+                    f"{n} samples" if listed else f"a tensor of shape {tuple(found.shape)}"
+                    if torch.is_tensor(found) else reprlib.repr(found))  # fmt: skip
+            raise ValueError(
+                f"lengths(batch) returned {what}: return one length per sample, a positive "
+                "integer (its tokens), as a list or a 1-D tensor."
+            )
+        return [int(v) for v in values]
 
     def _check_extent(self, batch: Any, lengths: list[int]) -> None:
         """Refuse lengths shorter than a sample's labelled (``labels`` not the pad value) or
