@@ -31,7 +31,7 @@ class StepResult:
 
     Attributes:
         loss: the window's true loss, ``Σ loss_sum / Σ count`` over all ranks (for named terms
-            ``Σ_k w_k Σ loss_sum_k / Σ count_k``).
+            ``Σ_k w_k Σ loss_sum_k / Σ count_k``; a term that counted nothing is 0).
         count: the window's total count over all ranks (samples, or tokens for a token loss; the
             first term's for named terms).
         micro_batches: micro-batches accumulated on this rank.
