@@ -14,6 +14,8 @@ def full_batch_step(model, optimizer, loss_fn, batch, scheduler=None, max_grad_n
     optimizer.zero_grad(set_to_none=True)
     out = loss_fn(model, batch)
     loss = out[0] / out[1] if isinstance(out, tuple) else out
+    if isinstance(out, tuple) and not out[1]:  # nothing counted (every label ignored): a zero
+        loss = out[0] * 0  # gradient and a loss of 0, as transformers' Trainer and Keras take it
     loss.backward()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -177,6 +177,11 @@ def test_toml_values_are_typed(capsys, tmp_path, toml, line):
         ),
         (["--memory-budget", "inf"], "memory_budget='inf' is not a size: write a number"),
         (
+            ["--micro-batch-tokens", "64", "--pad-to-multiple-of", "128"],  # before: a sample of
+            "pad_to_multiple_of=128 is larger than micro_batch_tokens=64: every micro-batch would "
+            "be padded to at least 128 tokens, over the budget.",  # 16 tokens "longer than 64"
+        ),
+        (
             ["--gradient-accumulation-steps", "6"],  # with --batch-size 10 and no micro-batch
             "batch_size=10 cannot be cut into gradient_accumulation_steps=6 micro-batches: at 2 "
             "samples per micro-batch it takes 5 (only the last may be smaller). Use "
@@ -200,6 +205,29 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
         "micro_batch_size=0 is not allowed: use a positive integer smaller than the batch "
         "(16 samples: one micro-batch leaves nothing to compare), or None for about a third."
     )
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["plan", "--batch-size", "0"], "--batch-size 0 is not allowed: use a positive integer, "
+         "at most the task's 50 training samples."),
+        (["plan", "--batch-size", "-3"], "--batch-size -3 is not allowed: use a positive integer"),
+        (["plan", "--batch-size", "4", "--micro-batch-sizes", "a,b"],
+         "--micro-batch-sizes: 'a,b' is not a comma-separated list of integers"),
+        (["plan", "--batch-size", "4", "--micro-batch-tokens", "abc"],
+         "--micro-batch-tokens: 'abc' is not a comma-separated list of integers or auto"),
+        (["plan", "--batch-size", "4", "--margin", "wide"], "--margin: 'wide' is not a number"),
+        (["check", "--batch-size", "4", "--tolerance", "x"], "--tolerance: 'x' is not a number"),
+        (["check", "--micro-batch-size", "2.5"], "--micro-batch-size: '2.5' is not an integer"),
+    ],
+)  # fmt: skip
+def test_the_flags_of_plan_and_check_are_one_line(capsys, argv, line):
+    """Before: torch's collate.py frame (--batch-size 0) and "invalid <lambda> value"."""
+    code, err = run(capsys, argv[0], f"{TASKS}:classify", *argv[1:])
+    assert code == 2
+    assert one_line(err, argv[0]) == line or one_line(err, argv[0]).startswith(line)
+    assert "lambda" not in err and "collate" not in err
 
 
 # ----------------------------------------------------------------------------- memory

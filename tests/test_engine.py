@@ -106,6 +106,50 @@ def test_low_level_path_equals_full_batch(opt_name, cuts, gen):
     assert max_relative_error(ref, eng) < 1e-10
 
 
+def _weighted_ce(model, batch):
+    """Per-sample weights (the third column): a sum of weighted losses over the weights' sum."""
+    x, y, w = batch
+    return (w * F.cross_entropy(model(x), y, reduction="none")).sum(), w.sum()
+
+
+def _nothing_counted(cause, gen):
+    """A model, its loss and 4 batches of 10 whose 2nd and 3rd count nothing: every label
+    ignored (a causal LM) or every sample weight 0 (an MLP)."""
+    if cause == "labels":
+        batches = [padded_lm_batch(10, gen) for _ in range(4)]
+        for b in batches[1:3]:
+            b["labels"][:] = PAD
+        return causal_lm, lm_token_loss, batches
+    batches = [(*classification_batch(10, torch.float64, gen), torch.rand(10, generator=gen,
+                dtype=torch.float64) * (i not in (1, 2))) for i in range(4)]  # fmt: skip
+    return mlp, _weighted_ce, batches
+
+
+@pytest.mark.parametrize("cause", ["labels", "weights"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("path", ["train_step", "low_level"])
+def test_a_window_that_counts_nothing_steps_with_a_zero_gradient(cause, opt_name, path, gen):
+    """As the full batch does (transformers' Trainer, Keras): the optimizer steps on a zero
+    gradient (AdamW decays, SGD's momentum moves), the loss is 0, one warning for two such
+    windows. Before, the window raised and stopped training."""
+    make_model, loss_fn, batches = _nothing_counted(cause, gen)
+    ref, eng, opt_ref, opt_eng, _, _ = _twins(make_model, OPTIMIZERS[opt_name], torch.float64)
+    acc = bigbatch.Accumulator(eng, opt_eng, micro_batch_size=4)
+    with pytest.warns(bigbatch.BigBatchWarning, match="total count is 0") as warned:
+        for batch in batches:
+            want = full_batch_step(ref, opt_ref, loss_fn, batch)
+            if path == "train_step":
+                result = acc.train_step(batch, loss_fn)
+            else:
+                for i, piece in enumerate(bigbatch.split(batch, 4)):
+                    with acc.micro_batch(last=i == 2):
+                        acc.backward(*loss_fn(eng, piece))
+                result = acc.step()
+            assert result.loss == pytest.approx(want, rel=1e-10, abs=0)
+            assert max_relative_error(ref, eng) < 1e-10
+    assert [str(w.message)[:20] for w in warned] == ["a window's total cou"]
+
+
 def test_naive_mean_over_k_is_wrong_on_padded_data_but_engine_is_right(gen):
     """The tutorial loop (each micro-batch mean / k) trains a different model on padded data."""
     ref, eng, opt_ref, opt_eng, _, _ = _twins(causal_lm, OPTIMIZERS["sgd_momentum"], torch.float64)

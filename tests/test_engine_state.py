@@ -86,10 +86,11 @@ def test_sizing_is_chosen_once():
     assert Sizing(4).size_for(3) == 3 and Sizing("auto").size_for(7) == 7
 
 
-@pytest.mark.parametrize("as_dict", [False, True])
+@pytest.mark.parametrize("kind", ["list", "dict", "generator"])
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
-def test_accumulate_grads_equals_the_full_batch(opt_name, as_dict, gen):
-    """Gradients computed elsewhere (here torch.autograd.grad of each micro-batch's loss sum)."""
+def test_accumulate_grads_equals_the_full_batch(opt_name, kind, gen):
+    """Gradients computed elsewhere (here torch.autograd.grad of each micro-batch's loss sum),
+    as a dict, a list or a generator (before: "object of type 'generator' has no len()")."""
     make_opt = {
         "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
         "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
@@ -105,9 +106,11 @@ def test_accumulate_grads_equals_the_full_batch(opt_name, as_dict, gen):
             n = len(piece[1])
             loss_sum = mean_ce(ours, piece) * n
             grads = torch.autograd.grad(loss_sum, params)
-            acc.accumulate_grads(
-                dict(zip(params, grads, strict=True)) if as_dict else list(grads), n, loss_sum
-            )
+            given = {
+                "list": list(grads), "dict": dict(zip(params, grads, strict=True)),
+                "generator": (g for g in grads),
+            }[kind]  # fmt: skip
+            acc.accumulate_grads(given, n, loss_sum)
         result = acc.step()
     assert max_relative_error(ref, ours) < 1e-10
     assert result.micro_batches == 3 and result.count == 10
@@ -123,6 +126,12 @@ def test_accumulate_grads_refuses_what_does_not_match(gen):
         ValueError, match=r"a gradient of shape \(2,\) for a parameter of shape \(16, 6\)"
     ):
         acc.accumulate_grads({first: torch.zeros(2)}, 3)
+    for wrong, kind in [(5, "int"), (first, "Parameter")]:
+        with pytest.raises(
+            TypeError,
+            match=rf"accumulate_grads\(\) got grads of type {kind}: pass \{{parameter: gradient\}}",
+        ):
+            acc.accumulate_grads(wrong, 3)
     assert all(p.grad is None for p in model.parameters())  # checked before anything changed
 
 

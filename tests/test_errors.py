@@ -12,7 +12,15 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from models import classification_batch, mean_ce, mlp
+from models import (
+    PAD,
+    causal_lm,
+    classification_batch,
+    lm_token_loss,
+    mean_ce,
+    mlp,
+    padded_lm_batch,
+)
 from reference import full_batch_step, max_relative_error
 from torch import nn
 
@@ -180,21 +188,65 @@ def _assert_unchanged(acc, snapshot):
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
 
 
-def test_zero_total_count_leaves_everything_unchanged(gen):
+def test_a_sum_over_a_count_of_0_is_refused_and_changes_nothing(gen):
+    """A sum with nothing to average over has no full-batch value (sum / 0); a window that
+    counts nothing with a sum of 0 steps on a zero gradient instead (test_engine.py)."""
     model = mlp()
     acc = bigbatch.Accumulator(
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), micro_batch_size=4
     )
     acc.train_step(_batch(gen), mean_ce)  # the optimizer now has state to protect
     before = _snapshot(acc)
-    no_items = lambda m, b: (m(b[0]).sum() * 0, 0)  # noqa: E731  (e.g. every label is padding)
+    no_items = lambda m, b: (m(b[0]).sum(), 0)  # noqa: E731
     with pytest.raises(
         ValueError,
-        match=r"the window's total count is 0: no item to average over .* The window was discarded",
+        match=r"term 'loss' sums to -?[\d.]+ over a count of 0: with no item to average over it "
+        r"has no full-batch value \(sum / 0\).* nothing was changed",
     ):
         acc.train_step(_batch(gen), no_items)
     _assert_unchanged(acc, before)
     acc.train_step(_batch(gen), mean_ce)  # usable afterwards
+
+
+def _labelled(batch):
+    """The count of ``lm_token_loss`` (labels shifted by one, padding ignored): a tensor."""
+    return (batch["labels"][:, 1:] != PAD).sum()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "count_fn, error, message",
+    [
+        (lambda b: math.nan, ValueError, r"count_fn's result 'loss'=nan is not finite"),
+        (lambda b: -3, ValueError, r"count_fn's result 'loss'=-3 is negative"),
+        (lambda b: torch.tensor(math.nan), ValueError, r"count_fn counted nan before the window"),
+        (lambda b: torch.tensor(-2), ValueError, r"count_fn counted -6 before the window"),
+        (lambda b: 0, ValueError, r"count_fn counted 0 before the window"),
+        (lambda b: 1, ValueError, r"count_fn counted 3 before the window"),
+        (lambda b: torch.tensor(1), ValueError, r"count_fn counted 3 before the window"),
+        (lambda b: _labelled(b) * 2, ValueError, r"count_fn counted \d+ before the window"),
+    ],
+    ids=["nan", "negative", "tensor nan", "tensor negative", "0", "1", "tensor 1", "double"],
+)
+def test_a_count_fn_that_is_not_the_losss_count_is_refused(
+    count_fn, error, message, precision, gen
+):
+    """The backward runs at ``1 / count_fn``'s total: a wrong count sets another scale than the
+    full batch's, and in fp16 the step overflowed and was skipped silently. Checked at the step,
+    from the totals it reads anyway; nothing changed, and a right count_fn trains on."""
+    model = causal_lm()
+    acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters()), micro_batch_size=4,
+                               precision=precision)  # fmt: skip
+    acc.train_step(padded_lm_batch(10, gen), lm_token_loss, count_fn=_labelled)
+    before, batch = _snapshot(acc), padded_lm_batch(10, gen)
+    with pytest.raises(error, match=message) as refused:
+        acc.train_step(batch, lm_token_loss, count_fn=count_fn)
+    if "window" in message:  # the loss's count, named
+        assert f"loss_fn's counts add up to {int(_labelled(batch))}: count_fn must" in str(
+            refused.value
+        )
+    _assert_unchanged(acc, before)
+    assert not acc.train_step(batch, lm_token_loss, count_fn=_labelled).skipped
 
 
 # ---------------------------------------------------------------- misuse of the two paths

@@ -10,6 +10,7 @@ full-batch step in float64, where plain accumulation balances each micro-batch o
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -176,6 +177,73 @@ def test_bad_stats_fn_is_refused_and_changes_nothing(stats_fn, error, message, g
     with pytest.raises(error, match=message):
         acc.train_step(text(10, gen), moe_loss, stats_fn=stats_fn)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_stats_fn_with_a_loss_fn_of_two_arguments_is_refused_before_the_window(gen):
+    """Before: Python's "takes 2 positional arguments but 3 were given", after the pass."""
+    model = TinyMoE().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    calls = []
+
+    def counting(m, mb):
+        calls.append(1)
+        return routing(m, mb)
+
+    def two(model, batch):
+        return model(batch["input_ids"])[0].sum(), 1
+
+    with pytest.raises(
+        TypeError,
+        match=r"^stats_fn is given, so loss_fn is called as loss_fn\(model, batch, stats\), but "
+        r"it takes \(model, batch\): add the stats parameter, or drop stats_fn\.$",
+    ):
+        acc.train_step(text(10, gen), two, stats_fn=counting)
+    assert not calls and all(p.grad is None for p in model.parameters())
+    acc.train_step(text(10, gen), lambda m, b, *rest: moe_loss(m, b, *rest), stats_fn=counting)
+
+
+def test_statistics_are_matched_by_key_in_any_order(gen):
+    """Silent before: the pieces' statistics were summed by position, so a dict whose keys came in
+    another order added ``tokens`` to ``routed`` (broadcast) and the step was off. Now by key."""
+    torch.manual_seed(0)
+    init = TinyMoE().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 4)
+    calls = []
+
+    def shuffled(m, mb):  # every other micro-batch: {"tokens": ..., "routed": ...}
+        calls.append(1)
+        stats = routing(m, mb)
+        return stats if len(calls) % 2 else {"tokens": stats["tokens"], "routed": stats["routed"]}
+
+    for _ in range(2):
+        batch = text(10, gen)
+        full_batch_step(ref, ref_opt, full_batch_moe, batch)
+        acc.train_step(batch, moe_loss, stats_fn=shuffled)
+    assert max_relative_error(ref, model) < 1e-10
+
+
+@pytest.mark.parametrize("other", [{"routed"}, {"routed", "experts"}], ids=["fewer", "another"])
+def test_statistics_with_other_keys_are_refused_naming_them(other, gen):
+    """Silent before for ``another`` (same number of leaves: summed by position)."""
+    model = TinyMoE().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    calls = []
+
+    def stats_fn(m, mb):
+        calls.append(1)
+        stats = routing(m, mb)
+        return stats if len(calls) == 1 else {k: stats["routed"] for k in sorted(other)}
+
+    shown = ", ".join(f"stats[{k!r}]" for k in sorted(other))
+    with pytest.raises(
+        TypeError,
+        match=rf"^stats_fn returned {re.escape(shown)} for micro-batch 2 and stats\['routed'\], "
+        r"stats\['tokens'\] for the first: return the same keys for every micro-batch\.$",
+    ):
+        acc.train_step(text(10, gen), moe_loss, stats_fn=stats_fn)
     assert all(p.grad is None for p in model.parameters())
 
 

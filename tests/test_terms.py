@@ -275,3 +275,64 @@ def test_one_term_of_any_name_needs_no_count_pass(gen):
     for _ in range(2):
         result = acc.train_step(make_batch(10, gen), loss)
     assert calls == [4, 4, 2] * 2 and set(result.terms) == {"lm"}
+
+
+def test_a_term_with_no_item_adds_nothing_and_the_others_stay_exact(gen):
+    """A term whose window count is 0 and whose sum is 0 has nothing to average: it adds
+    nothing, as in the full batch, and the other terms' step is the full batch's. Its sum is
+    written as ``x - x.detach()`` (0, with a gradient) to see that none of it reaches the step:
+    before, it was back-propagated unnormalised (scale 1, not 1 / 0)."""
+    torch.manual_seed(0)
+    init = TinyCausalLM().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    acc = bigbatch.Accumulator(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 4)
+
+    def loss(m, mb):
+        logits = m(mb["input_ids"])
+        empty = logits.sum() - logits.sum().detach()
+        return {**terms.token_nll(logits, mb["labels"]), "empty": (empty, 0.0, 0.5)}
+
+    def plain(m, b):
+        logits = m(b["input_ids"])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten())
+
+    for _ in range(2):
+        batch = make_batch(10, gen)
+        full_batch_step(ref, ref_opt, plain, batch)
+        result = acc.train_step(batch, loss)
+        assert result.terms["empty"] == 0.0
+    assert max_relative_error(ref, model) < 1e-10
+
+
+def test_a_term_with_no_item_and_a_sum_is_refused_naming_it(gen):
+    model = TinyCausalLM().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+
+    def loss(m, mb):
+        logits = m(mb["input_ids"])
+        return {**terms.token_nll(logits, mb["labels"]), "aux": (logits.pow(2).sum(), 0)}
+
+    with pytest.raises(ValueError, match=r"^term 'aux' sums to [\d.e+]+ over a count of 0: with "
+                       r"no item to average over it has no full-batch value \(sum / 0\)"):  # fmt: skip
+        acc.train_step(make_batch(10, gen), loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("names", [(1, "1"), ("1", 1)])
+def test_term_names_that_are_the_same_text_are_refused(names, gen):
+    """Silent before: ``str(name)`` made one term of two, the second replacing the first."""
+    model = TinyCausalLM().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+
+    def loss(m, mb):
+        nll = terms.token_nll(m(mb["input_ids"]), mb["labels"])["nll"]
+        return {names[0]: nll, names[1]: (nll[0] * 2, nll[1])}
+
+    with pytest.raises(
+        ValueError,
+        match=rf"^loss_fn's term names \[{names[0]!r}, {names[1]!r}\] hold '1' twice as text: "
+        r"give each term a name of its own\.$",
+    ):
+        acc.train_step(make_batch(10, gen), loss)
+    assert all(p.grad is None for p in model.parameters())

@@ -240,6 +240,7 @@ def test_lengths_function_for_a_tuple_batch(gen):
         ({"micro_batch_tokens": 64, "trim_padding": False}, ValueError, r"trim every micro-batch"),
         ({"micro_batch_tokens": 64, "pad_to_multiple_of": 0}, ValueError, r"pad_to_multiple_of=0"),
         ({"micro_batch_tokens": 64, "lengths": 3}, TypeError, r"lengths=3 is not callable"),
+        ({"micro_batch_tokens": 64, "pad_to_multiple_of": 128}, ValueError, r"^pad_to_multiple_of=128 is larger than micro_batch_tokens=64: every micro-batch would be padded to at least 128 tokens, over the budget\. Use pad_to_multiple_of=64 \(at most 64\), or a larger micro_batch_tokens\.$"),
         ({"micro_batch_tokens": 64, "micro_batch_size": "auto"}, ValueError, r'micro_batch_tokens="auto"'),
     ],
 )  # fmt: skip
@@ -247,6 +248,73 @@ def test_bad_token_settings_are_refused(kwargs, error, message):
     model = nn.Linear(2, 2)
     with pytest.raises(error, match=message):
         bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def _lengths(batch):
+    return batch["attention_mask"].sum(-1)
+
+
+@pytest.mark.parametrize(
+    "lengths, returned",
+    [
+        (lambda b: None, "None"),
+        (lambda b: "abc", "'abc'"),
+        (lambda b: b["attention_mask"], r"a tensor of shape \(4, 12\)"),
+        (lambda b: [0, *_lengths(b).tolist()[1:]], "a length of 0"),
+        (lambda b: _lengths(b) - 20, "a length of -"),
+        (lambda b: [2.5, *_lengths(b).tolist()[1:]], "a length of 2.5"),
+        (lambda b: _lengths(b)[:3], "3 lengths for 4 samples"),
+        (lambda b: 7, "7"),
+    ],
+    ids=["None", "text", "2-D", "zero", "negative", "fraction", "too few", "a number"],
+)
+def test_lengths_that_are_not_one_length_per_sample_are_refused(lengths, returned, gen):
+    """Before: Python's own errors ('NoneType' object is not iterable, invalid literal for
+    int(), ...) or "returned 4 lengths for 4 samples (or one below 1)"."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=20, lengths=lengths)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"^lengths\(batch\) returned {returned}.*: return one length per sample, a "
+        r"positive integer \(its tokens\), as a list or a 1-D tensor\.$",
+    ):
+        acc.train_step(text_batch(4, gen), lm_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("key", ["labels", "attention_mask", "labels without lengths"])
+def test_lengths_that_would_trim_labelled_or_attended_tokens_are_refused(key, gen):
+    """Silent before: the trim dropped a labelled (or attended) token, and the step was not the
+    full batch's. Lengths one short of a sample's labelled or attended tokens, or (with the
+    attention mask's lengths) a label on padding, are refused naming the sample and token."""
+    model = PerToken().double()
+    before = copy.deepcopy(model.state_dict())
+    batch = text_batch(4, gen)
+    batch["labels"][0, -1] = batch["attention_mask"][0, -1] = 1  # sample 0: all 12 tokens
+    if key == "attention_mask":
+        batch["labels"][0, -1] = PAD  # attended, not labelled
+    given = key != "labels without lengths"
+    end = 3
+    if not given:  # sample 1: 3 tokens, a label on its padding (a collator that left pad labels)
+        batch["attention_mask"][1, end:], batch["labels"][1, end:] = 0, PAD
+        batch["labels"][1, end] = 5
+    short = (lambda b: [11, *_lengths(b).tolist()[1:]]) if given else None
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=20, lengths=short)  # fmt: skip
+    source, sample, tokens, token = (
+        ("lengths\\(batch\\)", 0, 11, 12) if given else ("attention_mask", 1, end, end + 1)
+    )
+    name, pad = (key, 0 if key == "attention_mask" else -100) if given else ("labels", -100)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{source} gives sample {sample} {tokens} tokens, but its {name} is not {pad} at "
+        rf"token {token}: trimming micro-batches to these lengths would drop that token, and the "
+        r"step would not be the full batch's\. Set it to",
+    ):
+        acc.train_step(batch, lm_loss)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_batches_without_lengths_and_masks_with_gaps_are_refused(gen):
@@ -319,6 +387,23 @@ def test_a_sample_longer_than_the_budget_warns_once(gen):
     with warnings.catch_warnings():
         warnings.simplefilter("error", bigbatch.BigBatchWarning)
         acc.train_step(text_batch(6, gen), lm_loss)
+
+
+def test_a_bucket_longer_than_the_budget_says_so(gen):
+    """A sample of 9 tokens fits a budget of 10, its bucket of 16 does not: the warning said the
+    sample was longer than the budget."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=10, pad_to_multiple_of=8)  # fmt: skip
+    batch = text_batch(3, gen)
+    batch["attention_mask"][:, 9:] = 0
+    batch["labels"][:, 9:] = PAD
+    with pytest.warns(
+        bigbatch.BigBatchWarning,
+        match=r"^a sample of 9 tokens, in a bucket of 16 \(pad_to_multiple_of=8\), is longer "
+        r"than micro_batch_tokens=10: it gets a micro-batch of its own",
+    ):
+        assert acc.train_step(batch, lm_loss).micro_batches == 3
 
 
 class Pooled(nn.Module):

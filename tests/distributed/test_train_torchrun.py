@@ -11,11 +11,20 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from torchrun_runs import BIGBATCH, FORKED, HERE, TORCHRUN, launch, start_and_stop_rank0
+from torchrun_runs import (
+    BIGBATCH,
+    FORKED,
+    HERE,
+    TORCHRUN,
+    launch,
+    start_and_stop_rank0,
+    wait_for_call,
+)
 
 from bigbatch.app.report import read_csv
 
@@ -97,3 +106,37 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     assert all(torch.equal(want[k], got[k]) for k in want)
     rows, ref = read_csv(str(run / "metrics.csv")), read_csv(str(whole / "metrics.csv"))
     assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ref]
+
+
+def test_sigterm_to_the_launcher_and_every_rank_snapshots_and_resumes(tmp_path):
+    """What pkill, SLURM and Kubernetes do: SIGTERM to every process of the job. Each rank gets
+    it twice, from the sender and from torchrun forwarding its own; the second is a copy of the
+    first, so the ranks finish the step in flight, snapshot it and stop (143), and ``--resume``
+    continues. Before, rank 0 took torchrun's copy as a second signal and stopped at once: no
+    snapshot of step 4, the run set back to step 3's. The order is fixed: rank 0 stops itself
+    at micro-batch 7 (step 4's first: 4 + 1 per step), the sender's SIGTERM reaches both ranks,
+    rank 0 runs on to micro-batch 8 and stops there, the launcher gets SIGTERM and forwards it,
+    then rank 0 continues and handles the copy."""
+    task = f"{HERE.parent / 'train' / 'tasks.py'}:killable"
+    flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
+             "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3", "--out", str(tmp_path)]  # fmt: skip
+    err = tmp_path / "stderr"
+    proc, (rank0, rank1) = start_and_stop_rank0(flags, tmp_path, 7, err, later=(8,))
+    for pid in (rank0, rank1):  # the sender's signal (rank 0 handles it as it continues)
+        os.kill(pid, signal.SIGTERM)
+    os.kill(rank0, signal.SIGCONT)
+    wait_for_call(tmp_path, 0, 8)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to both ranks
+    deadline = time.monotonic() + 60
+    while err.read_text().count("via signal SIGTERM") < 2:  # torchrun's log: both forwarded
+        assert time.monotonic() < deadline, err.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(rank0, signal.SIGCONT)
+    proc.wait(timeout=120)
+    assert "stopped by SIGTERM after step 4 of 12; snapshot written to" in err.read_text()
+    assert "interrupted" not in err.read_text()
+    assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["step"] == 4
+    done = launch([*FORKED, BIGBATCH, *flags, "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from step 4 of 12" in done.stdout
+    assert [int(r["step"]) for r in read_csv(str(tmp_path / "metrics.csv"))] == list(range(1, 13))

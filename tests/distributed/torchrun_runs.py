@@ -45,13 +45,16 @@ def launch(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
 
 
 def start_and_stop_rank0(
-    bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None
-) -> tuple[forks.Child, list[int]]:
+    bigbatch_args: list[str], tmp_path: Path, stop_at: int, stderr: Path | None = None,
+    later: tuple[int, ...] = (),
+) -> tuple[forks.Child, list[int]]:  # fmt: skip
     """Start ``FORKED BIGBATCH *bigbatch_args`` on a ``tasks.killable`` task and wait
     until rank 0 has stopped itself (SIGSTOP) at its ``stop_at``-th micro-batch; return the
     launcher and the two workers' PIDs (rank 0 first; torchrun starts each in its own session).
+    Rank 0 stops itself again at the micro-batches ``later`` (``wait_for_call`` waits there).
     """
-    child_env = env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=str(stop_at))
+    stops = ",".join(map(str, (stop_at, *later)))
+    child_env = env(KILL_LOG=str(tmp_path / "calls-{rank}.log"), STOP_AT=stops)
     err = str(stderr) if stderr is not None else None
     forks.needs_the_command_line()
     proc = forks.python([*FORKED, BIGBATCH, *bigbatch_args], child_env, stderr=err)
@@ -65,3 +68,11 @@ def start_and_stop_rank0(
         assert time.monotonic() < deadline, "rank 1 never started"
         time.sleep(0.05)
     return proc, [int(log.read_text().split()[0]) for log in logs]
+
+
+def wait_for_call(tmp_path: Path, rank: int, call: int, timeout: float = 120) -> None:
+    """Wait until ``rank`` has started its ``call``-th micro-batch (``start_and_stop_rank0``)."""
+    log, deadline = tmp_path / f"calls-{rank}.log", time.monotonic() + timeout
+    while log.read_text().split()[-1:] != [str(call)]:
+        assert time.monotonic() < deadline, f"rank {rank} never reached micro-batch {call}"
+        time.sleep(0.05)

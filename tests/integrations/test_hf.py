@@ -46,7 +46,8 @@ def train(cls, model, batch, steps, optimizers=sgd, n=12, args=None, **kwargs):
     args = args or {}
     trainer = cls(
         model=model, args=arguments(kwargs.pop("tmp"), batch, steps, **args),
-        train_dataset=texts(n), data_collator=collate, optimizers=optimizers(model), **kwargs,
+        train_dataset=texts(n), data_collator=kwargs.pop("data_collator", collate),
+        optimizers=optimizers(model), **kwargs,
     )  # fmt: skip
     trainer.train()
     return trainer
@@ -275,6 +276,30 @@ def test_training_step_outside_train_is_the_stock_step(tmp_path):
         runs.append((float(loss), [p.grad for p in model.parameters()]))
     (stock, stock_grads), (ours, our_grads) = runs
     assert stock == ours and all(map(torch.equal, stock_grads, our_grads))
+
+
+def test_a_window_that_counts_nothing_is_trained_on(tmp_path):
+    """Every label ignored (a third of wikitext's lines are empty): transformers' Trainer takes
+    the step on a zero gradient (AdamW still decays the weights), and so does bigbatch's, with
+    one warning for its two such windows; before, it raised and aborted ``train()``."""
+
+    def nothing_counted(samples):
+        return {**collate(samples), "labels": torch.full_like(collate(samples)["labels"], -100)}
+
+    base = gpt2()
+    ours, stock = copy.deepcopy(base), copy.deepcopy(base)
+    with pytest.warns(bigbatch.BigBatchWarning, match="total count is 0") as warned:
+        train(bigbatch.hf.Trainer, ours, 5, 3, adamw, tmp=tmp_path, data_collator=nothing_counted)
+    assert len([w for w in warned if w.category is bigbatch.BigBatchWarning]) == 1
+    train(transformers.Trainer, stock, 12, 1, adamw, tmp=tmp_path, data_collator=nothing_counted)
+    plain = copy.deepcopy(base)
+    optimizer = adamw(plain)[0]
+    for _ in range(2):
+        full_batch_step(plain, optimizer, sum_count, nothing_counted(texts(12)))
+    assert distance(ours, plain, base) < 1e-10 and distance(stock, plain, base) < 1e-10
+    pairs = zip(plain.parameters(), base.parameters(), strict=True)
+    moved = [not torch.equal(p, q) for p, q in pairs]
+    assert any(moved)  # AdamW's weight decay: the step was taken
 
 
 def test_errors(tmp_path):

@@ -81,6 +81,29 @@ def test_fit_equals_plain_full_batch_loop(case, tmp_path):
     assert summary.metric is not None and 0 <= summary.metric <= 1
 
 
+def test_a_batch_that_counts_nothing_is_trained_on(tmp_path):
+    """A batch whose every label is ignored (a third of wikitext's lines are empty) is the full
+    batch's step on a zero gradient, loss 0, as in transformers' Trainer; before, it stopped
+    ``fit``. The 2nd batch of epoch 0 (SGD with momentum) and the 3rd of epoch 1 (AdamW)."""
+    for optimizer, (epoch, index) in [(sgd_momentum, (0, 1)), (torch.optim.AdamW, (1, 2))]:
+        task = tasks.tiny_lm(n=16)
+        order = torch.randperm(16, generator=torch.Generator().manual_seed(7 + epoch))
+        ids, labels = task.train_data.tensors
+        labels[order[4 * index : 4 * index + 4]] = -100
+        task.optimizer = optimizer
+        want, losses = plain_loop(task, 4, 2, 0.05, optimizer, seed=7)
+        out = tmp_path / optimizer.__name__
+        with pytest.warns(bigbatch.BigBatchWarning, match="total count is 0"):
+            bigbatch.fit(task, batch_size=4, micro_batch_size=3, epochs=2, lr=0.05, seed=7,
+                         out=str(out), quiet=True)  # fmt: skip
+        assert max_relative_error(want, task.model) < 1e-10
+        rows = read_csv(str(out / "metrics.csv"))
+        assert [float(r["loss"]) for r in rows] == pytest.approx(losses, rel=1e-10)
+        assert (
+            float(rows[4 * epoch + index]["loss"]) == 0 == float(rows[4 * epoch + index]["count"])
+        )
+
+
 def test_lr_scaling_and_gradient_accumulation_steps(tmp_path):
     task = tasks.classify(n=20)
     task.optimizer = sgd_momentum

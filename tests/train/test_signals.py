@@ -3,7 +3,8 @@
 The child stops itself (SIGSTOP) inside a window at a known micro-batch; the test sends the
 signal and SIGCONT. The first signal lets the step in flight finish, writes a snapshot at that
 step, prints one line with the command that resumes, and exits 128 + the signal; running that
-command ends bitwise equal to an uninterrupted run. A second SIGINT stops at once, the step in
+command ends bitwise equal to an uninterrupted run. A second SIGTERM is the same stop (a copy:
+pkill, SLURM, torchrun forwarding it); a second SIGINT stops at once, the step in
 flight discarded, the last snapshot kept, except during a snapshot's write: two signals there
 let the write finish and stop with that snapshot. A signal during the final evaluation stops
 it (the training is complete and snapshotted); the printed command evaluates and writes
@@ -60,6 +61,26 @@ def test_a_second_sigint_stops_at_once(tmp_path, reference_run):
     assert runs.one_line(err.read_text()) == "bigbatch train: interrupted."
     assert runs.snapshot_step(out) == 3  # step 5 was not finished, nothing newer was written
     assert [int(r["step"]) for r in read_csv(str(out / "metrics.csv"))] == [1, 2, 3, 4]
+    done = runs.run(runs.argv(out, "--resume"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs.assert_same_run(out, reference_run)
+
+
+def test_a_second_sigterm_is_the_same_stop(tmp_path, reference_run):
+    """pkill, SLURM and torchrun's forwarding send a process SIGTERM twice: the second is a copy
+    of the first, and the run still finishes the step, snapshots and says how to resume.
+    Before, it stopped at once and the step in flight was lost."""
+    out, err = tmp_path / "run", tmp_path / "err"
+    child = runs.start(runs.argv(out), err, STOP_AT="14,15")  # two micro-batches of step 5
+    runs.wait_stopped(child, err)
+    runs.signal_and_continue(child, signal.SIGTERM)
+    runs.wait_stopped(child, err)
+    runs.signal_and_continue(child, signal.SIGTERM)
+    assert child.wait(timeout=300) == 143
+    assert runs.one_line(err.read_text()).startswith(
+        "bigbatch train: stopped by SIGTERM after step 5 of 10; snapshot written to "
+    )
+    assert runs.snapshot_step(out) == 5
     done = runs.run(runs.argv(out, "--resume"))
     assert done.returncode == 0, done.stderr[-3000:]
     runs.assert_same_run(out, reference_run)

@@ -70,6 +70,20 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("keys", [["note"], ["note", 3]])
+def test_a_key_bigbatch_does_not_write_is_named_with_its_file(keys, run):
+    """Before: ``Snapshot.__init__() got an unexpected keyword argument``, naming no file."""
+    path = rewrite(run, lambda state: state.update(dict.fromkeys(keys, 1)))
+    unknown = ", ".join(map(repr, keys))
+    with pytest.raises(RunMismatchError) as refused:
+        resume(run)
+    assert str(refused.value) == (
+        f"{path}: the snapshot holds {unknown}, not a field of bigbatch's snapshots: the file is "
+        "damaged or was not written by bigbatch; move it away (an older snapshot-*.pt is used "
+        "then), or choose another --out."
+    )
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_a_crafted_field_is_named_with_its_file(case, run):
     change, message = CASES[case]

@@ -31,7 +31,7 @@ import sys
 import sysconfig
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -230,20 +230,38 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
 
 
 def _reader(f: Any) -> Callable[[str], Any]:
-    """Reads a flag's text as setting ``f``: its words in any case, else as its type says."""
-    types = [k for k in config.kinds(f) if k in (int, float, str)]
+    """Reads a flag's text as setting ``f``: a choice in any case (``TrainConfig`` refuses one
+    not in its list, naming the list), else as ``_typed`` reads its types and words."""
+    if f.metadata["choices"]:
+        return functools.partial(config.canonical, f)
+    return _typed(*(k for k in config.kinds(f) if k in _NAMED), words=config.words(f))
+
+
+_NAMED = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("text", "text")}
+
+
+def _typed(*kinds: type, words: Sequence[str] = (), listed: bool = False) -> Callable[[str], Any]:
+    """The reader of every flag with a value: one of ``words`` in any case, else the first of
+    ``kinds`` that reads the text (``listed``: a comma-separated list of them). Text it cannot
+    read is refused naming the text and what is allowed (argparse adds the flag's name)."""
+
+    def one(text: str) -> Any:
+        for kind in kinds:
+            with contextlib.suppress(ValueError):
+                return kind(text.strip())
+        raise ValueError(text)
 
     def read(text: str) -> Any:
-        word = config.canonical(f, text)
-        if word in config.words(f) or f.metadata["choices"]:
-            return word  # a word, or a choice TrainConfig refuses naming the list
-        for kind in types:
-            with contextlib.suppress(ValueError):
-                return kind(text)
-        wanted = [{int: "an integer", float: "a number"}[k] for k in types] + config.words(f)
-        raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(wanted)}")
+        word = next((w for w in words if w.lower() == text.strip().lower()), None)
+        try:
+            if word is not None or not listed:
+                return word if word is not None else one(text)
+            return [one(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            kind = " or ".join(_NAMED[k][listed] for k in kinds)
+            wanted = [f"a comma-separated list of {kind}" if listed else kind, *words]
+            raise argparse.ArgumentTypeError(f"{text!r} is not {' or '.join(wanted)}") from None
 
-    read.__name__ = f.name
     return read
 
 
@@ -273,7 +291,8 @@ def _run_train(args: argparse.Namespace) -> None:
     --bf16). The run folder (--out) gets metrics.csv, train.log, snapshots, model.pt and
     summary.json (`bigbatch report DIR` plots it); one run at a time per folder. Ctrl-C or
     SIGTERM finishes the step in flight, writes a snapshot and says how to resume (exit
-    130/143); a second Ctrl-C stops at once. Reference: docs/cli.md.
+    130/143); a second Ctrl-C stops at once (a second SIGTERM is a copy of the first: pkill,
+    SLURM, torchrun). Reference: docs/cli.md.
     """
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
@@ -341,18 +360,14 @@ def _run_plan(args: argparse.Namespace) -> None:
     report.print_plan(result)
 
 
-def _listed(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    """A flag's reader for a comma-separated list of ``kind``\\ s."""
-    return lambda text: [kind(part.strip()) for part in text.split(",") if part.strip()]
-
-
+INT, NUMBER = _typed(int), _typed(float)
 TASK = ("task", dict(metavar="TASK", help="module:function returning a bigbatch.Task"))
 _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, dict]], dict]] = [
     (_run_demo, "train one model full-batch, accumulated and auto under a budget: same weights, "
      "less memory", [
-        ("--steps", dict(type=int, default=40, help="optimizer steps per run")),
-        ("--batch-size", dict(type=int, default=512, help="samples per optimizer step")),
-        ("--micro-batch-size", dict(type=int, default=64,
+        ("--steps", dict(type=INT, default=40, help="optimizer steps per run")),
+        ("--batch-size", dict(type=INT, default=512, help="samples per optimizer step")),
+        ("--micro-batch-size", dict(type=INT, default=64,
                                     help="the accumulated run's micro-batch")),
         ("--out", dict(metavar="FILE.png", default="bigbatch-demo.png",
                        help="where to write the plot")),
@@ -368,9 +383,9 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
     ], {}),
     (_run_check, "is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)", [
         TASK,
-        ("--batch-size", dict(type=int, default=16, help="samples in the batch compared")),
-        ("--micro-batch-size", dict(type=int, help="samples per micro-batch (default: a third)")),
-        ("--tolerance", dict(type=float, default=1e-10, help="relative difference counted as "
+        ("--batch-size", dict(type=INT, default=16, help="samples in the batch compared")),
+        ("--micro-batch-size", dict(type=INT, help="samples per micro-batch (default: a third)")),
+        ("--tolerance", dict(type=NUMBER, default=1e-10, help="relative difference counted as "
          "float64 rounding (default 1e-10; raised to 1e-5 where the model computes in float32, "
          "and the verdict says so)")),
         ("--eval", dict(action="store_true", help="check the model in eval mode (model.eval())")),
@@ -378,19 +393,19 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
     (_run_plan, "measure micro-batch sizes and checkpointing, choose the fastest that fits in "
      "memory", [
         TASK,
-        ("--batch-size", dict(type=int, required=True, help="samples per optimizer step")),
+        ("--batch-size", dict(type=INT, required=True, help="samples per optimizer step")),
         ("--memory-budget", dict(help="memory a step may use, e.g. 6GiB (default: the GPU's "
          "memory, or the CPU's available memory)")),
-        ("--margin", dict(type=float, default=0.1, help="fraction of the budget kept free, in "
+        ("--margin", dict(type=NUMBER, default=0.1, help="fraction of the budget kept free, in "
          "[0, 1) (default 0.1: peaks within 90%% of it)")),
-        ("--micro-batch-sizes", dict(type=_listed(int), help="comma-separated sizes to try, e.g. "
-         "1,2,4 (default: powers of two up to the batch)")),
-        ("--checkpointing", dict(type=_listed(lambda t: float(t) if t[:1].isdigit() else t),
+        ("--micro-batch-sizes", dict(type=_typed(int, listed=True), help="comma-separated sizes "
+         "to try, e.g. 1,2,4 (default: powers of two up to the batch)")),
+        ("--checkpointing", dict(type=_typed(float, str, listed=True),
          help="comma-separated options: fractions of the blocks recomputed whole and policy "
          "names none, selective, full, offload (selective:0.5 for a fraction); default: "
          "none,selective,0.5,1 (and offload on CUDA)")),
-        ("--steps", dict(type=int, default=5, help="timed rounds (default 5)")),
-        ("--micro-batch-tokens", dict(type=lambda t: t if t == "auto" else _listed(int)(t),
+        ("--steps", dict(type=INT, default=5, help="timed rounds (default 5)")),
+        ("--micro-batch-tokens", dict(type=_typed(int, words=["auto"], listed=True),
          help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
     ], {}),
 ]  # fmt: skip

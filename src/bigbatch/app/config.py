@@ -588,10 +588,13 @@ def first_batch(task: Task, batch_size: int) -> Any:
     what ``bigbatch check`` and ``bigbatch plan`` measure on.
 
     Raises:
-        ValueError: ``batch_size`` is larger than the training data (the batch measured would
-            not be the batch asked for).
+        ValueError: ``batch_size`` is below 1 or larger than the training data (the batch
+            measured would not be the batch asked for).
     """
     samples = len(task.train_data)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size} is not allowed: use a positive integer, at "
+                         f"most the task's {samples} training samples.")  # fmt: skip
     if batch_size > samples:
         raise ValueError(f"--batch-size {batch_size} is larger than the task's {samples} training "
                          f"samples: the batch measured would hold only {samples}. Give "

@@ -32,9 +32,10 @@ Note [atomic snapshot]
 Note [snapshot fields]
     A snapshot is loaded with ``weights_only`` (it never runs code), and every field is checked
     before anything is restored: its type, ``0 <= step <= total_steps``, a finite
-    ``elapsed_s >= 0``, every rank's random state a dict. What a field holds inside (a state
-    dict) is checked by the object that loads it; either way a bad file is refused with one
-    line naming the file and the field, never a traceback from torch.
+    ``elapsed_s >= 0``, every rank's random state a dict, and no key bigbatch does not write
+    (named with the file, not left to ``Snapshot``'s constructor). What a field holds inside (a
+    state dict) is checked by the object that loads it; either way a bad file is refused with
+    one line naming the file and the field, never a traceback from torch.
 
 Note [one writer]
     Two ``bigbatch train`` processes on the same ``--out`` would interleave ``metrics.csv``, and a
@@ -403,7 +404,10 @@ def read_snapshot(path: str) -> Snapshot:
                                "in another --out.")  # fmt: skip
     if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
-    # every field there, of its type and range (Note [snapshot fields])
+    # every field there, of its type and range, and no other (Note [snapshot fields])
+    if unknown := ", ".join(repr(key) for key in state if key not in _TYPES):
+        raise RunMismatchError(f"{path}: the snapshot holds {unknown}, not a field of bigbatch's "
+                               f"snapshots: {_NOT_OURS}")  # fmt: skip
     for name, kinds in _TYPES.items():
         if name not in state:
             raise crafted(path, name, "is missing")
@@ -421,9 +425,11 @@ def read_snapshot(path: str) -> Snapshot:
 
 def crafted(path: str, name: str, problem: str) -> RunMismatchError:
     """The error for a snapshot field that cannot be used (Note [snapshot fields])."""
-    return RunMismatchError(f"{path}: the snapshot's field {name!r} {problem}: the file is damaged "
-                            "or was not written by bigbatch; move it away (an older snapshot-*.pt "
-                            "is used then), or choose another --out.")  # fmt: skip
+    return RunMismatchError(f"{path}: the snapshot's field {name!r} {problem}: {_NOT_OURS}")
+
+
+_NOT_OURS = ("the file is damaged or was not written by bigbatch; move it away (an older "
+             "snapshot-*.pt is used then), or choose another --out.")  # fmt: skip
 
 
 @contextlib.contextmanager

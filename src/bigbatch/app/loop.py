@@ -28,10 +28,15 @@ Note [clean stop]
     The first SIGINT or SIGTERM does not interrupt the optimizer step in flight: the trainer
     finishes it, writes a snapshot, prints one line saying how to resume and exits with
     128 + the signal's number (130 for SIGINT, 143 for SIGTERM), the code a shell expects. A
-    second SIGINT (or SIGTERM) stops at once (``KeyboardInterrupt``), losing only the steps
-    since the last snapshot, except while a file of the run folder is being written
-    (``StopSignals.writing``): a write torn by an exception would lose the snapshot the first
-    signal asked for, so further signals wait for the write to end and the run then stops
+    second SIGINT (a person at the keyboard) stops at once (``KeyboardInterrupt``), losing only
+    the steps since the last snapshot. A second SIGTERM does not: it is a copy of the same request
+    (``pkill``, SLURM, Kubernetes and systemd signal every process of a job, and torchrun forwards
+    the signal it gets to each rank, so a rank often receives two), and whoever sends SIGTERM
+    escalates with SIGKILL when it stops waiting. Under torchrun no signal stops a rank at once:
+    a terminal's Ctrl-C reaches the launcher, which forwards it to the ranks and SIGKILLs those
+    still running 30 s later. Nothing stops at once while a file of the run folder is being
+    written (``StopSignals.writing``): a write torn by an exception would lose the snapshot the
+    first signal asked for, so further signals wait for the write to end and the run then stops
     with that snapshot (a ``kill -9`` is always safe: Note [atomic snapshot] in
     ``app.folder``). A signal during the final evaluation stops it at the next batch; the
     training is complete and snapshotted, and ``--resume`` evaluates and writes ``model.pt``.
@@ -600,6 +605,8 @@ class StopSignals:
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if not self.signum:
             self.signum = signum
+        elif signum != signal.SIGINT or distributed.in_group():  # a copy of the first signal
+            return  # (Note [clean stop]): pkill, SLURM, torchrun forwarding it
         elif self._writing:
             self.again = True  # the write ends first (Note [clean stop])
         else:

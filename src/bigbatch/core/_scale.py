@@ -100,11 +100,12 @@ def overflowed(
 
 
 def _reciprocal(count: Any) -> Any:
-    """``1 / count``, or 1 where the count is 0 (a term with no items in this window)."""
+    """``1 / count``, or 0 where the count is 0: a term with no items in this window adds
+    nothing, as in the full batch (its sum must be 0 too: Note [window checks])."""
     if isinstance(count, torch.Tensor):
         count = count.to(torch.float64)
-        return torch.where(count > 0, 1.0 / count.clamp_min(1e-300), torch.ones_like(count))
-    return 1.0 / count if count > 0 else 1.0
+        return torch.where(count > 0, 1.0 / count.clamp_min(1e-300), torch.zeros_like(count))
+    return 1.0 / count if count > 0 else 0.0
 
 
 def stack_values(values: Sequence[Any], device: torch.device | None = None) -> torch.Tensor:

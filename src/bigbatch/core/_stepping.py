@@ -9,15 +9,17 @@ a clipping norm that is not a positive number.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.loss import accepts
 from bigbatch.core.split import check_choice
 
 NONFINITE = ("raise", "skip", "apply")
@@ -29,7 +31,7 @@ class StepResult:
 
     Attributes:
         loss: the window's true loss, ``Σ loss_sum / Σ count`` over all ranks (for named terms
-            ``Σ_k w_k Σ loss_sum_k / Σ count_k``).
+            ``Σ_k w_k Σ loss_sum_k / Σ count_k``; a term that counted nothing is 0).
         count: the window's total count over all ranks (samples, or tokens for a token loss; the
             first term's for named terms).
         micro_batches: micro-batches accumulated on this rank.
@@ -79,42 +81,64 @@ NONFINITE_FIX = (
 )
 
 
-def check_window(counts: dict[str, float], bad_counts: float, expected: Any) -> None:
+def check_window(
+    sums: dict[str, float], counts: dict[str, float], bad_counts: float, expected: Any
+) -> None:
     """Refuse a window whose counts cannot normalise it (Note [window checks] in the engine), or
-    whose terms' counts are not the ones known before it (``expected``, several terms).
+    whose terms' counts are not the ones known before it (``expected``: ``count_fn``, a count
+    pass), which would run the backward at another scale than the full batch's (fp16 skips).
 
     Raises:
-        ValueError: a count was negative or not finite, the total is not positive, or a term's
-            count is not the one ``count_fn`` gave.
+        ValueError: a count was negative or not finite, a term's count is 0 and its sum is not,
+            or a term's count is not the one ``count_fn`` gave.
     """
     if bad_counts:
         raise ValueError(
             f"{bad_counts:g} micro-batch count(s) were negative or not finite: a count must be the "
             "number of items summed over. The window was discarded; nothing was changed."
         )
-    if not (total := sum(counts.values())) > 0:
-        raise ValueError(
-            f"the window's total count is {total:g}: no item to average over (every label "
-            "ignore_index?). The window was discarded, nothing changed: check the batch or count."
-        )
-    for name, count in counts.items() if expected is not None and len(counts) > 1 else ():
-        want = float(expected.get(name, math.nan))
-        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+    for name, count in counts.items():
+        if not count and sums[name] != 0 and math.isfinite(sums[name]):
             raise ValueError(
-                f"term {name!r}: count_fn counted {want:g} before the window, loss_fn's counts add "
-                f"up to {count:g}: count_fn must return the counts loss_fn will. Nothing changed."
+                f"term {name!r} sums to {sums[name]:g} over a count of 0: with no item to average "
+                "over it has no full-batch value (sum / 0). Return a count > 0 with that sum, or "
+                "a sum of 0. The window was discarded; nothing was changed."
+            )
+    for name, count in counts.items() if expected is not None else ():
+        want = expected.get(name, math.nan)  # numbers: read with the totals (Window.totals)
+        if not math.isclose(want, count, rel_tol=1e-9, abs_tol=1e-9):
+            term = f"term {name!r}: " if len(counts) > 1 else ""
+            raise ValueError(
+                f"{term}count_fn counted {want:g} before the window, loss_fn's counts add up to "
+                f"{count:g}: count_fn must return the counts loss_fn will. Nothing changed."
             )
 
 
+EMPTY_WINDOW = (
+    "a window's total count is 0 (every label ignore_index, every sample masked or weighted 0?): "
+    "with nothing to average over, the step applies a zero gradient, as the full batch does in "
+    "transformers' Trainer and Keras (the optimizer still steps: AdamW decays, momentum moves); "
+    "its loss is reported as 0. Said once."
+)
+
+
 def pair_grads(
-    optimizer: Any, grads: Mapping[torch.Tensor, Any] | Sequence[torch.Tensor | None]
+    optimizer: Any, grads: Mapping[torch.Tensor, Any] | Iterable[torch.Tensor | None]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(parameter, gradient)`` pairs from a dict, or a list in the optimizer's order.
+    """``(parameter, gradient)`` pairs from a dict, or any iterable (a list, a tuple, a
+    generator) in the optimizer's order.
 
     Raises:
-        ValueError: a list of the wrong length, or a gradient whose shape is not its parameter's.
+        TypeError: neither a mapping nor an iterable of gradients.
+        ValueError: the wrong number of gradients, or one whose shape is not its parameter's.
     """
     params = params_of(optimizer)
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, (Mapping, Iterable)):
+        raise TypeError(
+            f"accumulate_grads() got grads of type {type(grads).__name__}: pass {{parameter: "
+            "gradient}, or a list (any iterable) of one gradient per parameter, in its order."
+        )
+    grads = grads if isinstance(grads, Mapping) else list(grads)
     if not isinstance(grads, Mapping) and len(grads) != len(params):
         raise ValueError(
             f"accumulate_grads() got {len(grads)} gradients for the optimizer's {len(params)} "
@@ -200,7 +224,8 @@ def check_scheduler(scheduler: Any, optimizer: Any) -> Any:
         TypeError: anything else, or a scheduler of another optimizer.
     """
     plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if scheduler is not None and not plateau and not _steppable_without_arguments(scheduler):
+    steppable = accepts(getattr(scheduler, "step", None), 0)
+    if scheduler is not None and not plateau and not steppable:
         raise TypeError(
             f"scheduler={type(scheduler).__name__} cannot be stepped once per optimizer step: pass "
             "a torch.optim.lr_scheduler scheduler, an object whose step() takes no argument, or None."
@@ -245,15 +270,6 @@ def params_of(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _steppable_without_arguments(scheduler: Any) -> bool:
-    try:
-        return inspect.signature(scheduler.step).bind() is not None
-    except ValueError:  # no signature (a builtin): trust it
-        return True
-    except (AttributeError, TypeError):  # no step, not callable, or it needs arguments
-        return False
-
-
 @dataclass
 class Stepper:
     """The optimizer-step half of a window: normalise, check, clip, step, schedule, zero.
@@ -262,6 +278,7 @@ class Stepper:
         optimizer, scheduler, max_grad_norm, nonfinite: as the ``Accumulator``'s (checked there).
         precision: the ``Precision`` (unscale, step through the loss scaler).
         sync: the gradient-sync control (the totals' all-reduce, a deferred window's reduce).
+        warned: whether a window that counted nothing was warned about (once).
     """
 
     optimizer: Any
@@ -270,6 +287,7 @@ class Stepper:
     nonfinite: str
     precision: Any
     sync: Any
+    warned: bool = False  # about a window that counted nothing (EMPTY_WINDOW), once
 
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
@@ -278,8 +296,11 @@ class Stepper:
         if self.sync.world_size > 1:
             totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
-        check_window(counts, totals[-1], w.expected)  # then the bad counts
-        terms = {k: sums[k] / c if c else 0.0 for k, c in counts.items()}
+        check_window(sums, counts, totals[-1], w.expected)  # then the bad counts
+        if not any(counts.values()) and not self.warned:  # Note [window checks]: nothing counted
+            self.warned = True
+            warnings.warn(EMPTY_WINDOW, BigBatchWarning, stacklevel=4)
+        terms = {k: sums[k] / c if c else sums[k] * 0.0 for k, c in counts.items()}
         loss = sum(w.weights[k] * v for k, v in terms.items())
         count = next(iter(counts.values()))
         # In fp16 non-finite windows are the loss scaler's to skip.

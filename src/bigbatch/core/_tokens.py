@@ -17,9 +17,11 @@ Note [token windows]
 
     Lengths come from ``attention_mask.sum(-1)`` for a mapping batch in the transformers
     convention (``input_ids``, ``attention_mask``, ``labels``, right padding), else from
-    ``lengths(batch)``. Left padding is refused: trimming a left-padded micro-batch would move its
-    real tokens to other positions (other position embeddings, and a shifted loss would lose the
-    prediction of the first token), so the step could not be the full batch's.
+    ``lengths(batch)``; a mapping batch's ``labels`` / ``attention_mask`` must hold the pad value
+    past each sample's length (``TokenCut._check_extent``), or a trim would drop those tokens.
+    Left padding is refused: trimming a left-padded micro-batch would move its real tokens to
+    other positions (other position embeddings, and a shifted loss would lose the prediction of
+    the first token), so the step could not be the full batch's.
 
 Note [per-token tensors]
     A micro-batch is trimmed to its longest sample by cutting the columns of its per-token
@@ -54,8 +56,10 @@ Note [compile buckets]
 
 from __future__ import annotations
 
+import numbers
+import reprlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +116,13 @@ def make_cut(micro_batch_size: int | str | None, micro_batch_tokens: int | str |
         )
     sizing = Sizing(micro_batch_tokens, "micro_batch_tokens")
     cut = TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]  # not "auto"
+    if isinstance(micro_batch_tokens, int) and (cut.multiple or 0) > micro_batch_tokens:
+        raise ValueError(
+            f"pad_to_multiple_of={cut.multiple} is larger than micro_batch_tokens="
+            f"{micro_batch_tokens}: every micro-batch would be padded to at least {cut.multiple} "
+            f"tokens, over the budget. Use pad_to_multiple_of={min(64, micro_batch_tokens)} (at "
+            f"most {micro_batch_tokens}), or a larger micro_batch_tokens."
+        )
     return sizing, cut
 
 
@@ -160,6 +171,7 @@ class TokenCut(SampleCut):
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         lengths, n = self._lengths(batch), batch_size(batch)
+        self._check_extent(batch, lengths)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
@@ -167,9 +179,13 @@ class TokenCut(SampleCut):
             length = self._round(longest)
             if length > size and not self.warned:
                 self.warned = True
+                bucket = f", in a bucket of {length} (pad_to_multiple_of={self.multiple})," * (
+                    length > longest
+                )
                 warnings.warn(
-                    f"a sample of {longest} tokens is longer than micro_batch_tokens={size}: it gets "
-                    "a micro-batch of its own (raise micro_batch_tokens if that runs out of memory).",
+                    f"a sample of {longest} tokens{bucket} is longer than micro_batch_tokens={size}: "
+                    "it gets a micro-batch of its own (raise micro_batch_tokens if that runs out of "
+                    "memory).",
                     BigBatchWarning,
                     stacklevel=5,
                 )
@@ -199,16 +215,8 @@ class TokenCut(SampleCut):
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens)."""
-        n = batch_size(batch)
         if self.lengths is not None:
-            found = self.lengths(batch)
-            values = [int(v) for v in (found.tolist() if torch.is_tensor(found) else found)]
-            if len(values) != n or any(v < 1 for v in values):
-                raise ValueError(
-                    f"lengths(batch) returned {len(values)} lengths for {n} samples (or one below "
-                    "1): return one positive length (tokens) per sample."
-                )
-            return values
+            return self._given_lengths(batch, batch_size(batch))
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise TypeError(
@@ -222,6 +230,43 @@ class TokenCut(SampleCut):
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
         return counted
+
+    def _given_lengths(self, batch: Any, n: int) -> list[int]:
+        """``lengths(batch)``, refused unless it is one positive integer for each of ``n``."""
+        found = self.lengths(batch)  # type: ignore[misc]  # not None: _lengths checked
+        flat = found.tolist() if torch.is_tensor(found) and found.dim() == 1 else found
+        listed = isinstance(flat, (Sequence, Iterator)) and not isinstance(flat, (str, bytes))
+        values = list(flat) if listed else []
+        wrong = [v for v in values if not isinstance(v, numbers.Real) or isinstance(v, bool)
+                 or not (float(v) >= 1 and float(v).is_integer())]  # fmt: skip
+        if not listed or len(values) != n or wrong:
+            what = (f"a length of {wrong[0]!r}" if wrong else f"{len(values)} lengths for "
+                    f"{n} samples" if listed else f"a tensor of shape {tuple(found.shape)}"
+                    if torch.is_tensor(found) else reprlib.repr(found))  # fmt: skip
+            raise ValueError(
+                f"lengths(batch) returned {what}: return one length per sample, a positive "
+                "integer (its tokens), as a list or a 1-D tensor."
+            )
+        return [int(v) for v in values]
+
+    def _check_extent(self, batch: Any, lengths: list[int]) -> None:
+        """Refuse lengths shorter than a sample's labelled (``labels`` not the pad value) or
+        attended (``attention_mask`` 1) tokens: trimming to them would drop those tokens."""
+        width = padded_length(batch)
+        source = "lengths(batch)" if self.lengths else "attention_mask"
+        for key in ("labels", "attention_mask") if isinstance(batch, Mapping) else ():
+            t, pad = batch.get(key), self.pad_values[key]
+            if not (torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == width):
+                continue
+            ends = torch.tensor(lengths, device=t.device)[:, None]
+            past = torch.arange(width, device=t.device) >= ends
+            for i, j in ((t != pad) & past).nonzero()[:1].tolist():
+                raise ValueError(
+                    f"{source} gives sample {i} {lengths[i]} tokens, but its {key} is not {pad} "
+                    f"at token {j + 1}: trimming micro-batches to these lengths would drop that "
+                    "token, and the step would not be the full batch's. Set it to "
+                    f"{pad} past each sample's length, or count it in the sample's length."
+                )
 
     def check_shapes(self, model: Any) -> None:
         """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""

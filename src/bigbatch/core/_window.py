@@ -165,9 +165,11 @@ class Window:
 
     def totals(self) -> list[float]:
         """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
-        checked at step time, Note [window checks]): read from the device in one host sync."""
+        checked at step time, Note [window checks]): read from the device in one host sync,
+        with the ``expected`` counts (left in ``expected`` as numbers)."""
         sums = iter(torch.stack([s for v in self.sums.values() for s in v]).tolist())
         tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
+        tensors += [c for c in (self.expected or {}).values() if isinstance(c, torch.Tensor)]
         read = iter(torch.stack(tensors).tolist() if tensors else ())
         out: list[float] = []
         bad = 0
@@ -175,6 +177,9 @@ class Window:
             counts = [next(read) if isinstance(c, torch.Tensor) else c for c in self.counts[name]]
             bad += sum(not (math.isfinite(c) and c >= 0) for c in counts)
             out += [sum(next(sums) * f for f in factors), float(sum(counts))]
+        if self.expected is not None:
+            known = self.expected.items()
+            self.expected = {k: next(read) if torch.is_tensor(c) else float(c) for k, c in known}
         return [*out, bad]
 
 
@@ -365,22 +370,29 @@ def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:
-    """The pieces' statistics summed, then summed over ranks (one all-reduce): the structure of
-    the first piece's (a tensor or a mapping / tuple of tensors), each leaf in its own dtype.
+    """The pieces' statistics summed by key (a mapping's keys may come in any order), then summed
+    over ranks (one all-reduce): the structure of the first piece's (a tensor or a mapping /
+    tuple of tensors), each leaf in its own dtype.
 
     Raises:
-        TypeError: a piece's statistics hold no tensor, or not the same structure as the first's.
+        TypeError: a piece's statistics hold no tensor, or not the keys of the first's (named).
     """
-    leaves = [[t for _, t in tensor_leaves(out)] for out in outputs]
-    if not leaves[0] or any(len(found) != len(leaves[0]) for found in leaves):
+    leaves = [dict(tensor_leaves(out, "stats")) for out in outputs]
+    if not leaves[0]:
         raise TypeError(
             "stats_fn must return additive statistics: a tensor, or a dict / tuple of tensors, the "
             f"same structure for every micro-batch (got {type(outputs[0]).__name__})."
         )
-    sums = [sum(parts[1:], parts[0].detach()) for parts in zip(*leaves, strict=True)]
+    for i, keys in enumerate(leaves):
+        if keys.keys() != leaves[0].keys():
+            raise TypeError(
+                f"stats_fn returned {', '.join(keys)} for micro-batch {i + 1} and "
+                f"{', '.join(leaves[0])} for the first: return the same keys for every micro-batch."
+            )
+    sums = [sum((f[k] for f in leaves[1:]), first.detach()) for k, first in leaves[0].items()]
     if sync.world_size > 1:
         flat = sync.all_reduce(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
         sizes = [s.numel() for s in sums]
         sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
-    found = iter(sums)
-    return map_tensors(lambda _: next(found), outputs[0])
+    summed = iter(sums)
+    return map_tensors(lambda _: next(summed), outputs[0])

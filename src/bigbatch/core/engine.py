@@ -12,14 +12,22 @@ Note [window checks]
     Bad values that can only be seen on the device (a count tensor that is negative or not
     finite, a loss or gradient that is NaN or infinite) are checked at ``step``, from the totals
     it reads anyway (one host sync per step), before ``optimizer.step()``: a window that fails a
-    check is discarded and nothing else changes.
+    check is discarded and nothing else changes. A window whose total count is 0 (every label
+    ``ignore_index``, every sample masked or weighted 0: a third of wikitext's lines are empty)
+    has nothing to average over; transformers' Trainer and Keras then take the step with a zero
+    gradient and report a loss of 0, and so does the engine, with one ``BigBatchWarning``: the
+    optimizer steps (AdamW still decays its moments and the weights, SGD's momentum still moves
+    them). A term whose count is 0 and whose sum is not has no full-batch value (sum / 0) and is
+    refused; one whose sum is 0 too adds nothing (its scale is 0: ``_reciprocal`` in ``_scale``),
+    so the other terms' gradients are the full batch's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,7 +41,7 @@ from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
-from bigbatch.core.loss import LossFn, Term, as_terms, check_count, check_scalar_loss
+from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
 __all__ = ["Accumulator", "CountFn", "StatsFn", "StepResult"]
@@ -238,6 +246,11 @@ class Accumulator:
             )
         if stats_fn is not None and not callable(stats_fn):
             raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
+        if stats_fn is not None and callable(loss_fn) and not accepts(loss_fn, 3):
+            raise TypeError(
+                f"stats_fn is given, so loss_fn is called as loss_fn(model, batch, stats), but it "
+                f"takes {inspect.signature(loss_fn)}: add the stats parameter, or drop stats_fn."
+            )
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
         return self._runner.run(batch, run, self._finish, self._discard_window)
 
@@ -410,7 +423,7 @@ class Accumulator:
 
     def accumulate_grads(
         self,
-        grads: Mapping[torch.Tensor, torch.Tensor] | Sequence[torch.Tensor | None],
+        grads: Mapping[torch.Tensor, torch.Tensor] | Iterable[torch.Tensor | None],
         count: torch.Tensor | int | float,
         loss_sum: torch.Tensor | float = 0.0,
     ) -> None:
@@ -418,8 +431,8 @@ class Accumulator:
 
         Args:
             grads: gradients of a loss SUM over ``count`` items: ``{parameter: gradient}`` for
-                parameters of the optimizer, or a list in the order of the optimizer's parameters
-                (``None`` for none).
+                parameters of the optimizer, or a list (any iterable: a tuple, a generator) in
+                the order of the optimizer's parameters (``None`` for none).
             count: the items that sum covers (samples, tokens).
             loss_sum: the sum's value, for the reported loss (a number or a one-element tensor).
 
@@ -452,7 +465,9 @@ class Accumulator:
 
         Raises:
             RuntimeError: nothing was accumulated since the last step.
-            ValueError: the window's total count is 0, or a count was negative / not finite.
+            ValueError: a count was negative / not finite, or a term's count is 0 and its sum is
+                not (a window that counted nothing steps with a zero gradient: Note [window
+                checks]).
             NonFiniteError: the loss or gradient is NaN / infinite and ``nonfinite="raise"``.
             In each case the window is discarded and nothing else changed.
         """

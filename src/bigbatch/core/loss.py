@@ -31,6 +31,7 @@ Note [named terms]
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -110,7 +111,7 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
 
     Raises:
         TypeError, ValueError: as ``as_sum_and_count``, for each term, naming it; a weight that
-            is not a finite number; an empty mapping.
+            is not a finite number; an empty mapping; two names that are the same text.
     """
     if isinstance(output, Term):  # one ready-made term (bigbatch.losses.terms)
         return as_terms({"loss": output}, n_samples)
@@ -131,6 +132,9 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
             raise TypeError(f"loss_fn's term {name!r} has weight {weight!r}: use a number.")
         if not math.isfinite(weight):
             raise ValueError(f"loss_fn's term {name!r} has weight {weight!r}: use a finite number.")
+        if str(name) in terms:  # 1 and "1": the window's totals are kept by text
+            raise ValueError(f"loss_fn's term names {list(output)!r} hold {str(name)!r} twice "
+                             "as text: give each term a name of its own.")  # fmt: skip
         terms[str(name)] = Term(loss_sum, count, float(weight))
     return terms
 
@@ -138,6 +142,17 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
 def mean_of(terms: Mapping[str, Term]) -> torch.Tensor:
     """The loss the terms stand for, ``Σ_k w_k loss_sum_k / count_k`` (a full batch's value)."""
     return sum(t.weight * t.loss_sum / t.count for t in terms.values())  # type: ignore[return-value]
+
+
+def accepts(fn: Any, n: int) -> bool:
+    """Whether ``fn`` is callable with ``n`` positional arguments (``True`` where its signature
+    cannot be read: a builtin)."""
+    try:
+        return inspect.signature(fn).bind(*range(n)) is not None
+    except ValueError:  # no signature: trust it
+        return True
+    except TypeError:  # not callable, or it takes other arguments
+        return False
 
 
 def check_scalar_loss(loss: torch.Tensor, name: str) -> None:
