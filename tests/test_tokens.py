@@ -135,6 +135,32 @@ def test_fixed_count_micro_batches_are_trimmed_to_their_longest(gen, left, trim)
     )
 
 
+def test_labels_on_the_padding_keep_the_whole_width(gen):
+    """Silent before: labels copied from the ids (the pad id, not -100, past each sample) are
+    trained on by the full batch; trimming a fixed-count micro-batch to its attended tokens
+    dropped them. The sample cut now says so once and keeps the whole width: exact."""
+    batch = text_batch(10, gen)
+    batch["labels"] = batch["input_ids"].clone()  # pad id 0 on the padding, counted by the loss
+    widths = []
+
+    def loss(model, mb):
+        widths.append(mb["input_ids"].shape[1])
+        return lm_loss(model, mb)
+
+    torch.manual_seed(0)
+    ref, model = TinyCausalLM().double(), TinyCausalLM().double()
+    model.load_state_dict(ref.state_dict())
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), lm_loss, batch)
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.5), 4)
+    with pytest.warns(bigbatch.BigBatchWarning, match="labels is not -100 .* no micro-batch is"):
+        acc.train_step(batch, loss)
+    assert widths == [CTX] * 3 and max_relative_error(ref, model) < 1e-10
+    from bigbatch.core._tokens import check_extent
+
+    with pytest.raises(ValueError, match=r"sample \d+ .* would drop that token"):
+        check_extent(batch, batch["attention_mask"].sum(-1).tolist(), {"labels": -100})
+
+
 def feats_loss(model: nn.Module, mb: dict):
     """The token loss plus a per-sample term of ``feats``, a vector of CTX features per sample."""
     loss_sum, count = lm_loss(model, mb)

@@ -18,7 +18,7 @@ Note [token windows]
     Lengths come from ``attention_mask.sum(-1)`` for a mapping batch in the transformers
     convention (``input_ids``, ``attention_mask``, ``labels``, right padding), else from
     ``lengths(batch)``; a mapping batch's ``labels`` / ``attention_mask`` must hold the pad value
-    past each sample's length (``TokenCut._check_extent``), or a trim would drop those tokens.
+    past each sample's length (``check_extent``), or a trim would drop those tokens.
     Left padding is refused: trimming a left-padded micro-batch would move its real tokens to
     other positions (other position embeddings, and a shifted loss would lose the prediction of
     the first token), so the step could not be the full batch's.
@@ -171,7 +171,7 @@ class TokenCut(SampleCut):
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         lengths, n = self._lengths(batch), batch_size(batch)
-        self._check_extent(batch, lengths)
+        check_extent(batch, lengths, self.pad_values, "lengths(batch)" if self.lengths else None)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
@@ -249,25 +249,6 @@ class TokenCut(SampleCut):
             )
         return [int(v) for v in values]
 
-    def _check_extent(self, batch: Any, lengths: list[int]) -> None:
-        """Refuse lengths shorter than a sample's labelled (``labels`` not the pad value) or
-        attended (``attention_mask`` 1) tokens: trimming to them would drop those tokens."""
-        width = padded_length(batch)
-        source = "lengths(batch)" if self.lengths else "attention_mask"
-        for key in ("labels", "attention_mask") if isinstance(batch, Mapping) else ():
-            t, pad = batch.get(key), self.pad_values[key]
-            if not (torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == width):
-                continue
-            ends = torch.tensor(lengths, device=t.device)[:, None]
-            past = torch.arange(width, device=t.device) >= ends
-            for i, j in ((t != pad) & past).nonzero()[:1].tolist():
-                raise ValueError(
-                    f"{source} gives sample {i} {lengths[i]} tokens, but its {key} is not {pad} "
-                    f"at token {j + 1}: trimming micro-batches to these lengths would drop that "
-                    "token, and the step would not be the full batch's. Set it to "
-                    f"{pad} past each sample's length, or count it in the sample's length."
-                )
-
     def check_shapes(self, model: Any) -> None:
         """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""
         if self.warned_shapes or not hasattr(model, "_orig_mod"):  # not torch.compile'd
@@ -307,6 +288,7 @@ class TrimmedSampleCut(SampleCut):
         out, start, width = [], 0, padded_length(batch)
         try:
             per_token(batch, width, self.pad_values)
+            check_extent(batch, lengths, self.pad_values)
         except ValueError as exc:  # the batch's width is exact: say so once, trim nothing
             if not self.warned:
                 warnings.warn(f"{exc} Until then no micro-batch is trimmed.", BigBatchWarning, 4)
@@ -317,6 +299,31 @@ class TrimmedSampleCut(SampleCut):
             fitted = fit_columns(p.batch, width, max(part), self.pad_values)
             out.append(Piece(fitted, p.samples, None, sum(part), p.samples * max(part)))
         return out
+
+
+def check_extent(
+    batch: Any, lengths: list[int], pad_values: Mapping[str, Any], source: str | None = None
+) -> None:
+    """Refuse lengths shorter than a sample's labelled (``labels`` not the pad value) or
+    attended (``attention_mask`` 1) tokens: trimming to them would drop those tokens.
+
+    Raises:
+        ValueError: naming the sample, the token and ``source`` (the lengths' origin).
+    """
+    width = padded_length(batch)
+    for key in ("labels", "attention_mask") if isinstance(batch, Mapping) else ():
+        t, pad = batch.get(key), pad_values.get(key)
+        if pad is None or not (torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == width):
+            continue
+        ends = torch.tensor(lengths, device=t.device)[:, None]
+        past = torch.arange(width, device=t.device) >= ends
+        for i, j in ((t != pad) & past).nonzero()[:1].tolist():
+            raise ValueError(
+                f"{source or 'attention_mask'} gives sample {i} {lengths[i]} tokens, but its {key} "
+                f"is not {pad} at token {j + 1}: trimming micro-batches to these lengths would drop "
+                f"that token, and the step would not be the full batch's. Set it to {pad} past "
+                "each sample's length, or count it in the sample's length."
+            )
 
 
 def right_padded(batch: Any) -> list[int] | None:

@@ -59,7 +59,14 @@ import torch
 
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
-from bigbatch.core._tokens import fit_columns, make_cut, padded_length, right_padded
+from bigbatch.core._tokens import (
+    PAD_VALUES,
+    check_extent,
+    fit_columns,
+    make_cut,
+    padded_length,
+    right_padded,
+)
 from bigbatch.core._tree import map_tensors, take
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
@@ -311,10 +318,12 @@ def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
 def trim(batch: Any) -> Any:
     """A right-padded micro-batch cut back to its longest sample, as the ``Accumulator`` trims
     (Note [per-token tensors] in ``bigbatch.core._tokens``); a left-padded batch stays whole."""
-    lengths = right_padded(batch)
-    try:
-        return batch if lengths is None else fit_columns(batch, padded_length(batch), max(lengths))
-    except ValueError:  # a tensor that may be per-token: the whole width is exact
+    if (lengths := right_padded(batch)) is None:
+        return batch
+    try:  # a tensor that may be per-token, or labels on the padding: the whole width is exact
+        check_extent(batch, lengths, PAD_VALUES)
+        return fit_columns(batch, padded_length(batch), max(lengths))
+    except ValueError:
         return batch
 
 
