@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +70,10 @@ class NoWarning(AssertionError):
 
 
 def reference(
-    init: torch.nn.Module, optimizer: str, loss_fn: Callable[[torch.nn.Module, Any], Any], windows: list
+    init: torch.nn.Module,
+    optimizer: str,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    windows: list,
 ) -> tuple[torch.nn.Module | None, list[str]]:
     """The plain full-batch steps, one per window: ``(model after, names of undefined terms)``
     (``None`` and the names when a window's loss has a term with no item but a nonzero sum)."""
@@ -101,7 +104,9 @@ def judge(
         except (ValueError, TypeError) as exc:
             message = f"{type(exc).__name__}: {exc}"
             if not names:
-                raise RefusedValidInput(f"refused a case the full batch trains on: {message}") from exc
+                raise RefusedValidInput(
+                    f"refused a case the full batch trains on: {message}"
+                ) from exc
             if not any(name in str(exc) for name in names):
                 raise UnnamedRefusal(f"{message}\n(names none of {sorted(names)})") from exc
             return
@@ -110,7 +115,9 @@ def judge(
         except Exception as exc:
             raise RawError(f"{type(exc).__name__}: {exc}") from exc
     if must_refuse:
-        raise SilentStepOnBadInput(f"stepped on input that must be refused, naming one of {sorted(names)}")
+        raise SilentStepOnBadInput(
+            f"stepped on input that must be refused, naming one of {sorted(names)}"
+        )
     assert expected is not None
     error = max_relative_error(expected, model)
     if not error < TOLERANCE:
@@ -129,5 +136,7 @@ def unchanged_on_refusal(model: torch.nn.Module) -> Iterator[None]:
         params = list(model.parameters())
         moved = any(not torch.equal(b, p) for b, p in zip(before, params, strict=True))
         if moved or any(p.grad is not None for p in params):
-            raise ChangedOnRefusal(f"refused ({exc}) but changed the model or left gradients") from exc
+            raise ChangedOnRefusal(
+                f"refused ({exc}) but changed the model or left gradients"
+            ) from exc
         raise

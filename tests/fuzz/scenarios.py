@@ -91,9 +91,17 @@ def _text(t: Text, g: torch.Generator) -> dict[str, Any]:
     lengths, position = torch.tensor(t.lengths), torch.arange(width)[None]
     start = torch.zeros_like(lengths) if t.side == "right" else width - lengths
     real = (position >= start[:, None]) & (position < (start + lengths)[:, None])
-    labelled = real & (position >= (start + t.prompt)[:, None])
+    # Left-padded, the first real token is unlabelled (a BOS): its prediction would read a pad
+    # position's output, which transformers' models compute from a fully masked attention row,
+    # ill-conditioned in float64 (gradients 1e-7 apart under any rescaling of the loss).
+    first = start + max(t.prompt, t.side == "left")
+    labelled = real & (position >= first[:, None])
     ids = torch.randint(1, VOCAB, (n, width), generator=g) * real
-    out = {"input_ids": ids, "attention_mask": real.long(), "labels": ids.masked_fill(~labelled, PAD)}
+    out = {
+        "input_ids": ids,
+        "attention_mask": real.long(),
+        "labels": ids.masked_fill(~labelled, PAD),
+    }
     if "feat" in t.extras:  # per sample, though as wide as the padded length
         out["feat"] = torch.rand(n, width, generator=g, dtype=torch.float64)
     if "tokw" in t.extras:  # per shifted token: one column fewer
@@ -122,8 +130,10 @@ def pack(data: Samples | Text, f: dict[str, Any]) -> Any:
         return torch.cat([f["x"], f["y"][:, None].double(), f["w"][:, None], f["flag"][:, None]], 1)
     if data.structure == "nested":
         return {"inputs": (f["x"],), "target": {"y": f["y"], "flag": f["flag"]}, "w": f["w"]}
+    if data.structure == "dict":
+        return f
     values = [f[k] for k in SAMPLE_KEYS]
-    return {**f} if data.structure == "dict" else tuple(values) if data.structure == "tuple" else values
+    return tuple(values) if data.structure == "tuple" else values
 
 
 def unpack(data: Samples | Text, batch: Any) -> dict[str, Any]:
@@ -183,7 +193,10 @@ PARTS: dict[str, dict[str, Part]] = {
     },
     "tokens": {
         "nll": (lambda out, f: _token_ce(out, f)[0].sum(), _labelled),
-        "z": (lambda out, f: (out[:, :-1].logsumexp(-1) ** 2 * _token_ce(out, f)[1]).sum(), _labelled),
+        "z": (
+            lambda out, f: (out[:, :-1].logsumexp(-1) ** 2 * _token_ce(out, f)[1]).sum(),
+            _labelled,
+        ),
         "tokw": (lambda out, f: (_token_ce(out, f)[0] * f["tokw"]).sum(), _labelled),
         "seq": (_seq, lambda f: float(len(f["labels"]))),
         "loose": (lambda out, f: (out[..., 0] ** 2 * f["attention_mask"]).sum(), _labelled),
@@ -203,7 +216,11 @@ def statistics(case: Case, out: torch.Tensor, f: dict) -> dict[str, torch.Tensor
     """Additive statistics of the outputs of the real items (rows; real tokens)."""
     items = out if case.model == "mlp" else out[f["attention_mask"].bool()]
     items = items.detach()
-    return {"s": items.sum(0), "q": (items**2).sum(0), "n": items.new_full(items[0:1].shape[1:], len(items))}
+    return {
+        "s": items.sum(0),
+        "q": (items**2).sum(0),
+        "n": items.new_full(items[0:1].shape[1:], len(items)),
+    }
 
 
 def normalise(out: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -284,13 +301,17 @@ def accumulator_kwargs(case: Case) -> dict[str, Any]:
     cut = case.cut
     kwargs: dict[str, Any] = {"micro_batch_size": cut.micro_batch_size}
     if cut.micro_batch_tokens is not None:
-        kwargs.update(micro_batch_tokens=cut.micro_batch_tokens, pad_to_multiple_of=cut.pad_to_multiple_of)
+        kwargs.update(
+            micro_batch_tokens=cut.micro_batch_tokens, pad_to_multiple_of=cut.pad_to_multiple_of
+        )
         if cut.lengths != "default":
             kwargs["lengths"] = user_lengths(case)
     return kwargs
 
 
-def train(case: Case, init: nn.Module, windows: list[Any], wrap: Callable = lambda m: m) -> nn.Module:
+def train(
+    case: Case, init: nn.Module, windows: list[Any], wrap: Callable = lambda m: m
+) -> nn.Module:
     """``case`` trained with bigbatch from ``init`` (``wrap``: e.g. in DDP): the model after."""
     model = copy.deepcopy(init)
     optimizer = OPTIMIZERS[case.optimizer](model.parameters())
@@ -364,7 +385,8 @@ def _token_names(case: Case) -> set[str]:
         names.add("micro_batch_tokens")
     names |= set(data.extras)  # "feat": as wide as the padding; "tokw": one column fewer
     multiple, budget = cut.pad_to_multiple_of, cut.micro_batch_tokens
-    if multiple and (case.loss.form == "mean" or (isinstance(budget, int) and multiple > budget)):
+    mean, over = case.loss.form == "mean", isinstance(budget, int) and (multiple or 0) > budget
+    if multiple and (mean or over or data.structure == "tuple"):  # a tuple: no key, no pad value
         names.add("pad_to_multiple_of")
     return names
 
@@ -414,9 +436,15 @@ def cached_plain(case: Cached) -> Callable[[nn.Module, Any], torch.Tensor]:
 
     def whole(model: nn.Module, batch: Any) -> torch.Tensor:
         encode, nce = cached_fns(case, model)
-        out = nce(encode(model, batch)) if case.form == "one_arg" else nce(encode(model, batch), batch)
+        out = (
+            nce(encode(model, batch))
+            if case.form == "one_arg"
+            else nce(encode(model, batch), batch)
+        )
         if isinstance(out, dict):
-            return sum(w * s / c for s, c, *rest in out.values() for w in [rest[0] if rest else 1.0])
+            return sum(
+                w * s / c for s, c, *rest in out.values() for w in [rest[0] if rest else 1.0]
+            )
         return out[0] / out[1] if isinstance(out, tuple) else out
 
     return whole
@@ -426,7 +454,9 @@ def cached_plain(case: Cached) -> Callable[[nn.Module, Any], torch.Tensor]:
 def grads_batch(case: Grads) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(case.seed)
     n = sum(case.pieces)
-    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(
+        0, 3, (n,), generator=g
+    )
 
 
 def mean_ce(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -19,8 +19,8 @@ _COMMON = dict(
     database=None, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
-# quick: a fixed seed and a few examples per property (the quick tier); long: the slow tier.
-settings.register_profile("fuzz-quick", derandomize=True, max_examples=12, **_COMMON)
+# quick: a fixed seed, a few examples per property (the quick tier); long: the slow tier's.
+settings.register_profile("fuzz-quick", derandomize=True, max_examples=30, **_COMMON)
 settings.register_profile("fuzz-long", derandomize=True, max_examples=150, **_COMMON)
 
 
@@ -90,8 +90,8 @@ class Text:
 @dataclass(frozen=True)
 class Cut:
     """How the window is cut: ``Accumulator`` arguments, and ``lengths``: "default" (not
-    passed), "mask" (attention_mask.sum(-1)), "labelled" (labels != -100 per row), or a bad
-    one ("none_value", "string", "2d", "zero", "negative", "longer")."""
+    passed), "mask" (attention_mask.sum(-1)), "labelled" (labels != -100 per row), "longer"
+    (2 more), "zero", or a bad value ("none_value", "string", "2d", "negative")."""
 
     micro_batch_size: int | str | None
     micro_batch_tokens: int | str | None = None
@@ -118,8 +118,11 @@ OPTIMIZERS = st.sampled_from(["sgd_momentum", "adamw"])
 STEPS = st.sampled_from([1, 1, 2])
 SEEDS = st.integers(0, 2**16)
 WEIGHTS = st.sampled_from([1.0, 0.5, 2.0])
-GOOD_COUNT_FNS, BAD_COUNT_FNS = ("none", "right"), ("off", "zero", "one", "nan", "negative", "nan_tensor")
-GOOD_LENGTHS = ("default", "mask", "labelled", "longer", "zero")  # some drop tokens: see expectation
+GOOD_COUNT_FNS = ("none", "right")
+BAD_COUNT_FNS = ("off", "zero", "one", "nan", "negative", "nan_tensor")
+# lengths= that may drop tokens ("labelled", "zero"; "mask" under left padding) or pad
+# ("longer"): a refusal naming lengths is fine, a silent step off the full batch is not.
+GOOD_LENGTHS = ("default", "mask", "labelled", "longer", "zero")
 BAD_LENGTHS = ("none_value", "string", "2d", "negative")
 
 
@@ -147,9 +150,12 @@ EVERYTHING = Space(
     names=("a", "b", 1, "1", "loss"), count_fns=GOOD_COUNT_FNS + BAD_COUNT_FNS,
     stats=("none", "fixed", "rotating", "two_args"), lengths=GOOD_LENGTHS + BAD_LENGTHS,
 )  # fmt: skip
+# fmt: off
 FOCI = {  # each feature family alone, the rest benign (the slow tier runs each)
     "everything": EVERYTHING,
-    "terms": Space(stats=("none",), lengths=("default",), extras=(), multiples=(None,), labelled=True),
+    "terms": Space(
+        stats=("none",), lengths=("default",), extras=(), multiples=(None,), labelled=True,
+    ),
     "names": Space(  # 1 and "1" collide as strings
         forms=("terms",), names=("a", 1, "1"), stats=("none",), lengths=("default",), extras=(),
         multiples=(None,), labelled=True,
@@ -163,38 +169,45 @@ FOCI = {  # each feature family alone, the rest benign (the slow tier runs each)
         labelled=True,
     ),
     "sample_keys": Space(  # per-sample values as wide as the padded length
-        forms=("pair", "terms"), token_parts=("nll", "seq"), stats=("none",), lengths=("default",),
-        extras=("feat",), sides=("right",), cuts=("tokens",), multiples=(None,), labelled=True,
+        forms=("pair", "terms"), token_parts=("nll", "seq"), stats=("none",),
+        lengths=("default",), extras=("feat",), sides=("right",), cuts=("tokens",),
+        multiples=(None,), labelled=True,
     ),
     "token_keys": Space(  # per-token values one column narrower than the padded length
-        forms=("pair", "terms"), token_parts=("nll", "tokw"), stats=("none",), lengths=("default",),
-        extras=("tokw",), sides=("right",), cuts=("tokens",), multiples=(None,), labelled=True,
+        forms=("pair", "terms"), token_parts=("nll", "tokw"), stats=("none",),
+        lengths=("default",), extras=("tokw",), sides=("right",), cuts=("tokens",),
+        multiples=(None,), labelled=True,
     ),
     "padding": Space(  # pad_to_multiple_of's pad rows and columns
-        token_parts=("nll", "seq", "z"), stats=("none",), lengths=("default",), extras=(),
-        sides=("right",), cuts=("tokens",), multiples=(2, 3, 8, 64), labelled=True,
+        token_parts=("nll", "seq", "z"), stats=("none",), lengths=("default", "mask"),
+        extras=(), sides=("right",), cuts=("tokens",), multiples=(2, 3, 8, 64), labelled=True,
     ),
     "bad_arguments": Space(
-        count_fns=BAD_COUNT_FNS, stats=("none", "two_args"), lengths=BAD_LENGTHS + ("default",),
-        labelled=True,
+        count_fns=BAD_COUNT_FNS, stats=("none", "two_args"),
+        lengths=BAD_LENGTHS + ("default",), labelled=True,
     ),
 }
+# fmt: on
 
 
 @st.composite
-def losses(draw: Any, space: Space, parts: tuple[str, ...], per_sample: str) -> Loss:
+def losses(
+    draw: Any, space: Space, parts: tuple[str, ...], per_sample: str, anchor_pairs: bool = False
+) -> Loss:
     """A loss over ``parts``; ``per_sample``: the part whose count is the rows (a mean's). With
-    ``space.labelled`` the loss has a term that counts something (``parts[0]``) and other terms
-    may count nothing: no window is empty."""
+    ``space.labelled`` named terms include ``parts[0]``, which counts something, so that no
+    window is empty while other terms may count nothing (``anchor_pairs``: a pair is
+    ``parts[0]`` too, where the other parts may count nothing in a whole window)."""
     form = draw(st.sampled_from(space.forms))
     most = min(3, len(space.names)) if form == "terms" else 1
     chosen = draw(st.lists(st.sampled_from(parts), min_size=1, max_size=most, unique=True))
     if form == "mean":
         chosen = [per_sample]
-    elif space.labelled and parts[0] not in chosen:
+    elif space.labelled and parts[0] not in chosen and (form == "terms" or anchor_pairs):
         chosen = [parts[0], *chosen[: most - 1]]
     keys = draw(st.permutations(space.names))[: len(chosen)] if form == "terms" else ["loss"]
-    terms = tuple((k, p, draw(WEIGHTS) if form == "terms" else 1.0) for k, p in zip(keys, chosen, strict=True))
+    weights = [draw(WEIGHTS) if form == "terms" else 1.0 for _ in chosen]
+    terms = tuple(zip(keys, chosen, weights, strict=True))
     stats = draw(st.sampled_from(space.stats))
     return Loss(form, terms, draw(st.sampled_from(space.count_fns)), stats)
 
@@ -218,7 +231,7 @@ def texts(
     lengths = draw(st.lists(st.integers(0, width), min_size=low, max_size=high))
     if space.labelled:  # the first row has a labelled (shifted) token
         lengths[0] = max(lengths[0], prompt + 2)
-    extras = draw(st.lists(st.sampled_from(space.extras), max_size=2, unique=True)) if space.extras else []
+    extras = sorted(draw(st.sets(st.sampled_from(space.extras)))) if space.extras else []
     side, structure = draw(st.sampled_from(space.sides)), draw(st.sampled_from(structures))
     return Text(tuple(lengths), width, side, prompt, structure, tuple(extras), draw(SEEDS))
 
@@ -229,7 +242,8 @@ def sample_cuts(n: int) -> st.SearchStrategy[Cut]:
 
 @st.composite
 def token_cuts(draw: Any, space: Space, text: Text) -> Cut:
-    tokens = draw(st.one_of(st.integers(1, 40), st.just("auto")))
+    whole = len(text.lengths) * text.width  # budgets below it cut the window
+    tokens = draw(st.one_of(st.integers(1, max(whole, 2)), st.integers(1, 40), st.just("auto")))
     rows = draw(st.one_of(st.none(), st.integers(1, len(text.lengths) + 1)))
     multiple = draw(st.sampled_from(space.multiples))
     return Cut(rows, tokens, multiple, draw(st.sampled_from(space.lengths)))
@@ -238,7 +252,7 @@ def token_cuts(draw: Any, space: Space, text: Text) -> Cut:
 @st.composite
 def sample_cases(draw: Any, space: Space = EVERYTHING, low: int = 1) -> Case:
     data = draw(samples(low))
-    loss = draw(losses(space, space.sample_parts, "ce"))
+    loss = draw(losses(space, space.sample_parts, "ce", anchor_pairs=True))
     return Case("mlp", data, draw(sample_cuts(data.n)), loss, draw(OPTIMIZERS), draw(STEPS))
 
 
@@ -250,7 +264,8 @@ def token_cases(
     text = draw(texts(space, low))
     by_tokens = draw(st.sampled_from(space.cuts)) == "tokens"
     cut = draw(token_cuts(space, text)) if by_tokens else draw(sample_cuts(len(text.lengths)))
-    loss = draw(losses(space, space.token_parts, "seq"))
+    parts = tuple(p for p in space.token_parts if p != "tokw" or "tokw" in space.extras)
+    loss = draw(losses(space, parts, "seq"))
     if any(part == "tokw" for _, part, _ in loss.terms) and "tokw" not in text.extras:
         text = replace(text, extras=(*text.extras, "tokw"))  # the part reads it
     model = draw(st.sampled_from(models))
@@ -343,8 +358,13 @@ class Ranks:
     split: int
 
 
+RANKS = Space(  # what crosses ranks: the counts of every term, statistics, token windows
+    lengths=("default", "mask"), extras=(), multiples=(None, 4), labelled=True
+)
+
+
 @st.composite
-def rank_cases(draw: Any) -> Ranks:
-    case = draw(st.one_of(sample_cases(low=2), token_cases(low=2)))  # everything
+def rank_cases(draw: Any, space: Space = RANKS) -> Ranks:
+    case = draw(st.one_of(sample_cases(space, low=2), token_cases(space, low=2)))
     n = len(case.data.lengths) if isinstance(case.data, Text) else case.data.n
     return Ranks(case, draw(st.integers(1, n - 1)))

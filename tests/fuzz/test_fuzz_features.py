@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from cases import OPTIMIZERS
 from oracle import Expect, judge, reference, unchanged_on_refusal
 from scenarios import (
     Encoder,
@@ -25,7 +26,6 @@ from scenarios import (
 from strategies import Cached, Grads, Resume, cached_cases, grads_cases, hold, resume_cases
 
 import bigbatch
-from cases import OPTIMIZERS
 
 PROFILES = ["quick", pytest.param("long", marks=pytest.mark.slow)]
 

@@ -22,7 +22,9 @@ def check_ranks(case: Ranks) -> None:
 
     def run() -> torch.nn.Module:
         outcomes = run_ranks(rank_train, case, timeout_s=60)
-        for kind, value in outcomes:
+        # A rank's refusal first: the other rank may then fail in a collective (gloo's "Connection
+        # closed by peer"); the job's error says why on the refusing rank.
+        for kind, value in sorted(outcomes, key=lambda o: o[0] not in REFUSALS):
             if kind != "ok":
                 raise REFUSALS.get(kind, RuntimeError)(f"({kind} on a rank) {value}")
         (_, first), (_, second) = outcomes

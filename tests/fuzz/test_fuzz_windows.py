@@ -9,11 +9,12 @@ transformers' models.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from oracle import judge, reference
 from scenarios import Plain, batches, expectation, make_model, train
 from strategies import FOCI, Case, hold, sample_cases, token_cases
-
 
 SAMPLE_FOCI = ("everything", "terms", "names", "statistics", "bad_arguments")  # MLPs: no text
 
@@ -40,11 +41,13 @@ def test_sample_windows_equal_the_full_batch(profile, focus):
 
 @pytest.mark.parametrize("profile, focus", tiers(tuple(FOCI)))
 def test_token_windows_equal_the_full_batch(profile, focus):
-    hold(check, token_cases(FOCI[focus]), profile, examples=120 if profile == "quick" else 200)
+    hold(check, token_cases(FOCI[focus]), profile, examples=120 if profile == "quick" else None)
 
 
 @pytest.mark.slow
 @pytest.mark.needs("transformers")
 def test_transformers_models_equal_the_full_batch():
-    """Tiny GPT-2 and Llama from configs (no download): few examples (a model costs ~20 ms)."""
-    hold(check, token_cases(FOCI["everything"], models=("gpt2", "llama")), "long", examples=25)
+    """Tiny GPT-2 and Llama from configs (no download), on valid windows (the features' own
+    faults are the properties' above): few examples, a model costs ~20 ms to build."""
+    space = replace(FOCI["terms"], stats=("none", "fixed"), multiples=(None, 8))
+    hold(check, token_cases(space, models=("gpt2", "llama")), "long", examples=25)
