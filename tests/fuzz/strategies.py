@@ -25,7 +25,7 @@ QUICK_PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
 settings.register_profile(
     "fuzz-quick", derandomize=True, max_examples=30, phases=QUICK_PHASES, **_COMMON
 )
-settings.register_profile("fuzz-long", derandomize=True, max_examples=150, **_COMMON)
+settings.register_profile("fuzz-long", derandomize=True, max_examples=100, **_COMMON)
 
 
 def hold(prop: Any, strategy: st.SearchStrategy, profile: str, examples: int | None = None) -> None:

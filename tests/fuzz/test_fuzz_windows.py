@@ -50,4 +50,4 @@ def test_transformers_models_equal_the_full_batch():
     """Tiny GPT-2 and Llama from configs (no download), on valid windows (the features' own
     faults are the properties' above): few examples, a model costs ~20 ms to build."""
     space = replace(FOCI["terms"], stats=("none", "fixed"), multiples=(None, 8))
-    hold(check, token_cases(space, models=("gpt2", "llama")), "long", examples=25)
+    hold(check, token_cases(space, models=("gpt2", "llama")), "long", examples=20)
