@@ -27,18 +27,12 @@ TOLERANCE = 1e-10
 @dataclass(frozen=True)
 class Expect:
     """``names``: what a refusal of the case may name (none: the case must step);
-    ``must_refuse``: the case is bad input (a step, exact or not, fails)."""
+    ``must_refuse``: the case is bad input (a step, exact or not, fails); ``warns``: a step
+    must come with a ``BigBatchWarning`` (a window with no item, a term left out)."""
 
     names: frozenset[str] = frozenset()
     must_refuse: bool = False
-
-
-class Undefined(Exception):
-    """The full batch's loss is not defined: terms with no items but a nonzero sum."""
-
-    def __init__(self, names: list[Any]) -> None:
-        super().__init__(names)
-        self.names = names
+    warns: bool = False
 
 
 class SilentWrongStep(AssertionError):
@@ -66,7 +60,7 @@ class ChangedOnRefusal(AssertionError):
 
 
 class NoWarning(AssertionError):
-    """A window with no item to average over stepped without a BigBatchWarning."""
+    """A window with no item, or a term left out, stepped without a BigBatchWarning."""
 
 
 def reference(
@@ -74,56 +68,45 @@ def reference(
     optimizer: str,
     loss_fn: Callable[[torch.nn.Module, Any], Any],
     windows: list,
-) -> tuple[torch.nn.Module | None, list[str]]:
-    """The plain full-batch steps, one per window: ``(model after, names of undefined terms)``
-    (``None`` and the names when a window's loss has a term with no item but a nonzero sum)."""
+) -> torch.nn.Module:
+    """The plain full-batch steps from ``init``, one per window: the model after them."""
     model = copy.deepcopy(init)
     opt = OPTIMIZERS[optimizer](model.parameters())
-    try:
-        for batch in windows:
-            full_batch_step(model, opt, loss_fn, batch)
-    except Undefined as exc:
-        return None, [repr(str(name)) for name in exc.names]
-    return model, []
+    for batch in windows:
+        full_batch_step(model, opt, loss_fn, batch)
+    return model
 
 
-def judge(
-    expect: Expect, expected: torch.nn.Module | None, undefined: list[str], run: Callable[[], Any],
-    empty_window: bool = False,
-) -> None:  # fmt: skip
-    """Run ``run()`` (bigbatch's side: the trained model) and hold it to the oracle against
-    ``expected`` (the full batch's model; ``None``: undefined, then ``undefined`` names the terms
-    a refusal must name). ``empty_window``: some window had no item at all; the full batch takes
-    a zero-gradient step there, and bigbatch must warn."""
-    names = set(expect.names) | set(undefined)
-    must_refuse = expect.must_refuse or expected is None
+def judge(expect: Expect, expected: torch.nn.Module, run: Callable[[], Any]) -> None:
+    """Run ``run()`` (bigbatch's side: the trained model) and hold it to the oracle: the
+    parameters of ``expected`` (the full batch's model), or a refusal ``expect`` allows."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             model = run()
         except (ValueError, TypeError) as exc:
             message = f"{type(exc).__name__}: {exc}"
-            if not names:
+            if not expect.names:
                 raise RefusedValidInput(
                     f"refused a case the full batch trains on: {message}"
                 ) from exc
-            if not any(name in str(exc) for name in names):
-                raise UnnamedRefusal(f"{message}\n(names none of {sorted(names)})") from exc
+            if not any(name in str(exc) for name in expect.names):
+                raise UnnamedRefusal(f"{message}\n(names none of {sorted(expect.names)})") from exc
             return
         except (AssertionError, KeyboardInterrupt):
             raise
         except Exception as exc:
             raise RawError(f"{type(exc).__name__}: {exc}") from exc
-    if must_refuse:
-        raise SilentStepOnBadInput(
-            f"stepped on input that must be refused, naming one of {sorted(names)}"
-        )
-    assert expected is not None
+    if expect.must_refuse:
+        names = sorted(expect.names)
+        raise SilentStepOnBadInput(f"stepped on input that must be refused, naming one of {names}")
     error = max_relative_error(expected, model)
     if not error < TOLERANCE:
         raise SilentWrongStep(f"parameters {error:.3g} (relative) off the full-batch step")
-    if empty_window and not any(issubclass(w.category, bigbatch.BigBatchWarning) for w in caught):
-        raise NoWarning("a window with no item stepped without a BigBatchWarning")
+    if expect.warns and not any(issubclass(w.category, bigbatch.BigBatchWarning) for w in caught):
+        raise NoWarning(
+            "stepped without a BigBatchWarning (a window with no item, a term left out)"
+        )
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from cases import OPTIMIZERS
 from models import mlp
-from oracle import Expect, Undefined, unchanged_on_refusal
+from oracle import Expect, unchanged_on_refusal
 from strategies import BAD_LENGTHS, Cached, Case, Cut, Grads, Loss, Ranks, Resume, Samples, Text
 
 import bigbatch
@@ -326,11 +326,16 @@ def train(
 # ---------------------------------------------------------------------------- the full batch's side
 @dataclass
 class Plain:
-    """The whole-batch loss of ``case`` (a ``loss_fn(model, batch)`` for tests/reference.py),
-    noting whether every term of a window had no items (``empty``)."""
+    """The whole-batch loss of ``case`` (a ``loss_fn(model, batch)`` for tests/reference.py).
+
+    A term with no item adds 0. One with no item but a nonzero sum has no full-batch value
+    (``S / 0``): it is left out too, and noted (``dropped``): bigbatch must refuse it by name,
+    or leave it out and warn. ``empty``: per window, whether no term had an item (the full
+    batch takes a zero-gradient step; bigbatch must warn)."""
 
     case: Case
     empty: list[bool] = field(default_factory=list)
+    dropped: set[Any] = field(default_factory=set)
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         case, parts = self.case, parts_of(self.case)
@@ -340,17 +345,21 @@ class Plain:
             with torch.no_grad():
                 stats = statistics(case, forward(case.model, model, f), f)
             out = normalise(out, stats)
-        total, undefined, counts = out.new_zeros(()), [], []
+        total, counts = out.new_zeros(()), []
         for key, part, weight in case.loss.terms:
             s, c = parts[part][0](out, f), float(parts[part][1](f))
             if c == 0 and float(s.detach()) != 0:
-                undefined.append(key)
-            total = total + (weight * s / c if c else 0 * s)  # a term with no items adds 0
+                self.dropped.add(key)
+            total = total + (weight * s / c if c else 0 * s)
             counts.append(c)
-        if undefined:
-            raise Undefined(undefined)
         self.empty.append(not any(counts))
         return total
+
+    def expect(self, expect: Expect) -> Expect:
+        """``expect`` and what the windows seen add to it."""
+        names = expect.names | {repr(str(key)) for key in self.dropped}
+        warns = expect.warns or any(self.empty) or bool(self.dropped)
+        return Expect(frozenset(names), expect.must_refuse, warns)
 
 
 # ---------------------------------------------------------------------------- what a refusal may name

@@ -29,9 +29,8 @@ def check(case: Case) -> None:
     """One generated case against the full batch."""
     init = make_model(case.model)
     windows, plain = batches(case), Plain(case)
-    expected, undefined = reference(init, case.optimizer, plain, windows)
-    run = lambda: train(case, init, windows)  # noqa: E731
-    judge(expectation(case), expected, undefined, run, empty_window=any(plain.empty))
+    expected = reference(init, case.optimizer, plain, windows)
+    judge(plain.expect(expectation(case)), expected, lambda: train(case, init, windows))
 
 
 @pytest.mark.parametrize("profile, focus", tiers(SAMPLE_FOCI))
