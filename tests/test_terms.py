@@ -336,3 +336,32 @@ def test_term_names_that_are_the_same_text_are_refused(names, gen):
     ):
         acc.train_step(make_batch(10, gen), loss)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_count_fn_keyed_by_the_terms_names_as_given(gen):
+    """Found by tests/fuzz: a term named ``1`` (an int) with ``count_fn -> {1: count}`` was refused
+    with a raw ``'<' not supported`` (the loss's names are kept as text, count_fn's were not)."""
+    torch.manual_seed(0)
+    ref, model = TinyCausalLM().double(), TinyCausalLM().double()
+    model.load_state_dict(ref.state_dict())
+
+    def loss(m, mb):
+        logits = m(mb["input_ids"])
+        aux = (logits.pow(2).mean((1, 2)).sum(), len(logits))  # per sample
+        return {1: terms.token_nll(logits, mb["labels"])["nll"], "aux": aux}
+
+    def count_fn(mb):
+        return {1: (mb["labels"][:, 1:] != -100).sum(), "aux": len(mb["labels"])}
+
+    def plain(m, batch):  # the full batch: each term over its own whole-batch count
+        out = loss(m, batch)
+        return sum(t[0] / t[1] for t in out.values())
+
+    batch = make_batch(10, gen)
+    full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), plain, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = bigbatch.Accumulator(model, opt, 4)
+    with pytest.raises(ValueError, match=r"count_fn's names \[1, '1'\] hold the same text twice"):
+        acc.train_step(batch, loss, count_fn=lambda mb: {1: 1, "1": 1})
+    acc.train_step(batch, loss, count_fn=count_fn)
+    assert max_relative_error(ref, model) < 1e-10

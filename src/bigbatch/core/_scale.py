@@ -47,9 +47,14 @@ def plan(
     if counts is not None:  # exactly 1 / C_k (a count may be a fraction: a sum of weights)
         totals: dict[str, Any] = {}  # each term's total over the pieces: a number or {name: count}
         for c in counts:
+            if isinstance(c, Mapping) and len(set(map(str, c))) < len(c):  # as loss_fn's names
+                raise ValueError(
+                    f"count_fn's names {list(c)!r} hold the same text twice: use "
+                    "distinct names, the loss_fn's term names (kept by text)."
+                )
             for name, value in c.items() if isinstance(c, Mapping) else [("loss", c)]:
                 count = check_count(value, f"count_fn's result {name!r}")
-                totals[name] = totals.get(name, 0.0) + count
+                totals[str(name)] = totals.get(str(name), 0.0) + count
         w.expected = global_counts(totals, samples, sync)[0]
         w.scales = {k: _reciprocal(c) for k, c in w.expected.items()}
     elif sync.world_size > 1 and not fp16:
