@@ -309,6 +309,18 @@ def test_lengths_that_are_not_one_length_per_sample_are_refused(lengths, returne
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_lengths_longer_than_the_rows_are_refused(gen):
+    """Found by tests/fuzz: lengths past the padded width (a left-padded tuple batch, lengths
+    from its mask + 2) padded columns of 0, a real label, and stepped off the full batch."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=40, lengths=lambda b: b[1].sum(-1) + 2)  # fmt: skip
+    batch = text_batch(4, gen, left=True)
+    with pytest.raises(ValueError, match=rf"returned a length of {CTX + 2} for a batch of {CTX} "):
+        acc.train_step((batch["input_ids"], batch["attention_mask"], batch["labels"]), lm_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("key", ["labels", "attention_mask", "labels without lengths"])
 def test_lengths_that_would_trim_labelled_or_attended_tokens_are_refused(key, gen):
     """Silent before: the trim dropped a labelled (or attended) token, and the step was not the
@@ -380,7 +392,10 @@ def test_a_mean_loss_with_pad_rows_is_refused_and_changes_nothing(gen, precision
         m(b[0] if form == "tuple" else b["input_ids"]).float().flatten(0, 1),
         (b[2] if form == "tuple" else b["labels"]).flatten(), ignore_index=PAD,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="loss_fn returned a mean, which would average over"):
+    message = "loss_fn returned a mean, which would average over"
+    if form == "tuple":  # found by tests/fuzz: a tuple's pads were 0, a real label (silent)
+        message = r"pad_to_multiple_of=4 pads rows .* a tuple batch has no keys: pass a mapping"
+    with pytest.raises(ValueError, match=message):
         acc.train_step(batch, mean)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from cases import OPTIMIZERS
 from models import mlp
-from oracle import Expect, unchanged_on_refusal
+from oracle import OPTIMIZERS, Expect, unchanged_on_refusal
 from strategies import BAD_LENGTHS, Cached, Case, Cut, Grads, Loss, Ranks, Resume, Samples, Text
 
 import bigbatch
@@ -393,6 +392,8 @@ def _token_names(case: Case) -> set[str]:
     if cut.lengths == "default" and (data.side == "left" or data.structure != "dict"):
         names.add("micro_batch_tokens")
     names |= set(data.extras)  # "feat": as wide as the padding; "tokw": one column fewer
+    if data.extras and data.structure != "dict":  # no key to name: the tensor's path
+        names.add("batch[")
     multiple, budget = cut.pad_to_multiple_of, cut.micro_batch_tokens
     mean, over = case.loss.form == "mean", isinstance(budget, int) and (multiple or 0) > budget
     if multiple and (mean or over or data.structure == "tuple"):  # a tuple: no key, no pad value

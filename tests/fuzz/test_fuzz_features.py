@@ -7,8 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from cases import OPTIMIZERS
-from oracle import Expect, judge, reference, unchanged_on_refusal
+from oracle import OPTIMIZERS, Expect, judge, reference, unchanged_on_refusal
 from scenarios import (
     Encoder,
     Plain,

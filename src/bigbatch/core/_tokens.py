@@ -170,6 +170,12 @@ class TokenCut(SampleCut):
         return self._round(max(self._lengths(batch)))
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
+        if self.multiple and not isinstance(batch, Mapping):  # pads take their value by key
+            raise ValueError(
+                f"pad_to_multiple_of={self.multiple} pads rows and columns with each key's pad value "
+                f"(labels -100, ...), and a {type(batch).__name__} batch has no keys: pass a "
+                "mapping batch (a dict), or drop pad_to_multiple_of."
+            )
         lengths, n = self._lengths(batch), batch_size(batch)
         check_extent(batch, lengths, self.pad_values, "lengths(batch)" if self.lengths else None)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
@@ -246,6 +252,12 @@ class TokenCut(SampleCut):
             raise ValueError(
                 f"lengths(batch) returned {what}: return one length per sample, a positive "
                 "integer (its tokens), as a list or a 1-D tensor."
+            )
+        width = padded_length(batch)
+        if width and (longest := max(int(v) for v in values)) > width:
+            raise ValueError(
+                f"lengths(batch) returned a length of {longest} for a batch of {width} columns: a "
+                "sample's length counts its tokens, at most its row's width."
             )
         return [int(v) for v in values]
 
@@ -378,12 +390,13 @@ def per_token(batch: Any, width: int, pad_values: Mapping[str, Any]) -> set[int]
         if t.dim() < 2 or pad_values.get(key or "", 0) is None:  # not per-token
             continue
         if t.shape[1] != width or key not in (None, *pad_values):
-            name = repr(key or "key")  # a tuple batch: use a mapping batch to name it
+            name = repr(key or "key")
+            where = "" if key else "Pass a mapping batch (a dict) and say which by its key: "
             raise ValueError(
                 f"{path} has {t.shape[1]} columns where the tokens have {width}: bigbatch cannot "
-                f"tell whether they are tokens. Say which: pad_values={{{name}: None}} keeps it "
-                f"whole (not per-token), {{{name}: 0}} trims it with the tokens (padded to {width} "
-                "columns, 0 its pad value; Task(pad_values=...) for bigbatch train)."
+                f"tell whether they are tokens. {where or 'Say which: '}pad_values={{{name}: None}} "
+                f"keeps it whole (not per-token), {{{name}: 0}} trims it with the tokens (padded "
+                f"to {width} columns, 0 its pad value; Task(pad_values=...) for bigbatch train)."
             )
         found.add(id(t))
     return found
