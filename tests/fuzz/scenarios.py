@@ -396,7 +396,8 @@ def _token_names(case: Case) -> set[str]:
         names.add("batch[")
     multiple, budget = cut.pad_to_multiple_of, cut.micro_batch_tokens
     mean, over = case.loss.form == "mean", isinstance(budget, int) and (multiple or 0) > budget
-    if multiple and (mean or over or data.structure == "tuple"):  # a tuple: no key, no pad value
+    rows = any(kind == "seq" for _, kind, _ in case.loss.terms)  # counted in rows: pad rows too
+    if multiple and (mean or over or rows or data.structure == "tuple"):  # a tuple: no pad value
         names.add("pad_to_multiple_of")
     return names
 

@@ -51,7 +51,9 @@ Note [compile buckets]
     ``pad_values`` (``input_ids`` 0, ``attention_mask`` 0, ``labels``
     -100, 0 for any other key unless ``pad_values`` says): a label of -100 counts no token, so
     the step is unchanged for a loss that returns ``(loss_sum, count)`` from the labels. A loss
-    that returns a mean would average over the pad rows too, and is refused.
+    that returns a mean would average over the pad rows too, and is refused; so is a count that
+    is a Python number (``check_pad_rows``): a count of rows, pairs or sequences would count the
+    pad rows, and a per-row term would add their losses.
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ PAD_ROWS_NEED_SUMS = (
     "mean, which would average over them too: return (loss_sum, count), e.g. "
     "bigbatch.token_cross_entropy(logits, labels, shift=True) (Note [compile buckets])."
 )
+
+
+def check_pad_rows(terms: Mapping[str, Any]) -> None:
+    """Refuse counts that are numbers on a micro-batch with pad rows (Note [compile buckets]): a
+    count of rows, or of sequences or pairs, would count the pad rows, and their terms add up."""
+    if named := [name for name, term in terms.items() if not torch.is_tensor(term.count)]:
+        raise ValueError(
+            f"pad_to_multiple_of pads micro-batches with rows that count nothing, and term "
+            f"{named[0]!r} has a count that is a number (of rows, pairs, sequences?), which "
+            "would count the pad rows too: return counts computed from the labels or mask as "
+            "tensors (a pad row's labels are -100, its mask 0), or drop pad_to_multiple_of."
+        )
 
 
 def make_cut(micro_batch_size: int | str | None, micro_batch_tokens: int | str | None,

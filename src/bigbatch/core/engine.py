@@ -38,7 +38,7 @@ from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
-from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, make_cut
+from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, make_cut
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
@@ -297,7 +297,10 @@ class Accumulator:
         if isinstance(out, torch.Tensor) and piece.pad_rows:  # a mean, on any path (fp16 too)
             raise ValueError(PAD_ROWS_NEED_SUMS)
         if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
-            return self._backward(as_terms(out, piece.samples))
+            terms = as_terms(out, piece.samples)
+            if piece.pad_rows:  # Note [compile buckets]: counts the pad rows cannot join
+                check_pad_rows(terms)
+            return self._backward(terms)
         check_scalar_loss(out, "loss_fn's return value")
         self._precision.backward(out * (piece.samples * scales["loss"]))
         w.add({"loss": Term(out, piece.samples)}, factor=piece.samples)
