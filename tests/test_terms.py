@@ -228,7 +228,8 @@ def test_constant_unit_needs_its_length():
 
 
 def test_named_terms_in_a_cached_batch_loss(gen):
-    """``cached_loss``'s batch loss may return named terms (all over the whole batch)."""
+    """``cached_loss``'s batch loss may return named terms (all over the whole batch), one of
+    which counts nothing (its mean was 0 / 0: NaN, and the window refused as non-finite)."""
     torch.manual_seed(0)
     init = TinyCausalLM().double()
     ref, model = copy.deepcopy(init), copy.deepcopy(init)
@@ -242,6 +243,7 @@ def test_named_terms_in_a_cached_batch_loss(gen):
         return {
             "nce": (F.cross_entropy(scores, target, reduction="sum"), float(len(reps))),
             "norm": ((reps**2).sum(), float(reps.numel()), 0.1),
+            "empty": ((reps**2).sum() * 0, 0.0),  # counts nothing, adds nothing (was NaN)
         }
 
     def plain(m, b):  # the same loss written out over the whole batch

@@ -140,8 +140,15 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
 
 
 def mean_of(terms: Mapping[str, Term]) -> torch.Tensor:
-    """The loss the terms stand for, ``Σ_k w_k loss_sum_k / count_k`` (a full batch's value)."""
-    return sum(t.weight * t.loss_sum / t.count for t in terms.values())  # type: ignore[return-value]
+    """The loss the terms stand for, ``Σ_k w_k loss_sum_k / count_k`` (a full batch's value); a
+    term that counts nothing adds its sum, which must be 0 (Note [window checks])."""
+
+    def counted(c: Any) -> Any:  # a count of 0 divides by 1, not 0 (0 / 0 is NaN)
+        return (
+            torch.where(c > 0, c, torch.ones_like(c)) if isinstance(c, torch.Tensor) else c or 1.0
+        )
+
+    return sum(t.weight * t.loss_sum / counted(t.count) for t in terms.values())  # type: ignore[return-value]
 
 
 def accepts(fn: Any, n: int) -> bool:
