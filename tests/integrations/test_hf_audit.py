@@ -290,6 +290,15 @@ def test_the_audit_leaves_training_as_it_was(tmp_path, cls):
     assert all(torch.equal(plain[k], ours[k]) for k in plain)
 
 
+def test_neftune_noise_is_off_too(tmp_path):
+    """NEFTune's embedding noise (a stock ``TrainingArguments`` option) is a rate the audit sets to
+    0 as it does dropout's: the stock Trainer is exact, a mean of micro-batch means named."""
+    for cls, exact in ((transformers.Trainer, True), (MeanPerMicroBatch, False)):
+        found = audited(cls, gpt2(), tmp=tmp_path, args={"neftune_noise_alpha": 5.0})[0]
+        assert found.exact is exact, found
+        assert exact or found.diagnosis == "per-micro-batch mean on padded data", found
+
+
 class Noisy(transformers.Trainer):
     """Noise added to the loss's input (as NEFTune adds to the embeddings): random numbers that
     are not dropout, drawn in another order by the micro-batches than by the one batch."""
@@ -304,8 +313,9 @@ class Noisy(transformers.Trainer):
 
 
 def test_random_numbers_besides_dropout_are_not_a_verdict(tmp_path):
-    """The audit cannot turn noise off: where the gradients differ it says "not checked", and
-    why, rather than blaming the accumulation."""
+    """Noise drawn in the loss at a constant scale cannot be turned off: where the gradients differ
+    and the loss changes with the numbers drawn, the audit says "not checked", and why, rather
+    than blaming the accumulation."""
     found = audited(Noisy, gpt2(), tmp=tmp_path)[0]
     assert found.exact is None and "random numbers besides dropout" in found.diagnosis, found
     assert str(found).startswith("bigbatch audit, step 1: not checked: the loss draws random")

@@ -36,11 +36,6 @@ def restore(state: RngState, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda, device)
 
 
-def same(a: RngState, b: RngState) -> bool:
-    """Whether two captured states are equal: nothing drew from the generators between them."""
-    return torch.equal(a[0], b[0]) and (a[1] is None or b[1] is None or torch.equal(a[1], b[1]))
-
-
 def capture_all() -> dict[str, Any]:
     """Every random generator's state: torch CPU and CUDA, numpy (if installed), Python."""
     version, internal, gauss = random.getstate()

@@ -33,9 +33,12 @@ Note [audit]
     change at that step); ``eval()`` (BatchNorm would use its running statistics, and
     transformers' layers stop checkpointing); the function mode alone (a checkpoint's recompute
     runs outside it: with dropout back on there, the audit crashed ``SFTTrainer``, whose default
-    is gradient checkpointing). Random numbers besides dropout (noise in ``forward``, NEFTune's)
-    stay: where the one-batch loss draws some and the gradients differ, the result is no verdict
-    but ``exact=None``, "not checked", saying why (they may differ for that alone).
+    is gradient checkpointing). Noise rates are set to 0 too (float attributes named for noise:
+    NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). Other random numbers
+    (noise drawn in ``forward`` at a constant scale) stay: where the gradients differ and the
+    same loss computed again, on the numbers drawn next, differs by more than the tolerance, the
+    result is no verdict but ``exact=None``, "not checked", saying why (they may differ for that
+    alone).
 
 Note [audit tolerance]). On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
@@ -105,6 +108,7 @@ import contextlib
 import importlib
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,7 +125,8 @@ from bigbatch.verifier._runs import Grads, Watch, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
-RANDOM = "the loss draws random numbers besides dropout (noise, NEFTune): audit without them"
+RANDOM = "the loss draws random numbers besides dropout (noise in forward): audit without them"
+_RATE = re.compile("drop|noise")  # dropout rates, NEFTune's noise_alpha, MoE routers' jitter_noise
 
 
 def need(module: str, extra: str) -> Any:
@@ -308,7 +313,6 @@ def check(
             with scope():
                 with observe(model) as precision:  # dropout called as a function, off too
                     value = loss()
-                drawn = not _rng.same(_rng.capture(device), window.rng)  # besides dropout
                 value.backward()
                 grads = gradients(model)
                 for g in grads.values() if average else ():
@@ -322,7 +326,7 @@ def check(
                 acc = gradients(model)
             with scope(), Watch():  # the diagnosis's losses with dropout off too
                 whole = float(value.detach())
-                result = judge(window, acc, grads, whole, precision.dtype, own, drawn)
+                result = judge(window, acc, grads, whole, precision.dtype, own, loss)
                 log.results.append(result)
     finally:  # the gradients, the buffers and the random state as they were
         backup.restore(lambda: None)
@@ -332,13 +336,13 @@ def check(
 
 @contextlib.contextmanager
 def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
-    """Within the block the dropout rates of ``model``'s modules in training are 0: each
-    dropout's ``p``, each float attribute named for dropout (``attention_dropout``, ``dropout_p``,
-    ``layerdrop``: what transformers' attention passes its kernel in training). Yields whether
-    there were any (Note [audit dropout])."""
+    """Within the block the dropout and noise rates of ``model``'s modules in training are 0:
+    each dropout's ``p``, each float attribute named for dropout or noise (``attention_dropout``,
+    ``dropout_p``, ``layerdrop``: what transformers' attention passes its kernel in training;
+    NEFTune's ``neftune_noise_alpha``). Yields whether there were any (Note [audit dropout])."""
     rates = [
         (m, k, v) for m in model.modules() if m.training for k, v in vars(m).items()
-        if type(v) is float and v > 0 and ("drop" in k or isinstance(m, _DropoutNd) and k == "p")
+        if type(v) is float and v > 0 and (_RATE.search(k) or isinstance(m, _DropoutNd) and k == "p")
     ]  # fmt: skip
     for m, k, _ in rates:
         setattr(m, k, 0.0)
@@ -351,11 +355,12 @@ def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
 
 def judge(
     window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own,
-    drawn: bool = False,
+    again: Callable[[], torch.Tensor],
 ) -> AuditResult:  # fmt: skip
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
     ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis]), or
-    leave it undecided where the loss ``drawn`` random numbers (Note [audit dropout])."""
+    leave it undecided where ``again()``, the same loss on the random numbers drawn next, is
+    another (Note [audit dropout])."""
     items = sum(max((t.numel() for _, t in tensor_leaves(b)), default=1) for b in window.batches)
     tolerance = rounding(dtype, items)
     worst = max(differences(acc, grads).values(), default=0.0)
@@ -374,10 +379,14 @@ def judge(
         returned / whole if whole else math.nan, worst, tolerance,
         rounding=f"{str(dtype).removeprefix('torch.')} rounding over {items:,} items",
     )  # fmt: skip
-    if not result.exact and drawn:
-        result.exact, result.diagnosis = None, RANDOM
-    elif not result.exact:
-        result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), own, tolerance)
+    if not result.exact:
+        with torch.no_grad():  # another loss from other random numbers: they may be the cause
+            drawn = abs(float(again()) - loss) > tolerance * abs(loss)
+        result.exact = None if drawn else False
+        ranks_differ = disagree > 1e-9 * _norm(acc)
+        result.diagnosis = (
+            RANDOM if drawn else _diagnose(window, loss, ranks_differ, own, tolerance)
+        )
     (logger.info if result.exact else logger.warning)(str(result))
     return result
 
