@@ -270,7 +270,9 @@ def test_dropout_on(tmp_path, cls, diagnosis):
     assert diagnosis or found[0].loss_ratio == pytest.approx(1)
 
 
-@pytest.mark.parametrize("cls", [MeanPerMicroBatch, bigbatch.hf.Trainer])
+@pytest.mark.parametrize(
+    "cls", [pytest.param(MeanPerMicroBatch, marks=pytest.mark.slow), bigbatch.hf.Trainer]
+)
 def test_the_audit_leaves_training_as_it_was(tmp_path, cls):
     """With dropout on, the audited steps' extra runs (the one batch, the replay, the diagnosis)
     put the gradients, the random state and the trainer's counters back: the audited run ends
@@ -290,6 +292,7 @@ def test_the_audit_leaves_training_as_it_was(tmp_path, cls):
     assert all(torch.equal(plain[k], ours[k]) for k in plain)
 
 
+@pytest.mark.slow  # 1.3 s
 def test_neftune_noise_is_off_too(tmp_path):
     """NEFTune's embedding noise (a stock ``TrainingArguments`` option) is a rate the audit sets to
     0 as it does dropout's: the stock Trainer is exact, a mean of micro-batch means named."""

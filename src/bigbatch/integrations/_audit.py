@@ -382,11 +382,9 @@ def judge(
     if not result.exact:
         with torch.no_grad():  # another loss from other random numbers: they may be the cause
             drawn = abs(float(again()) - loss) > tolerance * abs(loss)
-        result.exact = None if drawn else False
         ranks_differ = disagree > 1e-9 * _norm(acc)
-        result.diagnosis = (
-            RANDOM if drawn else _diagnose(window, loss, ranks_differ, own, tolerance)
-        )
+        diagnosis = RANDOM if drawn else _diagnose(window, loss, ranks_differ, own, tolerance)
+        result.exact, result.diagnosis = (None if drawn else False), diagnosis
     (logger.info if result.exact else logger.warning)(str(result))
     return result
 
