@@ -57,6 +57,9 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
         "stock wrapper": (transformers.Trainer, lambda: Wrapper(gpt2())),
         "bigbatch": (bigbatch.hf.Trainer, gpt2),
         "bigbatch wrapper": (bigbatch.hf.Trainer, lambda: Wrapper(gpt2())),
+        "stock dropout": (transformers.Trainer, lambda: gpt2(dropout=True)),
+        "stock wrapper dropout": (transformers.Trainer, lambda: Wrapper(gpt2(dropout=True))),
+        "bigbatch dropout": (bigbatch.hf.Trainer, lambda: gpt2(dropout=True)),
     }
     out = {}
     for name, (cls, make) in runs.items():
@@ -95,6 +98,17 @@ def test_no_sync_on_every_micro_batch_is_flagged_and_the_ranks_drift(ranks):
 def test_the_stock_trainer_on_ranks_is_no_false_alarm(ranks):
     for rank in ranks:
         assert [r.exact for r in rank["stock"][1]] == [True, True]
+
+
+def test_dropout_on_ranks(ranks):
+    """GPT-2's default dropout: each rank replays its window with dropout off (Note [audit
+    dropout]), synchronised as the trainer synchronises it; no false alarm, and a mean of
+    micro-batch means is still named."""
+    for rank in ranks:
+        assert [r.exact for r in rank["stock dropout"][1]] == [True, True]
+        assert [r.exact for r in rank["bigbatch dropout"][1]] == [True, True]
+        found = rank["stock wrapper dropout"][1]
+        assert [r.diagnosis for r in found] == ["per-micro-batch mean on padded data"] * 2, found
 
 
 def test_a_mean_of_micro_batch_means_on_ranks_is_flagged(ranks):

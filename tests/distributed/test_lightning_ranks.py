@@ -26,7 +26,7 @@ from integrations.hf_models import distance, gpt2  # noqa: E402
 pytestmark = pytest.mark.slow  # real gloo ranks, Lightning imported in each
 
 
-def _rank(rank: int, world: int, exact: bool) -> tuple:
+def _rank(rank: int, world: int, settings: tuple[bool, bool]) -> tuple:
     import lightning.pytorch as L
     import torch
     from integrations.hf_models import collate, texts
@@ -38,6 +38,7 @@ def _rank(rank: int, world: int, exact: bool) -> tuple:
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="t")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     warnings.simplefilter("ignore")
+    exact, dropout = settings
     loader = torch.utils.data.DataLoader(texts(12), batch_size=2, collate_fn=collate)
     trainer = L.Trainer(
         max_epochs=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
@@ -45,7 +46,7 @@ def _rank(rank: int, world: int, exact: bool) -> tuple:
         strategy="ddp", callbacks=[bigbatch.lightning.Exact()] if exact else [],
     )  # fmt: skip
     report = bigbatch.lightning.audit(trainer, steps=(1, 2))
-    model = gpt2()
+    model = gpt2(dropout=dropout)
     trainer.fit(LM(model, exact, sgd), loader)
     return trainer.world_size, model.state_dict(), report.results
 
@@ -57,7 +58,7 @@ def test_lightning_ddp(exact):
 
     base = gpt2()
     reference = full(base, sgd, [texts(12)] * 2)
-    for world, state, results in run_ranks(_rank, exact, timeout_s=300):
+    for world, state, results in run_ranks(_rank, (exact, False), timeout_s=300):
         model = copy.deepcopy(base)
         model.load_state_dict(state)
         assert world == 2
@@ -67,3 +68,10 @@ def test_lightning_ddp(exact):
         else:
             assert all(r.diagnosis == "per-micro-batch mean on padded data" for r in results)
             assert distance(model, reference, base) > 1e-3
+
+
+def test_dropout_on_ranks():
+    """GPT-2's default dropout under DDP with ``Exact``: each rank replays its window through the
+    strategy (DDP synchronises it) with dropout off (Note [audit dropout]): exact on every rank."""
+    for world, _, results in run_ranks(_rank, (True, True), timeout_s=300):
+        assert world == 2 and [r.exact for r in results] == [True, True], results

@@ -1,6 +1,6 @@
 """Tiny transformers models built from configs (no weights, no download), padded data, trainers.
 
-Everything is float64 with dropout off, so an accumulated step and the one-batch step differ
+Everything is float64 with dropout off (unless asked for), so an accumulated step and the one-batch step differ
 only by rounding; data are variable-length and right-padded (the case where averaging
 micro-batch means goes wrong).
 """
@@ -23,14 +23,16 @@ def llama(seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(config).to(torch.float64)
 
 
-def gpt2(seed: int = 0) -> torch.nn.Module:
+def gpt2(seed: int = 0, dropout: bool = False) -> torch.nn.Module:
+    """A tiny GPT-2; ``dropout``: its config's default dropout (0.1 on embeddings, attention and
+    residuals), else none."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
+    off = {} if dropout else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=64, pad_token_id=0, **off
+    )
     return GPT2LMHeadModel(config).to(torch.float64)
 
 

@@ -237,3 +237,88 @@ def test_last_window_mis_scaled(tmp_path):
     for rows in (order[:6], order[6:]):
         full_batch_step(reference, optimizer, full, collate([data[i] for i in rows]))
     assert distance(model, reference, Wrapper(base)) < 1e-10
+
+
+class MeanPerMicroBatch(transformers.Trainer):
+    """A custom loss: the micro-batch's token mean, ``num_items_in_batch`` ignored, which the
+    Trainer divides by the accumulation steps (``loss_is_scaled_for_ga``): a mean of micro-batch
+    means."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss
+
+
+@pytest.mark.parametrize(
+    "cls, diagnosis",
+    [
+        (transformers.Trainer, ""),
+        (bigbatch.hf.Trainer, ""),
+        (MeanPerMicroBatch, "per-micro-batch mean on padded data"),
+        pytest.param(bigbatch.hf.exact(MeanPerMicroBatch), "", marks=pytest.mark.slow),
+    ],
+)
+def test_dropout_on(tmp_path, cls, diagnosis):
+    """GPT-2 with its config's dropout (0.1): both sides are computed with dropout off, the
+    trainer's own window replayed (Note [audit dropout]). The stock Trainer on its stock model and
+    bigbatch's are exact (both were "NOT exact: loss term normalised locally"); a mean of
+    micro-batch means is still found, with its cause."""
+    found = audited(cls, gpt2(dropout=True), tmp=tmp_path, audit_steps=(1, 2))
+    assert [r.exact for r in found] == [not diagnosis] * 2, found
+    assert found[0].diagnosis == diagnosis, found[0]
+    assert diagnosis or found[0].loss_ratio == pytest.approx(1)
+
+
+@pytest.mark.parametrize(
+    "cls", [pytest.param(MeanPerMicroBatch, marks=pytest.mark.slow), bigbatch.hf.Trainer]
+)
+def test_the_audit_leaves_training_as_it_was(tmp_path, cls):
+    """With dropout on, the audited steps' extra runs (the one batch, the replay, the diagnosis)
+    put the gradients, the random state and the trainer's counters back: the audited run ends
+    bit for bit where the plain one does, its logged loss too."""
+    runs = []
+    for audit in (False, True):
+        model = gpt2(dropout=True)
+        trainer = cls(
+            model=model, args=arguments(tmp_path, 5, 3), train_dataset=texts(12),
+            data_collator=collate, optimizers=sgd(model),
+        )  # fmt: skip
+        report = bigbatch.hf.audit(trainer, steps=(1, 2)) if audit else None
+        out = trainer.train()
+        runs.append((model.state_dict(), torch.get_rng_state(), out.training_loss))
+    (plain, rng, loss), (ours, audited_rng, audited_loss) = runs
+    assert len(report.results) == 2 and torch.equal(rng, audited_rng) and loss == audited_loss
+    assert all(torch.equal(plain[k], ours[k]) for k in plain)
+
+
+@pytest.mark.slow  # 1.3 s
+def test_neftune_noise_is_off_too(tmp_path):
+    """NEFTune's embedding noise (a stock ``TrainingArguments`` option) is a rate the audit sets to
+    0 as it does dropout's: the stock Trainer is exact, a mean of micro-batch means named."""
+    for cls, exact in ((transformers.Trainer, True), (MeanPerMicroBatch, False)):
+        found = audited(cls, gpt2(), tmp=tmp_path, args={"neftune_noise_alpha": 5.0})[0]
+        assert found.exact is exact, found
+        assert exact or found.diagnosis == "per-micro-batch mean on padded data", found
+
+
+class Noisy(transformers.Trainer):
+    """Noise added to the loss's input (as NEFTune adds to the embeddings): random numbers that
+    are not dropout, drawn in another order by the micro-batches than by the one batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        embeds = model.get_input_embeddings()(inputs["input_ids"])
+        embeds = embeds + 0.1 * torch.randn_like(embeds)
+        out = model(
+            inputs_embeds=embeds, attention_mask=inputs["attention_mask"], labels=inputs["labels"]
+        )
+        return out.loss * inputs["labels"][:, 1:].ne(-100).sum() / num_items_in_batch
+
+
+def test_random_numbers_besides_dropout_are_not_a_verdict(tmp_path):
+    """Noise drawn in the loss at a constant scale cannot be turned off: where the gradients differ
+    and the loss changes with the numbers drawn, the audit says "not checked", and why, rather
+    than blaming the accumulation."""
+    found = audited(Noisy, gpt2(), tmp=tmp_path)[0]
+    assert found.exact is None and "random numbers besides dropout" in found.diagnosis, found
+    assert str(found).startswith("bigbatch audit, step 1: not checked: the loss draws random")

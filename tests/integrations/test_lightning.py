@@ -120,11 +120,24 @@ def test_last_window():
     assert distance(ours, reference, base) < 1e-10
 
 
+def test_dropout_on():
+    """GPT-2's default dropout (``nn.Dropout`` modules, attention's ``dropout_p``): the audit
+    compares both sides with dropout off, replaying Lightning's window (Note [audit dropout]).
+    Lightning's ÷ k is still found and named, ``Exact`` called exact (it was "NOT exact")."""
+    found = fit(gpt2(dropout=True), 4, 3, steps=(1, 2))
+    assert [r.exact for r in found] == [False] * 2, found
+    assert found[0].diagnosis == "per-micro-batch mean on padded data", found[0]
+    mine = fit(gpt2(dropout=True), 5, 3, pair=True, exact=True, steps=(1, 2))
+    assert [r.exact for r in mine] == [True] * 2 and mine[0].loss_ratio == pytest.approx(1), mine
+
+
 class Regression(L.LightningModule):
-    def __init__(self):
+    def __init__(self, *layers):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Linear(3, 1).double()
+        width = 8 if layers else 3
+        body = [torch.nn.Linear(3, 8), *layers] if layers else []
+        self.net = torch.nn.Sequential(*body, torch.nn.Linear(width, 1)).double()
 
     def training_step(self, batch, idx):
         x, y = batch  # a list: TensorDataset's default collate
@@ -134,21 +147,46 @@ class Regression(L.LightningModule):
         return sgd(self.parameters())
 
 
-def test_audit_joins_list_batches_per_position():
-    """``[x, y]`` lists are joined as ``[x1 + x2 + x3, y1 + y2 + y3]``, not ``[x1, y1, x2, ...]``:
-    equal micro-batches of a mean are exact under Lightning's ÷ k (no false alarm)."""
+def regress(module, audit=True, epochs=1):
+    """``module`` fitted on 12 ``[x, y]`` samples, 4 per batch, 3 batches per step; the audit's
+    results (of steps 1 and 2) and the global random state after."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(12, 3, generator=g).double(), torch.randn(12, 1, generator=g).double()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     trainer = L.Trainer(
-        max_epochs=1, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+        max_epochs=epochs, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
     )  # fmt: skip
-    report = bigbatch.lightning.audit(trainer)
+    report = bigbatch.lightning.audit(trainer, steps=(1, 2)) if audit else None
+    torch.manual_seed(1)  # the masks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Regression(), loader)
-    assert report.results[0].exact, report.results[0]
+        trainer.fit(module, loader)
+    return report and report.results, torch.get_rng_state()
+
+
+def test_audit_joins_list_batches_per_position():
+    """``[x, y]`` lists are joined as ``[x1 + x2 + x3, y1 + y2 + y3]``, not ``[x1, y1, x2, ...]``:
+    equal micro-batches of a mean are exact under Lightning's ÷ k (no false alarm), with
+    ``nn.Dropout`` on too."""
+    for module in (Regression(), Regression(torch.nn.Tanh(), torch.nn.Dropout(0.3))):
+        found = regress(module)[0][0]
+        assert found.exact, found
+
+
+def test_the_audit_leaves_training_as_it_was():
+    """BatchNorm and dropout: the audit's extra runs (the one batch, the replay with dropout off,
+    the diagnosis's losses) put the gradients, BatchNorm's statistics and the random state back:
+    the audited fit ends bit for bit where the plain one does (BatchNorm couples the samples,
+    which the audit names)."""
+    layers = torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Dropout(0.3)
+    plain, audited = Regression(*layers), Regression(*copy.deepcopy(layers))
+    _, rng = regress(plain, audit=False, epochs=2)
+    found, audited_rng = regress(audited, epochs=2)
+    assert [r.diagnosis for r in found] == ["loss couples samples across micro-batches"] * 2
+    assert torch.equal(rng, audited_rng)
+    for (name, a), b in zip(plain.state_dict().items(), audited.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # weights, running mean and variance, batches tracked
 
 
 def test_errors():

@@ -100,6 +100,30 @@ def test_sft_per_token(tmp_path):
     assert distance(stock, one, base) < FLOAT32 and distance(ours, one, base) < FLOAT32
 
 
+def test_sft_with_dropout(tmp_path):
+    """Llama with attention dropout 0.1 under SFT: the audit replays the window with dropout off
+    (Note [audit dropout]) and calls it exact, and the tokens SFT counts (its logged
+    ``num_tokens``) are the plain run's: the audit's own calls of ``compute_loss`` are not
+    counted."""
+    data, counted = datasets.Dataset.from_dict({"text": sentences(12, 1)}), []
+    for audit in (False, True):
+        model = llama()
+        model.config.attention_dropout = 0.1
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.1
+        trainer = trl.SFTTrainer(
+            model=model, args=config(trl.SFTConfig, tmp_path, 5, 3), train_dataset=data,
+            processing_class=tokenizer(),
+        )  # fmt: skip
+        report = bigbatch.hf.audit(trainer, steps=(1, 2)) if audit else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        counted.append(trainer._total_train_tokens)
+    assert [r.exact for r in report.results] == [True, True], report.results
+    assert counted[0] == counted[1] > 0
+
+
 def docstrings(n: int = 300, low: int = 6, high: int = 256) -> list[str]:
     """``n`` of Python's own docstrings of ``low`` to ``high`` words, each word mapped to one of
     ``WORDS``: a realistic spread of lengths, shipped with Python (nothing downloaded)."""

@@ -8,9 +8,39 @@ Note [audit]
     the trainer's scaling). After the window's last backward, before clipping and the optimizer
     step, the audit keeps the accumulated gradients aside, restores that random state, runs the
     trainer's own loss on the joined batch once with gradients (the one extra forward and
-    backward), compares, and puts the gradients and the random state back: training goes on as
-    if nothing had happened. The tolerance is the rounding that forward and backward can make
-    (Note [audit tolerance]). On several ranks every rank compares and
+    backward; dropout off: Note [audit dropout]
+    Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
+    joined batch would: with dropout on, the two gradients differ whatever the accumulation does
+    (GPT-2's default 0.1 gave a false alarm with a wrong cause). So the audit computes both sides
+    with dropout off. ``dropout_off`` sets every dropout rate of the modules in training to 0
+    for the audit's runs: each dropout's ``p`` and each float attribute named for dropout
+    (``attention_dropout``, ``dropout_p``, ``layerdrop``: transformers' attention passes these to
+    its kernel, ``dropout_p=0.0 if not self.training else ...``), so the rates stay 0 when a
+    gradient checkpoint recomputes its block in backward and whatever ``model.train()`` the
+    trainer calls; ``observe``'s function mode (Note [dropout in check] in
+    ``bigbatch.verifier._runs``) also turns off dropout called as a function with a constant
+    rate, in forward. Where either found dropout on, the accumulated side is computed again: the
+    trainer's own window replayed from the same weights (``replay``: its ``training_step`` over
+    the recorded batches, with its accumulation steps, its scaling and its backward; on
+    bigbatch's trainers, its engine), whose gradients are compared and whose returns the
+    diagnosis reads (its own losses with dropout off too). The replay runs the trainer's
+    normalisation, so a wrong one is found with dropout on as without, and the step taken is the
+    one the trainer computed with its masks: the gradients, buffers, random state, rates and the
+    trainer's counters (TRL's ``_step``, its token count) are put back. It costs one more
+    forward and backward of the window, where dropout is on. Rejected: the same masks on both
+    sides (drawn per call for tensors of other shapes: possible only where shapes and call order
+    match, not in general); the audited window itself run with dropout off (training would
+    change at that step); ``eval()`` (BatchNorm would use its running statistics, and
+    transformers' layers stop checkpointing); the function mode alone (a checkpoint's recompute
+    runs outside it: with dropout back on there, the audit crashed ``SFTTrainer``, whose default
+    is gradient checkpointing). Noise rates are set to 0 too (float attributes named for noise:
+    NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). Other random numbers
+    (noise drawn in ``forward`` at a constant scale) stay: where the gradients differ and the
+    same loss computed again, on the numbers drawn next, differs by more than the tolerance, the
+    result is no verdict but ``exact=None``, "not checked", saying why (they may differ for that
+    alone).
+
+Note [audit tolerance]). On several ranks every rank compares and
     all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
     read over every rank's count (``window_mean``), as the window normalises it.
     The joined batch is computed at once, so the audited step holds the whole window's
@@ -19,6 +49,26 @@ Note [audit]
     so it would miss what the audit is for, a loss or module coupling the samples across
     micro-batches and a normalisation that is wrong. The memory is said where the audit is
     documented instead; audit where the window fits.
+
+Note [audit dropout]
+    Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
+    joined batch would: with dropout on the two gradients differ whatever the accumulation does
+    (GPT-2's default 0.1: a false alarm, with a wrong cause). The one-batch run computes with
+    dropout off (``observe``: Note [dropout in check] in ``bigbatch.verifier._runs``, ``nn.Dropout``,
+    ``F.dropout``, attention's ``dropout_p``), and where it turned some off, the accumulated side
+    is computed again with dropout off too: the trainer's own window replayed from the same
+    weights (``replay``: its ``training_step`` over the recorded batches, with its accumulation
+    steps, its scaling and its backward; on bigbatch's trainers, its engine), whose gradients
+    are compared and whose returns the diagnosis reads (its own losses with dropout off too).
+    The replay runs the trainer's normalisation, so a wrong one is found with dropout on as
+    without, and the step taken is the one the trainer computed with its masks (the gradients,
+    buffers and random state are put back). It costs one more forward and backward of the
+    window, where dropout is on. Rejected: the same masks on both sides (drawn per call for
+    tensors of other shapes: possible only where the shapes and call order match, not in
+    general); the audited window itself run with dropout off (training would change at that
+    step). Random numbers besides dropout (noise in ``forward``, NEFTune's) stay: where the
+    one-batch loss draws some and the gradients differ, the result is no verdict but
+    ``exact=None``, "not checked", naming why (they may differ for that alone).
 
 Note [audit tolerance]
     The accumulated and the one-batch gradient differ by rounding alone when the step is exact:
@@ -54,24 +104,29 @@ Note [audit diagnosis]
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.dropout import _DropoutNd
 
 from bigbatch.core import _rng
 from bigbatch.core._tree import is_column, tensor_leaves
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
-from bigbatch.verifier._runs import Grads, differences, observe
+from bigbatch.verifier._runs import Grads, Watch, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
+RANDOM = "the loss draws random numbers besides dropout (noise in forward): audit without them"
+_RATE = re.compile("drop|noise")  # dropout rates, NEFTune's noise_alpha, MoE routers' jitter_noise
 
 
 def need(module: str, extra: str) -> Any:
@@ -88,7 +143,9 @@ class AuditResult:
 
     Attributes:
         step: the optimizer step (1 is the first).
-        exact: every parameter's gradient is within ``tolerance`` of the one-batch gradient.
+        exact: every parameter's gradient is within ``tolerance`` of the one-batch gradient;
+            ``None``: not checked (a difference where the loss draws random numbers besides
+            dropout, which ``diagnosis`` names: Note [audit dropout]).
         grad_norm_ratio: ‖accumulated gradient‖ / ‖one-batch gradient‖ (1 when right).
         loss_ratio: the loss the trainer accumulated / the one-batch loss.
         difference: the largest relative difference of a parameter's gradient.
@@ -99,7 +156,7 @@ class AuditResult:
     """
 
     step: int
-    exact: bool
+    exact: bool | None
     grad_norm_ratio: float
     loss_ratio: float
     difference: float
@@ -109,6 +166,7 @@ class AuditResult:
 
     def __str__(self) -> str:
         verdict = "exact" if self.exact else f"NOT exact: {self.diagnosis}"
+        verdict = f"not checked: {self.diagnosis}" if self.exact is None else verdict
         return (
             f"bigbatch audit, step {self.step}: {verdict} (gradient norm ×"
             f"{self.grad_norm_ratio:.4g}, loss ×{self.loss_ratio:.4g} of the one-batch step; "
@@ -234,14 +292,16 @@ def gradients(model: torch.nn.Module) -> Grads:
 
 def check(
     log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-    own: Own, average: bool, scope: Any,
+    own: Own, average: bool, scope: Callable[[], Any], replay: Callable[[], None],
 ) -> None:  # fmt: skip
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
-    loss on the joined batch (within the context manager ``scope``), and add the ``AuditResult``
-    to ``log``.
+    loss on the joined batch (within the context manager ``scope()``), and add the
+    ``AuditResult`` to ``log``.
 
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
-    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis.
+    ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis; ``replay()``: the
+    trainer's window again, back-propagated as it did (synchronised over the ranks), refilling
+    ``window`` (Note [audit dropout]).
     """
     acc, params = gradients(model), list(model.parameters())
     device, kept = params[0].device, [p.grad for p in params]
@@ -249,27 +309,58 @@ def check(
     model.zero_grad(set_to_none=True)
     _rng.restore(window.rng, device)  # the window's first
     try:
-        with scope:
-            with observe(model) as precision:
-                value = loss()
-            value.backward()
-            grads = gradients(model)
-            for g in grads.values() if average else ():
-                torch.distributed.all_reduce(g)
-                g /= torch.distributed.get_world_size()
-            result = judge(window, acc, grads, float(value.detach()), precision.dtype, own)
-            log.results.append(result)
+        with dropout_off(model) as dropped:  # (Note [audit dropout])
+            with scope():
+                with observe(model) as precision:  # dropout called as a function, off too
+                    value = loss()
+                value.backward()
+                grads = gradients(model)
+                for g in grads.values() if average else ():
+                    torch.distributed.all_reduce(g)
+                    g /= torch.distributed.get_world_size()
+            if dropped or precision.dropout:  # the window again, with dropout off
+                model.zero_grad(set_to_none=True)
+                _rng.restore(window.rng, device)
+                with Watch():
+                    replay()
+                acc = gradients(model)
+            with scope(), Watch():  # the diagnosis's losses with dropout off too
+                whole = float(value.detach())
+                result = judge(window, acc, grads, whole, precision.dtype, own, loss)
+                log.results.append(result)
     finally:  # the gradients, the buffers and the random state as they were
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):
             p.grad = old
 
 
+@contextlib.contextmanager
+def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
+    """Within the block the dropout and noise rates of ``model``'s modules in training are 0:
+    each dropout's ``p``, each float attribute named for dropout or noise (``attention_dropout``,
+    ``dropout_p``, ``layerdrop``: what transformers' attention passes its kernel in training;
+    NEFTune's ``neftune_noise_alpha``). Yields whether there were any (Note [audit dropout])."""
+    rates = [
+        (m, k, v) for m in model.modules() if m.training for k, v in vars(m).items()
+        if type(v) is float and v > 0 and (_RATE.search(k) or isinstance(m, _DropoutNd) and k == "p")
+    ]  # fmt: skip
+    for m, k, _ in rates:
+        setattr(m, k, 0.0)
+    try:
+        yield bool(rates)
+    finally:
+        for m, k, v in rates:
+            setattr(m, k, v)
+
+
 def judge(
-    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own
-) -> AuditResult:
+    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own,
+    again: Callable[[], torch.Tensor],
+) -> AuditResult:  # fmt: skip
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
-    ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis])."""
+    ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis]), or
+    leave it undecided where ``again()``, the same loss on the random numbers drawn next, is
+    another (Note [audit dropout])."""
     items = sum(max((t.numel() for _, t in tensor_leaves(b)), default=1) for b in window.batches)
     tolerance = rounding(dtype, items)
     worst = max(differences(acc, grads).values(), default=0.0)
@@ -289,7 +380,11 @@ def judge(
         rounding=f"{str(dtype).removeprefix('torch.')} rounding over {items:,} items",
     )  # fmt: skip
     if not result.exact:
-        result.diagnosis = _diagnose(window, loss, disagree > 1e-9 * _norm(acc), own, tolerance)
+        with torch.no_grad():  # another loss from other random numbers: they may be the cause
+            drawn = abs(float(again()) - loss) > tolerance * abs(loss)
+        ranks_differ = disagree > 1e-9 * _norm(acc)
+        diagnosis = RANDOM if drawn else _diagnose(window, loss, ranks_differ, own, tolerance)
+        result.exact, result.diagnosis = (None if drawn else False), diagnosis
     (logger.info if result.exact else logger.warning)(str(result))
     return result
 

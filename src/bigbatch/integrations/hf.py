@@ -350,8 +350,9 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     steps asked for, after the window's last backward and before clipping, it recomputes the
     window as one batch from the same weights and random state and compares the gradients
     (Note [audit] in ``bigbatch.integrations._audit``); training goes on unchanged. Costs one
-    forward and backward of the window, per audited step; a wrong step costs one more forward to
-    say why (Note [audit diagnosis]). Logs one line per audited step (logger ``"bigbatch"``).
+    forward and backward of the window, per audited step (two with dropout on: both sides are
+    compared with dropout off, the trainer's window replayed, Note [audit dropout]); a wrong step
+    costs one more forward to say why (Note [audit diagnosis]). Logs one line per audited step (logger ``"bigbatch"``).
     Memory: the audited step holds the whole window as one batch, its activations at once
     (about ``gradient_accumulation_steps`` times a step's: 224 MiB against 25 MiB in issue 30's
     run): audit where the window fits (a short run, or fewer rows per window).
@@ -361,8 +362,9 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
         steps: the optimizer steps to audit (1 is the first), an int or a tuple of ints.
 
     Returns:
-        An ``Audit`` whose ``.results`` gains one ``AuditResult`` (``exact``,
-        ``grad_norm_ratio``, ``loss_ratio``, ``tolerance``, ``diagnosis``) per audited step; when
+        An ``Audit`` whose ``.results`` gains one ``AuditResult`` (``exact``: ``None`` where the
+        loss draws random numbers besides dropout and it cannot tell; ``grad_norm_ratio``,
+        ``loss_ratio``, ``tolerance``, ``diagnosis``) per audited step; when
         ``train()`` ends, ``.not_reached`` holds the steps it never reached, named in a warning.
 
     Raises:
@@ -423,20 +425,39 @@ class _Watch:
         return prepared
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        loss = self.wrapped[2](model, inputs, num_items_in_batch)
+        loss, t = self.wrapped[2](model, inputs, num_items_in_batch), self.trainer
         if (w := self.window) is not None:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
                 joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
-                if self.seen:  # bigbatch's: its last pass's micro-batches (not a count pass's)
-                    seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
-                    w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
-                    w.accumulation_steps, self.seen = len(seen), []
-                own = functools.partial(self._own, model)
+                raw = [unpairs(b) if self.reader.paired else b for b in w.batches]
+                self._settle(w)
+                own, scope = functools.partial(self._own, model), functools.partial(one_step, t)
                 once = functools.partial(self._loss, model, joined)
-                _audit.check(self.log, w, model, once, own, False, one_step(self.trainer))
+                replay = functools.partial(self._replay, model, w, raw, num_items_in_batch)
+                counters = {k: v for k, v in vars(t).items() if isinstance(v, (int, float))}
+                _audit.check(self.log, w, model, once, own, False, scope, replay)
+                vars(t).update(counters)  # TRL's: GRPO's _step, SFT's token count
         return loss
+
+    def _settle(self, w: _audit.Window) -> None:
+        """On bigbatch's trainers the window's micro-batches and what each added to its loss."""
+        if self.seen:  # its last pass's micro-batches (not a count pass's)
+            seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
+            w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
+            w.accumulation_steps, self.seen = len(seen), []
+
+    def _replay(self, model: Any, w: _audit.Window, raw: list[Any], num_items: Any) -> None:
+        """The trainer's ``training_step`` over the window's batches again (Note [audit
+        dropout]); ``w`` gets what each returned."""
+        t = self.trainer  # its batches prepared already (GRPO would generate again)
+        self.window, t._prepare_inputs = w, lambda inputs: inputs
+        try:
+            w.returns = [float(self.wrapped[2](model, b, num_items)) for b in raw]
+        finally:
+            self.window, t._prepare_inputs = None, self.prepare_inputs
+        self._settle(w)
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
         """The trainer's loss on ``batch`` as one batch (what it does with one accumulation

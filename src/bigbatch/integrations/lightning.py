@@ -129,7 +129,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Call it before ``trainer.fit``, after any ``Exact`` in the trainer's callbacks. The audited
     step holds the whole window as one batch (about ``accumulate_grad_batches`` times a step's
-    activations): audit where the window fits (Note [audit]).
+    activations): audit where the window fits (Note [audit]). With dropout on, both sides are
+    compared with dropout off, the window replayed (Note [audit dropout]).
 
     Returns:
         An ``Audit`` whose ``.results`` gains one ``AuditResult`` per audited step; when
@@ -181,13 +182,34 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         w, self.window = self.window, None
         if w is None:
             return
+        self._settle(w)
+        own = functools.partial(self._own, pl_module)
+        loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
+        scope = trainer.precision_plugin.train_step_context
+        replay = functools.partial(self._replay, trainer, pl_module, optimizer, w)
+        _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope, replay)
+
+    def _settle(self, w: _audit.Window) -> None:
         if self.exact is not None:  # each micro-batch over the window's count
             seen = zip(w.batches, self.exact.last, strict=True)
             w.returns = _audit.shares([(b, tuple(s)) for b, s in seen])
-        own = functools.partial(self._own, pl_module)
-        loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
-        scope = trainer.precision_plugin.train_step_context()
-        _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope)
+
+    def _replay(self, trainer: Any, pl_module: Any, optimizer: Any, w: _audit.Window) -> None:
+        """The window again as Lightning runs it (Note [audit dropout]): each ``training_step``
+        (through the strategy: DDP, autocast; with ``Exact``'s and the audit's wrappers) ÷
+        ``accumulate_grad_batches``, back-propagated; then ``Exact``'s rescaling; ``w`` gets what
+        each back-propagated."""
+        self.window, w.returns = w, []
+        for i, batch in enumerate(w.batches):
+            out = trainer.strategy.training_step(batch, i)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            (loss / trainer.accumulate_grad_batches).backward()
+        self.window = None
+        if self.exact is not None:
+            kept = self.exact.window_loss  # the loss the trainer's window had
+            self.exact.on_before_optimizer_step(trainer, pl_module, optimizer)
+            self.exact.window_loss = kept
+        self._settle(w)
 
     def _loss(self, pl_module: Any, batch: Any) -> torch.Tensor:
         """The module's own ``training_step`` (not a callback's wrapper) on ``batch``: with
