@@ -126,8 +126,17 @@ class TokenCut(SampleCut):
         """The budget at which each micro-batch holds one sample: the longest one's length."""
         return self._round(max(self._lengths(batch)))
 
+    def measure(self, batch: Any) -> tuple[int, int, Callable[[int], list[Piece]]]:
+        """``SampleCut.measure``: the lengths read once for the window."""
+        lengths = self._lengths(batch)
+        floor = self._round(max(lengths))
+        return len(lengths) * floor, floor, lambda size: self._cut(batch, size, lengths)
+
     def __call__(self, batch: Any, size: int) -> list[Piece]:
-        lengths, n = self._lengths(batch), batch_size(batch)
+        return self._cut(batch, size, self._lengths(batch))
+
+    def _cut(self, batch: Any, size: int, lengths: list[int]) -> list[Piece]:
+        n = len(lengths)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
@@ -196,13 +205,15 @@ class TokenCut(SampleCut):
             )
         ones = mask != 0
         counts = ones.sum(-1)
-        if not torch.equal(ones, torch.arange(ones.shape[1], device=ones.device) < counts[:, None]):
+        gaps = (ones != (torch.arange(ones.shape[1], device=ones.device) < counts[:, None])).any()
+        *found, gapped = torch.cat([counts, gaps.reshape(1)]).tolist()  # one host sync
+        if gapped:
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
                 "zeros): trimming a left-padded or gapped micro-batch would move its tokens. Pad "
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
-        return [max(1, int(v)) for v in counts.tolist()]
+        return [max(1, int(v)) for v in found]
 
     def check_shapes(self, model: Any) -> None:
         """Warn once when a compiled ``model`` has seen more shapes than torch recompiles for."""

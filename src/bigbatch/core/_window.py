@@ -96,6 +96,11 @@ class SampleCut:
         """The size at which every piece holds one sample (nothing smaller cuts finer)."""
         return 1
 
+    def measure(self, batch: Any) -> tuple[int, int, Callable[[int], list[Piece]]]:
+        """``units``, ``floor`` and the cut of ``batch`` at a size, measuring the batch once (a
+        token cut reads the lengths once per window: Note [one host sync] in ``core._stepping``)."""
+        return self.units(batch), self.floor(batch), lambda size: self(batch, size)
+
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
         left = range(batch_size(batch), 0, -size)  # samples not yet cut, before each piece
@@ -162,19 +167,26 @@ class Window:
         total = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
         return torch.stack(tensors).sum(dtype=torch.float64) + total if tensors else total
 
-    def totals(self) -> list[float]:
+    def totals(self, norm: torch.Tensor | None = None) -> tuple[list[float], float | None]:
         """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
-        checked at step time, Note [window checks]): read from the device in one host sync."""
-        sums = iter(torch.stack([s for v in self.sums.values() for s in v]).tolist())
+        checked at step time, Note [window checks]), and the value of ``norm`` (the gradients'):
+        all read from the device in one host sync (Note [one host sync] in ``core._stepping``)."""
+        parts = [s for v in self.sums.values() for s in v]
+        n = len(parts) + (norm is not None)
+        values = torch.stack(parts + ([] if norm is None else [norm.to(parts[0].device)]))
         tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
-        read = iter(torch.stack(tensors).tolist() if tensors else ())
+        if tensors:  # in float64, where an integer count is exact
+            stacked = torch.stack(tensors).to(values.device, torch.float64)
+            values = torch.cat([values.to(torch.float64), stacked])
+        found = values.tolist()
+        sums, read = iter(found[:n]), iter(found[n:])
         out: list[float] = []
         bad = 0
         for name, factors in self.factors.items():
             counts = [next(read) if isinstance(c, torch.Tensor) else c for c in self.counts[name]]
             bad += sum(not (math.isfinite(c) and c >= 0) for c in counts)
             out += [sum(next(sums) * f for f in factors), float(sum(counts))]
-        return [*out, bad]
+        return [*out, bad], None if norm is None else found[n - 1]
 
 
 # ---------------------------------------------------------------------------- what a window changes
@@ -259,13 +271,13 @@ class Runner:
         raised, after discarding and restoring, unless it is an out-of-memory error of
         ``attempt`` that the sizing policy retries.
         """
-        units, floor = self.cut.units(batch), self.cut.floor(batch)
+        units, floor, cut = self.cut.measure(batch)
         tracked = [t for tensors in self.tracked for t in tensors()]
         backup, retries = Backup(self.model, tracked, self._seen, self.device), 0
         while True:
             size = self.sizing.size_for(units, floor)
             self.meter.start()
-            pieces = self.cut(batch, size)
+            pieces = cut(size)
             if self.sync.equal_micro_batches:  # Note [micro-batches per rank] in core._sync
                 most = int(self.sync.all_reduce(torch.tensor([float(len(pieces))]), "max").item())
                 pieces += [self.cut.empty(batch) for _ in range(most - len(pieces))]  # pair up

@@ -181,7 +181,13 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
 def gradients(model: torch.nn.Module) -> Grads:
     """Every trainable parameter's gradient by name (zeros where there is none), detached."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in named}
+    return {n: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if p.grad is None
+            else _whole(p.grad.detach()).clone() for n, p in named}  # fmt: skip
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient (FSDP2's ``DTensor``) gathered whole on every rank; others as they are."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
 def check(
