@@ -9,10 +9,10 @@ a clipping norm that is not a positive number.
 Note [one host sync]
     On a GPU the host must not wait for the device inside a window: each micro-batch's loss sum
     and count stay on the device (``Window``), and ``step`` reads them in one transfer
-    (``Window.totals``), the gradients' norm with them. Normalising multiplies the gradients by a
-    number known only after that read, so on one process with plain gradients and no loss scaler
-    the norm is taken before (the norm of ``f·g`` is ``f`` times that of ``g``) and the factor and
-    the clipping coefficient go in one multiply. With a loss scaler (which reads its own verdict),
+    (``Window.totals``), each gradient's norm with them. Normalising multiplies the gradients by
+    a number known only after that read, so on one process with plain gradients and no loss
+    scaler the norms are taken before (the norm of ``f·g`` is ``f`` times that of ``g``) and the
+    factor and the clipping coefficient go in one multiply. With a loss scaler (which reads its own verdict),
     several ranks, or sharded or sparse gradients, the gradients are normalised first and their
     norm is one more read.
 """
@@ -249,11 +249,6 @@ def clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.T
     return total
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all ``grads`` together, on their device (no host sync)."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-
-
 def scale_and_clip_(
     grads: list[torch.Tensor], factor: float, norm: float, max_norm: float | None
 ) -> float:
@@ -301,8 +296,8 @@ class Stepper:
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
         ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
-        grads = self.plain_grads(w)  # their norm is read with the totals (Note [one host sync])
-        totals, norm = w.totals(None if grads is None else total_norm(grads))
+        grads = self.plain_grads(w)  # their norms are read with the totals (Note [one host sync])
+        totals, norms = w.totals([] if grads is None else list(torch._foreach_norm(grads)))
         if self.sync.world_size > 1:  # over all ranks (one all-reduce)
             totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
@@ -313,7 +308,7 @@ class Stepper:
         # In fp16 non-finite windows are the loss scaler's to skip.
         if not math.isfinite(loss) and self.nonfinite == "raise" and self.precision.scaler is None:
             raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
-        grad_norm = self.normalise(w, counts, grads, norm)
+        grad_norm = self.normalise(w, counts, grads, math.sqrt(sum(n * n for n in norms)))
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         skipped = self.skips(nonfinite, grad_norm, count) or self.precision.step(self.optimizer)
         if not skipped and isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -326,9 +321,7 @@ class Stepper:
             skipped, nonfinite=nonfinite, samples=w.samples, terms=terms, **fields,
         )  # fmt: skip
 
-    def normalise(
-        self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float | None
-    ) -> float:
+    def normalise(self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float) -> float:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
         window's (Note [several forwards]), unscale and clip them; return their norm (``grads``,
         ``norm``: the plain gradients and their norm before, Note [one host sync])."""
@@ -336,7 +329,7 @@ class Stepper:
         factor = float(self.sync.world_size)  # several terms: every s_k is exactly 1 / C_k
         if w.expected is None or len(counts) == 1:  # one term: whatever s was, W / (C s) is exact
             factor = factor / (count * float(w.scales[first])) if count else 1.0
-        if grads is not None and norm is not None:
+        if grads is not None:
             return scale_and_clip_(grads, factor, norm, self.max_grad_norm)
         if w.deferred:  # each rank's own factor, then the average
             scale_grads_(params, factor)

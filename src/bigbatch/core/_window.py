@@ -103,8 +103,8 @@ class SampleCut:
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        left = range(batch_size(batch), 0, -size)  # samples not yet cut, before each piece
-        return [Piece(p, min(size, n)) for p, n in zip(split(batch, size), left, strict=True)]
+        parts = split(batch, size)  # (only the last may be smaller)
+        return [Piece(p, size) for p in parts[:-1]] + [Piece(parts[-1], batch_size(parts[-1]))]
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
@@ -167,26 +167,26 @@ class Window:
         total = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
         return torch.stack(tensors).sum(dtype=torch.float64) + total if tensors else total
 
-    def totals(self, norm: torch.Tensor | None = None) -> tuple[list[float], float | None]:
+    def totals(self, extra: list[torch.Tensor]) -> tuple[list[float], list[float]]:
         """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
-        checked at step time, Note [window checks]), and the value of ``norm`` (the gradients'):
-        all read from the device in one host sync (Note [one host sync] in ``core._stepping``)."""
+        checked at step time, Note [window checks]), and the values of ``extra`` (the gradients'
+        norms): all read from the device at once (Note [one host sync] in ``core._stepping``)."""
         parts = [s for v in self.sums.values() for s in v]
-        n = len(parts) + (norm is not None)
-        values = torch.stack(parts + ([] if norm is None else [norm.to(parts[0].device)]))
+        n = len(parts)
+        values = torch.stack(parts + [e.to(parts[0].device) for e in extra])
         tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
         if tensors:  # in float64, where an integer count is exact
             stacked = torch.stack(tensors).to(values.device, torch.float64)
             values = torch.cat([values.to(torch.float64), stacked])
         found = values.tolist()
-        sums, read = iter(found[:n]), iter(found[n:])
+        sums, read = iter(found[:n]), iter(found[n + len(extra) :])
         out: list[float] = []
         bad = 0
         for name, factors in self.factors.items():
             counts = [next(read) if isinstance(c, torch.Tensor) else c for c in self.counts[name]]
             bad += sum(not (math.isfinite(c) and c >= 0) for c in counts)
             out += [sum(next(sums) * f for f in factors), float(sum(counts))]
-        return [*out, bad], None if norm is None else found[n - 1]
+        return [*out, bad], found[n : n + len(extra)]
 
 
 # ---------------------------------------------------------------------------- what a window changes
