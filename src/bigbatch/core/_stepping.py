@@ -321,7 +321,9 @@ class Stepper:
             skipped, nonfinite=nonfinite, samples=w.samples, terms=terms, **fields,
         )  # fmt: skip
 
-    def normalise(self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float) -> float:
+    def normalise(
+        self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float
+    ) -> float:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
         window's (Note [several forwards]), unscale and clip them; return their norm (``grads``,
         ``norm``: the plain gradients and their norm before, Note [one host sync])."""

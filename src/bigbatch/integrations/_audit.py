@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
+from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
@@ -222,6 +223,9 @@ def check(
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):
             p.grad = old
+        for m in model.modules():  # FSDP2 leaves some units unsharded after a forward without
+            if wrapper_kind(m) == "fsdp" and hasattr(m, "reshard"):  # gradients (the diagnosis):
+                m.reshard()  # the optimizer steps the shards, and the next forward must see it
 
 
 def judge(
