@@ -224,8 +224,9 @@ def check(
         for p, old in zip(params, kept, strict=True):
             p.grad = old
         for m in model.modules():  # FSDP2 leaves some units unsharded after a forward without
-            if wrapper_kind(m) == "fsdp" and hasattr(m, "reshard"):  # gradients (the diagnosis):
-                m.reshard()  # the optimizer steps the shards, and the next forward must see it
+            reshard = getattr(m, "reshard", None)  # gradients (the diagnosis's): the optimizer
+            if wrapper_kind(m) == "fsdp" and callable(reshard):  # steps the shards, and the
+                reshard()  # next forward must gather them again
 
 
 def judge(
