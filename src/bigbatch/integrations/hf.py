@@ -88,6 +88,8 @@ def exact(trainer_class: type) -> type:
         ``per_device_train_batch_size``), ``micro_batch_tokens`` (cut by tokens, or ``"auto"``),
         ``memory_budget`` and ``pad_to_multiple_of`` as ``bigbatch.Accumulator`` does, and
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``.
+        Building one under DeepSpeed raises ``ValueError`` (``refuse_deepspeed``); FSDP (FSDP2's
+        ``fully_shard`` too) and DDP are exact.
 
     Raises:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
@@ -122,6 +124,7 @@ def exact(trainer_class: type) -> type:
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
+            refuse_deepspeed(self, f"bigbatch.hf.exact({trainer_class.__name__})")
             if micro_batch_size is None and micro_batch_tokens is None:
                 micro_batch_size = self.args.per_device_train_batch_size
             given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
@@ -239,6 +242,24 @@ def one_step(trainer: Any) -> Iterator[None]:
             setattr(owner, name, value)
 
 
+def refuse_deepspeed(trainer: Any, what: str) -> None:
+    """Refuse a trainer whose accelerator runs DeepSpeed (Note [trainer window]: its engine
+    divides each backward by its own accumulation steps, steps inside ``training_step`` and keeps
+    ZeRO's gradients out of ``.grad``, so neither bigbatch's window nor the audit can hold them).
+
+    Raises:
+        ValueError: DeepSpeed is enabled (the message says what to use instead).
+    """
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError(
+            f"{what} does not run under DeepSpeed: its engine divides every backward by its own "
+            "gradient_accumulation_steps, steps inside training_step and keeps ZeRO's gradients "
+            "out of .grad (transformers#45305, accelerate#3552). Use FSDP (fsdp=True, "
+            'fsdp_config={"version": 2}) or DDP with bigbatch.hf.Trainer, or DeepSpeed with the '
+            "stock transformers.Trainer."
+        )
+
+
 def _named(trainer_class: type, names: tuple[str, ...]) -> bool:
     return any(c.__name__ in names for c in trainer_class.__mro__)
 
@@ -308,7 +329,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
-        ValueError: bad ``steps``.
+        ValueError: bad ``steps``; the trainer runs DeepSpeed (``refuse_deepspeed``).
 
     Example:
         >>> report = bigbatch.hf.audit(trainer)  # doctest: +SKIP
@@ -318,6 +339,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _transformers.Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
+    refuse_deepspeed(trainer, "bigbatch.hf.audit()")
     return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
 
