@@ -153,10 +153,12 @@ class Window:
     def add(self, terms: Mapping[str, Term], factor: float = 1.0) -> None:
         """Record one micro-batch's terms (each ``loss_sum`` times ``factor`` is its sum)."""
         for name, (loss_sum, count, weight) in terms.items():
+            if name not in self.weights:
+                self.sums[name], self.counts[name], self.factors[name] = [], [], []
             s = loss_sum.detach()
-            self.sums.setdefault(name, []).append(s.reshape(()) if s.dim() else s)
-            self.counts.setdefault(name, []).append(count)
-            self.factors.setdefault(name, []).append(factor)
+            self.sums[name].append(s.reshape(()) if s.dim() else s)
+            self.counts[name].append(count)
+            self.factors[name].append(factor)
             self.weights[name] = weight
         self.micro_batches += 1
 
@@ -306,7 +308,10 @@ class Runner:
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
-            with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
+            if backup.batchnorms:
+                with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
+                    attempt(pieces, size)
+            else:
                 attempt(pieces, size)
             return None, False
         except Restart:
