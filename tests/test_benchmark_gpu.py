@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # four forked parts: ~40 s of CPU (transformers' Trainer, dynamo's tracing)
+@pytest.mark.slow  # four forked parts: ~30 s of CPU (transformers' Trainer, dynamo's tracing)
 def test_the_gpu_run_works_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "gpu"
