@@ -300,7 +300,7 @@ def auto_oom(s: Sizes, device: torch.device) -> None:
         m
         for a, b in zip(widths, widths[1:], strict=False)
         for m in (torch.nn.Linear(a, b), torch.nn.GELU())
-    ]  # noqa: E501
+    ]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(s.hidden, 10)).to(device, torch.float64)
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(s.samples, s.features, generator=gen, dtype=torch.float64).to(device),
@@ -358,6 +358,8 @@ def auto_oom(s: Sizes, device: torch.device) -> None:
 def environment(s: Sizes, device: torch.device) -> None:
     import importlib.metadata
 
+    from _measure import device_name
+
     def version(name: str) -> str:
         try:
             return importlib.metadata.version(name)
@@ -375,7 +377,7 @@ def environment(s: Sizes, device: torch.device) -> None:
         rows["cuDNN"] = str(torch.backends.cudnn.version())
     else:
         rows["card"] = "none: a dry run on the CPU (toy sizes; the figures mean nothing)"
-    rows["CPU"] = platform.processor() or platform.machine()
+    rows["CPU"] = device_name("cpu")
     rows["torch"] = torch.__version__
     for name in ("transformers", "accelerate", "lightning"):
         rows[name] = version(name)

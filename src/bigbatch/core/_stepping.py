@@ -12,9 +12,9 @@ Note [one host sync]
     (``Window.totals``), each gradient's norm with them. Normalising multiplies the gradients by
     a number known only after that read, so on one process with plain gradients and no loss
     scaler the norms are taken before (the norm of ``f·g`` is ``f`` times that of ``g``) and the
-    factor and the clipping coefficient go in one multiply. With a loss scaler (which reads its own verdict),
-    several ranks, or sharded or sparse gradients, the gradients are normalised first and their
-    norm is one more read.
+    factor and the clipping coefficient go in one multiply. With a loss scaler (which reads its
+    own verdict), several ranks, or sharded or sparse gradients, the gradients are normalised
+    first and their norm is one more read.
 """
 
 from __future__ import annotations

@@ -276,12 +276,7 @@ class Accumulator:
         w, scales = self._window, self._window.scales or {}
         if isinstance(out, torch.Tensor) and piece.pad_rows:  # a mean, on any path (fp16 too)
             raise ValueError(PAD_ROWS_NEED_SUMS)
-        if (
-            not isinstance(out, torch.Tensor)
-            or w.follow
-            or len(scales) != 1
-            or "loss" not in scales
-        ):
+        if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
             return self._backward(as_terms(out, piece.samples))
         check_scalar_loss(out, "loss_fn's return value")
         self._precision.backward(out * (piece.samples * scales["loss"]))
