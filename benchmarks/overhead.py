@@ -196,7 +196,7 @@ def timed(model: nn.Module, features: int, args: argparse.Namespace) -> dict[str
     )
     steps = {}
     for name, (make, module) in CONTENDERS.items():
-        if installed(module) and (args.only is None or name in args.only or name == "hand loop"):
+        if (args.only is None or name in args.only or name == "hand loop") and installed(module):
             steps[name] = make(copy.deepcopy(model).to(device), batch, args.micro)
     for step in steps.values():  # warm-up: allocator, optimizer state, lazy inits
         for _ in range(args.warmup):

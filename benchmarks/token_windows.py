@@ -30,6 +30,7 @@ lengths static (one graph per length bucket, no pad rows); time per pass of the 
 ratio to eager. Compiled buckets beat eager only where this gain exceeds the padding they add.
 
 Run: PYTHONPATH=src python benchmarks/token_windows.py [--rounds 5] [--compile] [--ceiling]
+     [--device cuda] (parts 2 and 3 on a GPU: ``benchmarks/gpu.py`` runs them there)
 """
 
 from __future__ import annotations
@@ -44,12 +45,38 @@ import time
 import warnings
 
 import torch
-from _measure import device_name, mib, print_table
+from _measure import device_name, mib, print_table, synchronize
 
 import bigbatch
 from bigbatch.core.peak import small_mmap_threshold
 
 N, MICRO, MAX_LEN, VOCAB = 64, 8, 512, 8192
+WIDTH, LAYERS, BUDGET, MULTIPLE = 256, 4, 4096, 64  # model; parts 2-3's budget and bucket
+SHAPES = 4  # part 3's micro-batch shapes: lengths MAX_LEN, MAX_LEN / 2, ...
+DEVICE = torch.device("cpu")  # parts 2 and 3 run here (--device)
+BACKEND = "inductor"  # torch.compile's backend (benchmarks/gpu.py's dry run: "eager")
+
+
+def toy_sizes() -> None:
+    """Shrink everything for a check that the script runs (``benchmarks/gpu.py --dry-run``)."""
+    global N, MICRO, MAX_LEN, VOCAB, WIDTH, LAYERS, BUDGET, MULTIPLE, SHAPES
+    N, MICRO, MAX_LEN, VOCAB, WIDTH, LAYERS, BUDGET, MULTIPLE, SHAPES = (
+        16,
+        4,
+        64,
+        128,
+        32,
+        1,
+        256,
+        16,
+        2,
+    )
+
+
+def on_device(batch: dict) -> dict:
+    return {k: v.to(DEVICE) for k, v in batch.items()}
+
+
 STDLIB = (
     "os re json collections itertools functools pathlib argparse logging subprocess typing "
     "dataclasses asyncio email unittest decimal fractions statistics textwrap string csv sqlite3 "
@@ -110,17 +137,18 @@ def make_model(kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module
     torch.manual_seed(0)
     if kind == "gpt2":
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=MAX_LEN, n_embd=256, n_layer=4, n_head=4
+            vocab_size=VOCAB, n_positions=MAX_LEN, n_embd=WIDTH, n_layer=LAYERS, n_head=4
         )
         model = transformers.GPT2LMHeadModel(config)
     else:
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=WIDTH * 43 // 16,
+            num_hidden_layers=LAYERS,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
     model.config.use_cache = False
-    return model.to(dtype).train()
+    return model.to(DEVICE, dtype).train()
 
 
 def loss_fn(model, batch):
@@ -218,39 +246,52 @@ def part2(rounds: int) -> None:
     import torch._dynamo
 
     gen = torch.Generator().manual_seed(1)
-    data = batches(lognormal_lengths(gen), rounds + 2, gen)
-    budget = 4096
+    data = [on_device(b) for b in batches(lognormal_lengths(gen), rounds + 2, gen)]
+    budget = BUDGET
     base = make_model("gpt2")
     configs = {
         "eager, token windows": (False, {}),
-        "compiled, token windows, pad_to_multiple_of=64": (True, {"pad_to_multiple_of": 64}),
+        f"compiled, token windows, pad_to_multiple_of={MULTIPLE}": (
+            True,
+            {"pad_to_multiple_of": MULTIPLE},
+        ),
         "compiled, every micro-batch padded to the longest": (
             True,
             {"pad_to_multiple_of": MAX_LEN},
         ),
     }
-    rows = []
+    rows, steady = [], {}
     for name, (compiled, kwargs) in configs.items():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         model = copy.deepcopy(base)
-        run = TokenWindows(torch.compile(model) if compiled else model, budget, **kwargs)
+        compile_ = torch.compile(model, backend=BACKEND) if compiled else model
+        run = TokenWindows(compile_, budget, **kwargs)
         start = time.perf_counter()
         for batch in data[:2]:  # compiles (every bucket seen in the first steps, mostly)
             run.step(batch)
+        synchronize(DEVICE)
         warm = time.perf_counter() - start
         seconds, padding = [], []
         for batch in data[2:]:
             t = time.perf_counter()
             padding.append(run.step(batch))
+            synchronize(DEVICE)
             seconds.append(time.perf_counter() - t)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        steady = f"{statistics.median(seconds):.2f}"
-        rows.append([name, f"{statistics.mean(padding):.0%}", graphs, f"{warm:.0f}", steady])
+        steady[name] = statistics.median(seconds)
+        rows.append(
+            [name, f"{statistics.mean(padding):.0%}", graphs, f"{warm:.0f}", f"{steady[name]:.3f}"]
+        )
     print_table(
-        "GPT-2 under torch.compile (Inductor, CPU), log-normal lengths",
+        f"GPT-2 under torch.compile ({BACKEND}, {device_name(DEVICE)}), log-normal lengths",
         ["run", "padding", "graphs compiled", "first 2 steps s", "steady s/step"],
         rows,
+    )
+    eager, best = steady["eager, token windows"], min(list(steady.values())[1:])
+    print(
+        f"\nfastest compiled steady state / eager: {best / eager:.2f} (issue 22's target: below 1, "
+        f"{'met' if best < eager else 'NOT met'})"
     )
 
 
@@ -260,7 +301,7 @@ def float64_compiled_vs_eager() -> None:
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(2)
     batch = batches(lognormal_lengths(gen), 1, gen)[0]
-    batch = {k: v[:16, :128] for k, v in batch.items()}
+    batch = on_device({k: v[:16, :128] for k, v in batch.items()})
     batch["attention_mask"][:, 0] = 1
     batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     eager = make_model("gpt2", torch.float64)
@@ -268,18 +309,18 @@ def float64_compiled_vs_eager() -> None:
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     compiled, init = copy.deepcopy(eager), copy.deepcopy(eager)
-    kw = {"budget": 512, "pad_to_multiple_of": 64}
+    kw = {"budget": 512, "pad_to_multiple_of": MULTIPLE}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         TokenWindows(eager, **kw).step(batch)
-        TokenWindows(torch.compile(compiled), **kw).step(batch)
+        TokenWindows(torch.compile(compiled, backend=BACKEND), **kw).step(batch)
     # the updates compared (zero-initialised biases make a per-tensor relative error meaningless)
     triples = zip(init.parameters(), eager.parameters(), compiled.parameters(), strict=True)
     eager_update, compiled_update = zip(*[(e - i, c - i) for i, e, c in triples], strict=True)
-    flat = [torch.cat([t.flatten() for t in u]) for u in (eager_update, compiled_update)]
+    flat = [torch.cat([t.detach().flatten() for t in u]) for u in (eager_update, compiled_update)]
     error = float((flat[0] - flat[1]).norm() / flat[0].norm())
     print(
-        "\nfloat64, dropout off: compiled (Inductor) vs eager, one AdamW step's update: "
+        f"\nfloat64, dropout off: compiled ({BACKEND}) vs eager, one AdamW step's update: "
         f"relative difference {error:.1e}"
     )
 
@@ -324,11 +365,11 @@ def bucket_padding(windows: int = 50, budget: int = 4096, multiple: int = 64) ->
 def ceiling(rounds: int) -> None:
     import torch._dynamo as dynamo
 
-    bucket_padding()
+    bucket_padding(budget=BUDGET, multiple=MULTIPLE)
 
-    shapes = [(8, 512), (16, 256), (32, 128), (64, 64)]
+    shapes = [(BUDGET // (MAX_LEN >> i), MAX_LEN >> i) for i in range(SHAPES)]
     base, gen = make_model("gpt2"), torch.Generator().manual_seed(3)
-    inputs = [torch.randint(1, VOCAB, shape, generator=gen) for shape in shapes]
+    inputs = [torch.randint(1, VOCAB, shape, generator=gen).to(DEVICE) for shape in shapes]
 
     def one_pass(model: torch.nn.Module, mark: bool) -> float:
         start = time.perf_counter()
@@ -338,12 +379,16 @@ def ceiling(rounds: int) -> None:
                 dynamo.maybe_mark_dynamic(t, 0)
                 dynamo.mark_static(t, 1)
             loss_fn(model, {"input_ids": ids, "attention_mask": mask, "labels": ids})[0].backward()
+        synchronize(DEVICE)
         return time.perf_counter() - start
 
     runs = {
         "eager": (copy.deepcopy(base), False),
-        "compiled, one graph per shape": (torch.compile(copy.deepcopy(base), dynamic=False), False),
-        "compiled, rows dynamic": (torch.compile(copy.deepcopy(base)), True),
+        "compiled, one graph per shape": (
+            torch.compile(copy.deepcopy(base), dynamic=False, backend=BACKEND),
+            False,
+        ),
+        "compiled, rows dynamic": (torch.compile(copy.deepcopy(base), backend=BACKEND), True),
     }
     dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(shapes) + 1)
     for model, mark in runs.values():  # compiles
@@ -356,26 +401,38 @@ def ceiling(rounds: int) -> None:
     medians = {name: statistics.median(s) for name, s in seconds.items()}
     rows = [[name, f"{s:.2f}", f"{s / eager:.2f}x"] for name, s in medians.items()]
     print_table(
-        "GPT-2 forward + backward, the same 4 shapes of 4,096 tokens (no padding)",
+        f"GPT-2 forward + backward, the same {SHAPES} shapes of {BUDGET:,} tokens (no padding), "
+        f"{BACKEND} on {device_name(DEVICE)}",
         ["run", "s per pass", "vs eager"],
         rows,
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global DEVICE, BACKEND
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per cut")
     parser.add_argument("--compile", action="store_true", help="also run part 2 (slow on a CPU)")
-    parser.add_argument("--ceiling", action="store_true", help="only part 3: compile's own gain")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--ceiling", action="store_true", help="part 3: compile's own gain (only it, or after 2)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where parts 2 and 3 run (cuda: part 1 is left out)"
+    )
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
+    args = parser.parse_args(argv)
+    DEVICE, BACKEND = torch.device(args.device), args.backend
     torch.set_num_threads(2)
-    print(f"device: {device_name('cpu')}")
-    if args.ceiling:
+    print(f"device: {device_name(DEVICE)}")
+    if args.ceiling and not args.compile:
         return ceiling(args.rounds)
-    part1(args.rounds)
+    if DEVICE.type == "cpu":
+        part1(args.rounds)
     if args.compile:
         part2(args.rounds)
         float64_compiled_vs_eager()
+    if args.ceiling:
+        ceiling(args.rounds)
 
 
 if __name__ == "__main__":

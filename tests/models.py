@@ -53,7 +53,7 @@ class TinyCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         h = self.embed(ids) + self.pos[:t]
-        mask = nn.Transformer.generate_square_subsequent_mask(t, dtype=h.dtype)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=h.device, dtype=h.dtype)
         for block in self.blocks:
             h = block(h, src_mask=mask, is_causal=True)
         return self.head(h)

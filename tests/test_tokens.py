@@ -183,7 +183,7 @@ def test_a_per_sample_tensor_as_wide_as_the_tokens_is_never_trimmed(gen, cut):
         full_batch_step(ref, torch.optim.SGD(ref.parameters(), lr=0.5), feats_loss, batch)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         acc = bigbatch.Accumulator(model, opt, **cut, pad_values=declared)
-        message = r"batch\['feats'\] has 12 columns where the tokens have 12: .*=\{'feats': None\}"
+        message = r"batch\['feats'\] has 12 columns, as many as the tokens: .*=\{'feats': None\}"
         if declared is None and "micro_batch_tokens" in cut:
             with pytest.raises(ValueError, match=message):
                 acc.train_step(batch, feats_loss)

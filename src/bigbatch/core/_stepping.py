@@ -5,6 +5,16 @@ Everything a step needs to refuse is refused at construction, before any weight 
 optimizer that does not hold the model's trainable parameters (it would train nothing, and their
 ``.grad`` would grow step after step), a scheduler that cannot be stepped once per optimizer step,
 a clipping norm that is not a positive number.
+
+Note [one host sync]
+    On a GPU the host must not wait for the device inside a window: each micro-batch's loss sum
+    and count stay on the device (``Window``), and ``step`` reads them in one transfer
+    (``Window.totals``), each gradient's norm with them. Normalising multiplies the gradients by
+    a number known only after that read, so on one process with plain gradients and no loss
+    scaler the norms are taken before (the norm of ``f·g`` is ``f`` times that of ``g``) and the
+    factor and the clipping coefficient go in one multiply. With a loss scaler (which reads its
+    own verdict), several ranks, or sharded or sparse gradients, the gradients are normalised
+    first and their norm is one more read.
 """
 
 from __future__ import annotations
@@ -265,6 +275,19 @@ def clip_or_norm_(params: list[torch.Tensor], max_norm: float | None) -> torch.T
     return total
 
 
+def scale_and_clip_(
+    grads: list[torch.Tensor], factor: float, norm: float, max_norm: float | None
+) -> float:
+    """Multiply ``grads`` by ``factor`` and clip them to ``max_norm`` in one multiply, from
+    ``norm``, their norm before (Note [one host sync]); return their norm after ``factor``."""
+    norm = norm * factor
+    clip = 1.0 if max_norm is None else max_norm / (norm + 1e-6)  # clip_grad_norm_'s arithmetic
+    total = factor * (1.0 if clip >= 1.0 else clip)  # a NaN norm stays NaN, as there
+    if not abs(total - 1.0) <= 4e-16:
+        torch._foreach_mul_(grads, total)
+    return norm
+
+
 def params_of(optimizer: Any) -> list[torch.Tensor]:
     """Every parameter ``optimizer`` holds, in its order (no walk over the model's modules)."""
     return [p for group in optimizer.param_groups for p in group["params"]]
@@ -292,8 +315,9 @@ class Stepper:
     def apply(self, w: Any, **fields: Any) -> StepResult:
         """Step on the window ``w`` (a ``bigbatch.core._window.Window``); ``fields``: more of the
         ``StepResult`` (what the runner knows). Note [backward scale], Note [window checks]."""
-        totals = w.totals()  # the one host sync per step; then over all ranks (one all-reduce)
-        if self.sync.world_size > 1:
+        grads = self.plain_grads(w)  # their norms are read with the totals (Note [one host sync])
+        totals, norms = w.totals([] if grads is None else list(torch._foreach_norm(grads)))
+        if self.sync.world_size > 1:  # over all ranks (one all-reduce)
             totals = self.sync.all_reduce(torch.tensor(totals, dtype=torch.float64)).tolist()
         sums, counts = (dict(zip(w.factors, totals[i:-1:2], strict=True)) for i in (0, 1))
         check_window(sums, counts, totals[-1], w.expected)  # then the bad counts
@@ -306,7 +330,7 @@ class Stepper:
         # In fp16 non-finite windows are the loss scaler's to skip.
         if not math.isfinite(loss) and self.nonfinite == "raise" and self.precision.scaler is None:
             raise NonFiniteError(f"the window's loss is {loss} (count {count:g}); " + NONFINITE_FIX)
-        grad_norm = self.normalise(w, counts)
+        grad_norm = self.normalise(w, counts, grads, math.sqrt(sum(n * n for n in norms)))
         nonfinite = not (math.isfinite(loss) and math.isfinite(grad_norm))
         skipped = self.skips(nonfinite, grad_norm, count) or self.precision.step(self.optimizer)
         if not skipped and isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -319,13 +343,18 @@ class Stepper:
             skipped, nonfinite=nonfinite, samples=w.samples, terms=terms, **fields,
         )  # fmt: skip
 
-    def normalise(self, w: Any, counts: dict[str, float]) -> float:
+    def normalise(
+        self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float
+    ) -> float:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
-        window's (Note [several forwards]), unscale and clip them; return their norm."""
+        window's (Note [several forwards]), unscale and clip them; return their norm (``grads``,
+        ``norm``: the plain gradients and their norm before, Note [one host sync])."""
         params, (first, count) = params_of(self.optimizer), next(iter(counts.items()))
         factor = float(self.sync.world_size)  # several terms: every s_k is exactly 1 / C_k
         if w.expected is None or len(counts) == 1:  # one term: whatever s was, W / (C s) is exact
             factor = factor / (count * float(w.scales[first])) if count else 1.0
+        if grads is not None:
+            return scale_and_clip_(grads, factor, norm, self.max_grad_norm)
         if w.deferred:  # each rank's own factor, then the average
             scale_grads_(params, factor)
             self.sync.reduce_grads(params)
@@ -334,6 +363,15 @@ class Stepper:
         if not w.deferred and abs(factor - 1.0) > 4e-16:
             scale_grads_(with_grad, factor)
         return float(clip_or_norm_(with_grad, self.max_grad_norm))
+
+    def plain_grads(self, w: Any) -> list[torch.Tensor] | None:
+        """The gradients when their norm can be read with the window's totals: one process, no
+        loss scaler, not deferred, dense tensors on one device (Note [one host sync])."""
+        if self.sync.world_size > 1 or w.deferred or self.precision.scaler is not None:
+            return None
+        grads = [p.grad for p in params_of(self.optimizer) if p.grad is not None]
+        plain = all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads)
+        return grads if grads and plain and len({g.device for g in grads}) == 1 else None
 
     def skips(self, nonfinite: bool, grad_norm: float, count: float) -> bool:
         """Whether a non-finite window is skipped (then discarded: fp16 leaves it to the scaler)."""

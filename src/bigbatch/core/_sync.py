@@ -78,6 +78,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+_NULL = contextlib.nullcontext()  # reusable: it holds no state
+
 
 class GradSync:
     """How gradients are synchronised across ranks, chosen once per model by ``make_sync``: the
@@ -90,7 +92,7 @@ class GradSync:
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
-        return contextlib.nullcontext()
+        return _NULL
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The ``op`` (``"sum"`` or ``"max"``) of ``values`` over ranks, in float64 on the model's

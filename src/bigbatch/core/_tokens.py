@@ -183,15 +183,17 @@ class TokenCut(SampleCut):
         """The budget at which each micro-batch holds one sample: the longest one's length."""
         return self._round(max(self._lengths(batch)))
 
+    def measure(self, batch: Any) -> tuple[int, int, Callable[[int], list[Piece]]]:
+        """``SampleCut.measure``: the lengths read once for the window."""
+        lengths = self._lengths(batch)
+        floor = self._round(max(lengths))
+        return len(lengths) * floor, floor, lambda size: self._cut(batch, size, lengths)
+
     def __call__(self, batch: Any, size: int) -> list[Piece]:
-        if self.multiple and not isinstance(batch, Mapping):  # pads take their value by key
-            raise ValueError(
-                f"pad_to_multiple_of={self.multiple} pads rows and columns with each key's pad value "
-                f"(labels -100, ...), and a {type(batch).__name__} batch has no keys: pass a "
-                "mapping batch (a dict), or drop pad_to_multiple_of."
-            )
-        lengths, n = self._lengths(batch), batch_size(batch)
-        check_extent(batch, lengths, self.pad_values, "lengths(batch)" if self.lengths else None)
+        return self._cut(batch, size, self._lengths(batch))
+
+    def _cut(self, batch: Any, size: int, lengths: list[int]) -> list[Piece]:
+        n = len(lengths)
         order = sorted(range(n), key=lambda i: -lengths[i])  # longest first, stable
         pieces, start = [], 0
         while start < n:
@@ -234,22 +236,32 @@ class TokenCut(SampleCut):
         return Piece(fitted, len(index), order, tokens, padded, pad)
 
     def _lengths(self, batch: Any) -> list[int]:
-        """Each sample's length (tokens)."""
+        """Each sample's length (tokens), refused where a trim to it would drop a token."""
+        if self.multiple and not isinstance(batch, Mapping):  # pads take their value by key
+            raise ValueError(
+                f"pad_to_multiple_of={self.multiple} pads rows and columns with each key's pad value "
+                f"(labels -100, ...), and a {type(batch).__name__} batch has no keys: pass a "
+                "mapping batch (a dict), or drop pad_to_multiple_of."
+            )
         if self.lengths is not None:
-            return self._given_lengths(batch, batch_size(batch))
+            given = self._given_lengths(batch, batch_size(batch))
+            check_extent(batch, given, self.pad_values, "lengths(batch)")
+            return given
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise TypeError(
                 "micro_batch_tokens needs each sample's length: pass a mapping batch with a 2-D "
                 "attention_mask (as transformers does), or lengths=fn, one length per sample."
             )
-        if (counted := right_padded(batch)) is None:
+        if (counted := right_padded(batch, self.pad_values)) is None:
             raise ValueError(
                 "micro_batch_tokens needs right padding (each attention_mask row: ones, then "
                 "zeros): trimming a left-padded or gapped micro-batch would move its tokens. Pad "
                 'on the right (tokenizer.padding_side = "right") or pass lengths=fn.'
             )
-        return counted
+        if counted[1]:  # a label past the mask: say where (one more read, only to refuse)
+            check_extent(batch, counted[0], self.pad_values)
+        return counted[0]
 
     def _given_lengths(self, batch: Any, n: int) -> list[int]:
         """``lengths(batch)``, refused unless it is one positive integer for each of ``n``."""
@@ -309,12 +321,13 @@ class TrimmedSampleCut(SampleCut):
 
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         pieces = super().__call__(batch, size)
-        if (lengths := right_padded(batch)) is None:  # not text, or left padding: cut whole
+        if (counted := right_padded(batch, self.pad_values)) is None:  # not text, left padding
             return pieces
-        out, start, width = [], 0, padded_length(batch)
+        (lengths, labelled), out, start, width = counted, [], 0, padded_length(batch)
         try:
             per_token(batch, width, self.pad_values)
-            check_extent(batch, lengths, self.pad_values)
+            if labelled:  # a label past the mask: the trim would drop it (say where)
+                check_extent(batch, lengths, self.pad_values)
         except ValueError as exc:  # the batch's width is exact: say so once, trim nothing
             if not self.warned:
                 warnings.warn(f"{exc} Until then no micro-batch is trimmed.", BigBatchWarning, 4)
@@ -352,17 +365,25 @@ def check_extent(
             )
 
 
-def right_padded(batch: Any) -> list[int] | None:
+def right_padded(
+    batch: Any, pad_values: Mapping[str, Any] = PAD_VALUES
+) -> tuple[list[int], bool] | None:
     """Each sample's length (at least 1) if ``batch`` is a mapping whose 2-D ``attention_mask``
-    is right-padded (each row: ones, then zeros), else ``None``."""
+    is right-padded (each row: ones, then zeros), and whether a label lies past it (not its pad
+    value: a trim would drop it, ``check_extent``), read from the device at once; else ``None``."""
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None
     ones = mask != 0
     counts = ones.sum(-1)
-    if not torch.equal(ones, torch.arange(ones.shape[1], device=ones.device) < counts[:, None]):
-        return None
-    return [max(1, int(v)) for v in counts.tolist()]
+    gaps = ones != (torch.arange(ones.shape[1], device=ones.device) < counts[:, None])
+    labels, pad = batch.get("labels"), pad_values.get("labels")
+    past = torch.zeros_like(ones)
+    if torch.is_tensor(labels) and labels.shape == mask.shape and pad is not None:
+        past = (labels != pad) & ~ones
+    flags = torch.stack([gaps.any(), past.any()]).to(counts.dtype)
+    *found, gapped, labelled = torch.cat([counts, flags]).tolist()  # one host read
+    return None if gapped else ([max(1, int(v)) for v in found], bool(labelled))
 
 
 def padded_length(batch: Any) -> int:
@@ -406,8 +427,11 @@ def per_token(batch: Any, width: int, pad_values: Mapping[str, Any]) -> set[int]
         if t.shape[1] != width or key not in (None, *pad_values):
             name = repr(key or "key")
             where = "" if key else "Pass a mapping batch (a dict) and say which by its key: "
+            columns = f"{t.shape[1]} columns where the tokens have {width}"
+            if t.shape[1] == width:
+                columns = f"{width} columns, as many as the tokens"
             raise ValueError(
-                f"{path} has {t.shape[1]} columns where the tokens have {width}: bigbatch cannot "
+                f"{path} has {columns}: bigbatch cannot "
                 f"tell whether they are tokens. {where or 'Say which: '}pad_values={{{name}: None}} "
                 f"keeps it whole (not per-token), {{{name}: 0}} trims it with the tokens (padded "
                 f"to {width} columns, 0 its pad value; Task(pad_values=...) for bigbatch train)."

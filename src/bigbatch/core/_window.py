@@ -97,10 +97,15 @@ class SampleCut:
         """The size at which every piece holds one sample (nothing smaller cuts finer)."""
         return 1
 
+    def measure(self, batch: Any) -> tuple[int, int, Callable[[int], list[Piece]]]:
+        """``units``, ``floor`` and the cut of ``batch`` at a size, measuring the batch once (a
+        token cut reads the lengths once per window: Note [one host sync] in ``core._stepping``)."""
+        return self.units(batch), self.floor(batch), lambda size: self(batch, size)
+
     def __call__(self, batch: Any, size: int) -> list[Piece]:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
-        left = range(batch_size(batch), 0, -size)  # samples not yet cut, before each piece
-        return [Piece(p, min(size, n)) for p, n in zip(split(batch, size), left, strict=True)]
+        parts = split(batch, size)  # (only the last may be smaller)
+        return [Piece(p, size) for p in parts[:-1]] + [Piece(parts[-1], batch_size(parts[-1]))]
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
@@ -149,10 +154,12 @@ class Window:
     def add(self, terms: Mapping[str, Term], factor: float = 1.0) -> None:
         """Record one micro-batch's terms (each ``loss_sum`` times ``factor`` is its sum)."""
         for name, (loss_sum, count, weight) in terms.items():
+            if name not in self.weights:
+                self.sums[name], self.counts[name], self.factors[name] = [], [], []
             s = loss_sum.detach()
-            self.sums.setdefault(name, []).append(s.reshape(()) if s.dim() else s)
-            self.counts.setdefault(name, []).append(count)
-            self.factors.setdefault(name, []).append(factor)
+            self.sums[name].append(s.reshape(()) if s.dim() else s)
+            self.counts[name].append(count)
+            self.factors[name].append(factor)
             self.weights[name] = weight
         self.micro_batches += 1
 
@@ -163,14 +170,21 @@ class Window:
         total = float(sum(c for c in counts if not isinstance(c, torch.Tensor)))
         return torch.stack(tensors).sum(dtype=torch.float64) + total if tensors else total
 
-    def totals(self) -> list[float]:
+    def totals(self, extra: list[torch.Tensor]) -> tuple[list[float], list[float]]:
         """``[Σ sum, Σ count]`` per term, then the number of bad counts (negative or not finite;
-        checked at step time, Note [window checks]): read from the device in one host sync,
+        checked at step time, Note [window checks]), and the values of ``extra`` (the gradients'
+        norms): all read from the device at once (Note [one host sync] in ``core._stepping``),
         with the ``expected`` counts (left in ``expected`` as numbers)."""
-        sums = iter(torch.stack([s for v in self.sums.values() for s in v]).tolist())
+        parts = [s for v in self.sums.values() for s in v]
+        n = len(parts)
+        values = torch.stack(parts + [e.to(parts[0].device) for e in extra])
         tensors = [c for v in self.counts.values() for c in v if isinstance(c, torch.Tensor)]
         tensors += [c for c in (self.expected or {}).values() if isinstance(c, torch.Tensor)]
-        read = iter(torch.stack(tensors).tolist() if tensors else ())
+        if tensors:  # in float64, where an integer count is exact
+            stacked = torch.stack(tensors).to(values.device, torch.float64)
+            values = torch.cat([values.to(torch.float64), stacked])
+        found = values.tolist()
+        sums, read = iter(found[:n]), iter(found[n + len(extra) :])
         out: list[float] = []
         bad = 0
         for name, factors in self.factors.items():
@@ -180,7 +194,7 @@ class Window:
         if self.expected is not None:
             known = self.expected.items()
             self.expected = {k: next(read) if torch.is_tensor(c) else float(c) for k, c in known}
-        return [*out, bad]
+        return [*out, bad], found[n : n + len(extra)]
 
 
 # ---------------------------------------------------------------------------- what a window changes
@@ -265,13 +279,13 @@ class Runner:
         raised, after discarding and restoring, unless it is an out-of-memory error of
         ``attempt`` that the sizing policy retries.
         """
-        units, floor = self.cut.units(batch), self.cut.floor(batch)
+        units, floor, cut = self.cut.measure(batch)
         tracked = [t for tensors in self.tracked for t in tensors()]
         backup, retries = Backup(self.model, tracked, self._seen, self.device), 0
         while True:
             size = self.sizing.size_for(units, floor)
             self.meter.start()
-            pieces = self.cut(batch, size)
+            pieces = cut(size)
             if self.sync.equal_micro_batches:  # Note [micro-batches per rank] in core._sync
                 most = int(self.sync.all_reduce(torch.tensor([float(len(pieces))]), "max").item())
                 pieces += [self.cut.empty(batch) for _ in range(most - len(pieces))]  # pair up
@@ -300,7 +314,10 @@ class Runner:
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
-            with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
+            if backup.batchnorms:
+                with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
+                    attempt(pieces, size)
+            else:
                 attempt(pieces, size)
             return None, False
         except Restart:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from bigbatch.core._tree import take, tensor_leaves
 
 Batch = Any
@@ -63,6 +65,13 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     [4, 4, 2]
     """
     n, m = batch_size(batch), check_micro_batch_size(micro_batch_size)
+    if isinstance(batch, Tensor):  # the usual batches: one Tensor.split per tensor
+        return list(batch.split(m))
+    if type(batch) in (tuple, list) and all(isinstance(t, Tensor) for t in batch):
+        return [type(batch)(parts) for parts in zip(*(t.split(m) for t in batch), strict=True)]
+    if type(batch) is dict and all(isinstance(t, Tensor) for t in batch.values()):
+        splits = zip(*(t.split(m) for t in batch.values()), strict=True)
+        return [dict(zip(batch, parts, strict=True)) for parts in splits]
     return [take(batch, slice(i, i + m), n) for i in range(0, n, m)]
 
 

@@ -117,6 +117,7 @@ import torch
 from torch.nn.modules.dropout import _DropoutNd
 
 from bigbatch.core import _rng
+from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._tree import is_column, tensor_leaves
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
@@ -287,7 +288,13 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
 def gradients(model: torch.nn.Module) -> Grads:
     """Every trainable parameter's gradient by name (zeros where there is none), detached."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in named}
+    return {n: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if p.grad is None
+            else _whole(p.grad.detach()).clone() for n, p in named}  # fmt: skip
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient (FSDP2's ``DTensor``) gathered whole on every rank; others as they are."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
 def check(
@@ -332,6 +339,10 @@ def check(
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):
             p.grad = old
+        for m in model.modules():  # FSDP2 leaves some units unsharded after a forward without
+            reshard = getattr(m, "reshard", None)  # gradients (the diagnosis's): the optimizer
+            if wrapper_kind(m) == "fsdp" and callable(reshard):  # steps the shards, and the
+                reshard()  # next forward must gather them again
 
 
 @contextlib.contextmanager

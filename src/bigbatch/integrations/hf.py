@@ -60,8 +60,6 @@ import torch
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
 from bigbatch.core._tokens import (
-    PAD_VALUES,
-    check_extent,
     fit_columns,
     make_cut,
     padded_length,
@@ -104,6 +102,8 @@ def exact(trainer_class: type) -> type:
         ``per_device_train_batch_size``), ``micro_batch_tokens`` (cut by tokens, or ``"auto"``),
         ``memory_budget`` and ``pad_to_multiple_of`` as ``bigbatch.Accumulator`` does, and
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``.
+        Building one under DeepSpeed raises ``ValueError`` (``refuse_deepspeed``); FSDP (FSDP2's
+        ``fully_shard`` too) and DDP are exact.
 
     Raises:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
@@ -138,6 +138,7 @@ def exact(trainer_class: type) -> type:
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
+            refuse_deepspeed(self, f"bigbatch.hf.exact({trainer_class.__name__})")
             if micro_batch_size is None and micro_batch_tokens is None:
                 micro_batch_size = self.args.per_device_train_batch_size
             given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
@@ -299,6 +300,24 @@ def loss_form(trainer: Any, model: Any, rows: Any, given: bool) -> str | None:
     return "sum" if abs(one - 2 * two) < abs(one - two) else "mean"
 
 
+def refuse_deepspeed(trainer: Any, what: str) -> None:
+    """Refuse a trainer whose accelerator runs DeepSpeed (Note [trainer window]: its engine
+    divides each backward by its own accumulation steps, steps inside ``training_step`` and keeps
+    ZeRO's gradients out of ``.grad``, so neither bigbatch's window nor the audit can hold them).
+
+    Raises:
+        ValueError: DeepSpeed is enabled (the message says what to use instead).
+    """
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError(
+            f"{what} does not run under DeepSpeed: its engine divides every backward by its own "
+            "gradient_accumulation_steps, steps inside training_step and keeps ZeRO's gradients "
+            "out of .grad (transformers#45305, accelerate#3552). Use FSDP (fsdp=True, "
+            'fsdp_config={"version": 2}) or DDP with bigbatch.hf.Trainer, or DeepSpeed with the '
+            "stock transformers.Trainer."
+        )
+
+
 def _named(trainer_class: type, names: tuple[str, ...]) -> bool:
     return any(c.__name__ in names for c in trainer_class.__mro__)
 
@@ -318,11 +337,10 @@ def unpairs(batch: Mapping[str, Any]) -> dict[str, Any]:
 def trim(batch: Any) -> Any:
     """A right-padded micro-batch cut back to its longest sample, as the ``Accumulator`` trims
     (Note [per-token tensors] in ``bigbatch.core._tokens``); a left-padded batch stays whole."""
-    if (lengths := right_padded(batch)) is None:
+    if (counted := right_padded(batch)) is None or counted[1]:  # labels on the padding: whole
         return batch
-    try:  # a tensor that may be per-token, or labels on the padding: the whole width is exact
-        check_extent(batch, lengths, PAD_VALUES)
-        return fit_columns(batch, padded_length(batch), max(lengths))
+    try:  # a tensor that may be per-token: the whole width is exact
+        return fit_columns(batch, padded_length(batch), max(counted[0]))
     except ValueError:
         return batch
 
@@ -369,7 +387,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
-        ValueError: bad ``steps``.
+        ValueError: bad ``steps``; the trainer runs DeepSpeed (``refuse_deepspeed``).
 
     Example:
         >>> report = bigbatch.hf.audit(trainer)  # doctest: +SKIP
@@ -379,6 +397,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _transformers.Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
+    refuse_deepspeed(trainer, "bigbatch.hf.audit()")
     return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
 

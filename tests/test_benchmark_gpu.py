@@ -1,0 +1,64 @@
+"""benchmarks/gpu.py --dry-run: every part of the GPU run, at toy sizes on the CPU, so that the one
+command prepared for the rare minutes a GPU is at hand still works when they come."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # four forked parts: ~30 s of CPU (transformers' Trainer, dynamo's tracing)
+def test_the_gpu_run_works_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpu"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    index = (out / "README.md").read_text()
+    assert "| torch | " in index and "dry run" in index
+    for part in ("a_seed_table", "b_token_windows_compiled", "c_overhead", "d_auto_oom"):
+        assert f"[{part}.md]({part}.md) | ok |" in index, index
+        table = (out / f"{part}.md").read_text()
+        assert "Failed" not in table and "Timed out" not in table, table
+
+    seed = _rows(out / "a_seed_table.md")
+    assert [r[0] for r in seed] == [
+        "full batch 8 (transformers.Trainer)", "2 x 4 accumulated (transformers.Trainer)",
+        "2 x 4 + gradient checkpointing (transformers.Trainer)", "2 x 4 (bigbatch.hf.Trainer)",
+        "+ token windows, 128 tokens", "+ chunked LM head (chunked_head=True)",
+    ]  # fmt: skip
+    assert all(float(r[1]) > 0 for r in seed[:5])  # ms/step of every row that ran
+    assert seed[0][5:7] == ["1.00", "1.00"]  # the ratios' reference is the full batch
+    assert seed[5][1] == "not available in this build (chunked_head: issue 26, branch head)" or (
+        float(seed[5][1]) > 0
+    )
+
+    compiled = (out / "b_token_windows_compiled.md").read_text()
+    assert "issue 22's target" in compiled and "relative difference" in compiled
+    assert len(_rows(out / "b_token_windows_compiled.md")) == 3 + 3 + 3  # parts 2 and 3
+
+    overhead = _rows(out / "c_overhead.md")
+    assert {r[1] for r in overhead} == {"hand loop", "bigbatch train_step"}
+
+    auto = _rows(out / "d_auto_oom.md")
+    assert [r[0] for r in auto] == ["2", "3"]
+    assert int(auto[0][2]) > 0  # the budget made the second step shrink (retries)
+    assert all(r[-1] == "True" for r in auto)  # and it stayed exact
+
+
+def _rows(path: Path) -> list[list[str]]:
+    """The data rows of every markdown table in ``path`` (headers and rule lines left out)."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rule = [set("".join(c)) <= set("-: ") for c in cells]
+    header = rule[1:] + [False]  # a header is the line above a rule
+    return [c for c, r, h in zip(cells, rule, header, strict=True) if not (r or h)]
