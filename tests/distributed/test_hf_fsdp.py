@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, sgd, texts  # noqa: E402
-from integrations.test_hf import model_loss, plain  # noqa: E402
+from integrations.test_hf import counted, plain  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real gloo ranks, transformers imported in each
 
@@ -101,7 +101,7 @@ def _model(make, state):
 )
 def test_bigbatch_under_fsdp2_equals_one_process_on_the_union(ranks, name, make):
     base = make()
-    reference = plain(copy.deepcopy(base), model_loss if name == "bigbatch" else _wrapped, sgd)
+    reference = plain(copy.deepcopy(base), counted if name == "bigbatch" else _wrapped, sgd)
     for rank in ranks:
         state, results = rank[name]
         assert [r.exact for r in results] == [True, True], results

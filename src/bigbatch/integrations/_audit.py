@@ -339,10 +339,16 @@ def check(
         backup.restore(lambda: None)
         for p, old in zip(params, kept, strict=True):
             p.grad = old
-        for m in model.modules():  # FSDP2 leaves some units unsharded after a forward without
-            reshard = getattr(m, "reshard", None)  # gradients (the diagnosis's): the optimizer
-            if wrapper_kind(m) == "fsdp" and callable(reshard):  # steps the shards, and the
-                reshard()  # next forward must gather them again
+        reshard(model)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Shard FSDP2's units again after forwards without gradients (the audit's diagnosis, the
+    trainer's loss probe), which leave some unsharded: the optimizer steps the shards, and the
+    next forward must gather them again."""
+    for m in model.modules():
+        if wrapper_kind(m) == "fsdp" and callable(again := getattr(m, "reshard", None)):
+            again()
 
 
 @contextlib.contextmanager

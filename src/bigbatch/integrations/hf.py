@@ -292,6 +292,7 @@ def loss_form(trainer: Any, model: Any, rows: Any, given: bool) -> str | None:
             _rng.restore(state, device)
     finally:
         model.train(mode)
+        _audit.reshard(model)
     if not isinstance(outs[0], torch.Tensor) or not given:
         return "mean" if isinstance(outs[0], torch.Tensor) else "own"
     one, two = float(outs[0]), float(outs[1])
