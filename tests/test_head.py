@@ -176,13 +176,23 @@ def test_a_deferred_head_scales_exactly_and_refuses_the_rest(gen):
         for misuse, what in [(lambda: logits.argmax(-1), ".argmax"), (lambda: logits[0], "indexing"),
                              (lambda: F.softmax(logits, -1), "softmax"),
                              (lambda: logits * torch.ones(1), "multiplying them by a Tensor")]:  # fmt: skip
-            with pytest.raises(AttributeError, match=f"so {what} cannot be applied to them"):
+            with pytest.raises(TypeError, match=f"so {what} cannot be applied to them"):
                 misuse()
     assert "forward" not in model.head.__dict__  # the layer computes logits again
-    with pytest.raises(AttributeError, match="so tanh cannot be applied"):
+    with pytest.raises(TypeError, match="so tanh cannot be applied"):
         with_chunked_head(loss, model)(Scaled(cap=True).double(), ids)
 
 
 def test_a_model_without_an_output_layer_is_refused():
     with pytest.raises(TypeError, match="Sequential has no get_output_embeddings"):
         with_chunked_head(lambda m, b: m(b), nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_check_finds_the_chunked_head_exact_in_float64(path, gen):
+    """The verifier sees a per-token (loss_sum, count) loss computed in float64 throughout."""
+    from models import TinyCausalLM
+    from test_tokens import lm_loss, text_batch
+
+    model = TinyCausalLM()
+    report = bigbatch.check(model, text_batch(10, gen), with_chunked_head(lm_loss, model))
+    assert report.exact and report.compute_dtype == torch.float64, report.summary()

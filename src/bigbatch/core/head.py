@@ -255,6 +255,8 @@ class HeadLogits:
         return self * (1.0 / float(other))
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # a probe (copy, pickle): not there, as for any object
+            raise AttributeError(name)
         raise _refused(f".{name}")
 
     def __getitem__(self, index: object) -> Any:
@@ -265,8 +267,8 @@ class HeadLogits:
         raise _refused(getattr(func, "__name__", str(func)))
 
 
-def _refused(what: str) -> AttributeError:
-    return AttributeError(
+def _refused(what: str) -> TypeError:
+    return TypeError(
         f"the chunked head does not compute the logits, so {what} cannot be applied to them: a "
         "loss under chunked_head passes the model's logits to bigbatch.token_cross_entropy "
         "unchanged (a model that transforms its logits, e.g. soft-capping, cannot use it)."
