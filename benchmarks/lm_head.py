@@ -1,0 +1,328 @@
+"""The language-model head: the model's own loss, bigbatch's chunked head, TRL's fused head.
+
+Three parts, each measured side by side in one process (Note [honest CPU peaks]: glibc's mmap
+threshold fixed at 64 KiB for the whole run, so every peak is live tensors, not fragmentation):
+
+1. **The head** (``--part head``): GPT-2 (tied embeddings) and Llama (untied ``lm_head``) built
+   from configs, vocabularies of 32K and 128K, hidden size ``--dim``, 2K to 8K tokens per
+   micro-batch (``--full``: to 16K, skipping what would not fit in this machine's memory), 10%
+   of the labels padding. Given the hidden states, each loss runs forward and backward: the
+   model's own (``model.loss_function`` on ``lm_head(hidden)``: transformers'
+   ``ForCausalLMLoss``), ``bigbatch.head_cross_entropy`` (its default chunk), TRL's fused head
+   (``trl.kernels.ChunkedLogProbFunction``, what ``add_fused_lm_head`` and the SFT trainer run).
+   "Added MiB" is the peak above what was in use before (the hidden states and weights were),
+   the head's own memory; time is the median of ``--rounds`` interleaved rounds. The target:
+   bigbatch's added memory <= 0.25x the model's own at <= 1.0x its time.
+2. **The frontier** (``--part frontier``): ``benchmarks/memory.py``'s checkpointing frontier
+   (GPT-2-like, 4 layers, width 256, 128 tokens, vocabulary 8,192, batch 8) with the model's
+   own loss and with the chunked head, every ratio to the own loss without checkpointing. The
+   target: >= 50% of the activation memory saved at <= 1.15x the time.
+3. **The token budget** (``--part budget``): a 2-layer Llama (hidden ``--dim``, vocabulary
+   128K) trains one batch of variable-length text (``--batch`` sequences of up to ``--seq``
+   tokens) cut by token budgets, AdamW: the peak of a step (a fresh model copy, its optimizer
+   state, two steps) and the median step time, per budget, with and without the chunked head;
+   the largest budget whose peak fits ``--budget``. The target: it at least doubles.
+
+Run:
+    PYTHONPATH=src python benchmarks/lm_head.py                  # all three (~15 min, 2 cores)
+    PYTHONPATH=src python benchmarks/lm_head.py --part head --full
+    PYTHONPATH=src python benchmarks/lm_head.py --chunks         # time per chunk size (Note [chunk size])
+    PYTHONPATH=src python benchmarks/lm_head.py --quick          # smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory as frontier  # noqa: E402  # benchmarks/memory.py
+from _measure import device_name, print_table  # noqa: E402
+
+import bigbatch  # noqa: E402
+from bigbatch.core._units import parse_bytes  # noqa: E402
+from bigbatch.core.head import with_chunked_head  # noqa: E402
+from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
+
+VOCABS = (32768, 131072)
+TOKENS, FULL_TOKENS = (2048, 4096, 8192), (2048, 4096, 8192, 16384)
+HEAD_MEMORY, HEAD_TIME = 0.25, 1.0  # the head's target: added memory and time, to the own loss
+
+
+def build(family: str, vocab: int, dim: int, layers: int = 1) -> nn.Module:
+    """A causal LM of ``family`` from its config (random weights, nothing downloaded)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab, n_embd=dim, n_layer=layers, n_head=max(1, dim // 64),
+            n_positions=2048, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config).train()
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+        num_attention_heads=max(1, dim // 64), num_key_value_heads=max(1, dim // 64),
+        max_position_embeddings=2048, use_cache=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).train()
+
+
+# ----------------------------------------------------------------------------- 1. the head
+def head_losses(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> dict[str, Callable[[], float]]:  # fmt: skip
+    """Each loss's forward + backward from ``hidden``; each returns the loss value."""
+    head, vocab = model.get_output_embeddings(), model.config.vocab_size
+
+    def own() -> torch.Tensor:
+        return model.loss_function(logits=head(hidden), labels=labels, vocab_size=vocab)
+
+    def ours() -> torch.Tensor:
+        loss_sum, count = bigbatch.head_cross_entropy(hidden, head, labels)
+        return loss_sum / count
+
+    def fused() -> torch.Tensor:
+        from trl.kernels import ChunkedLogProbFunction
+
+        h, y = hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+        kept = y != -100
+        log_probs = ChunkedLogProbFunction.apply(
+            h[kept], head.weight, head.bias, y[kept], 1.0, 32768, None, 1.0, ("log_probs",)
+        )[0]  # add_fused_lm_head's call, with its tile of 32,768 words
+        return -log_probs.sum() / kept.sum()
+
+    def run(loss: Callable[[], torch.Tensor]) -> Callable[[], float]:
+        def step() -> float:
+            value = loss()
+            value.backward()
+            hidden.grad = None
+            model.zero_grad(set_to_none=True)
+            return float(value.detach())
+
+        return step
+
+    found = {"model's own loss": run(own), "bigbatch chunked head": run(ours)}
+    try:
+        import trl.kernels  # noqa: F401
+
+        found["TRL fused head"] = run(fused)
+    except ImportError:  # TRL not installed: its column says so
+        pass
+    return found
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as info:
+        return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable"))
+
+
+def measure_head(family: str, vocab: int, tokens: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Added peak bytes and median seconds of each loss at ``tokens`` per micro-batch."""
+    model, seq = build(family, vocab, args.dim), min(tokens, 1024)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens // seq, seq, args.dim, generator=gen).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens // seq, seq), generator=gen)
+    labels[:, -seq // 10 :] = -100  # 10% padding
+    losses = head_losses(model, hidden, labels)
+    if 3 * tokens * vocab * 4 > 0.8 * available_bytes():  # three float32 copies of the logits
+        losses.pop("model's own loss")
+    rows: dict[str, dict[str, float]] = {}
+    for name, step in losses.items():  # peaks first, each after one untimed call
+        value = step()
+        with bigbatch.measure_peak("cpu") as peak:
+            step()
+        rows[name] = {"added": peak.peak_bytes, "loss": value, "times": []}  # type: ignore[dict-item]
+    for _ in range(args.rounds):  # interleaved: a load that comes and goes touches all alike
+        for name, step in losses.items():
+            start = time.perf_counter()
+            step()
+            rows[name]["times"].append(time.perf_counter() - start)  # type: ignore[attr-defined]
+    for row in rows.values():
+        row["seconds"] = statistics.median(row.pop("times"))  # type: ignore[arg-type]
+    return rows
+
+
+def run_head(args: argparse.Namespace) -> None:
+    names = ["model's own loss", "bigbatch chunked head", "TRL fused head"]
+    verdicts = []
+    for family in args.families:
+        for vocab in args.vocabs:
+            table = []
+            for tokens in args.tokens:
+                rows = measure_head(family, vocab, tokens, args)
+                own = rows.get(names[0])
+                cells: list[object] = [f"{tokens:,}"]
+                for name in names:
+                    r = rows.get(name)
+                    if r is None:
+                        cells += ["does not fit" if name == names[0] else "not installed", "-", "-", "-"]  # fmt: skip
+                        continue
+                    cells += [f"{r['added'] / 2**20:,.0f}", f"{r['seconds']:.2f}",
+                              *(_ratios(r, own) if own else ["-", "-"])]  # fmt: skip
+                table.append(cells)
+                if own:
+                    ours = rows[names[1]]
+                    memory, seconds = ours["added"] / own["added"], ours["seconds"] / own["seconds"]
+                    met = memory <= HEAD_MEMORY and seconds <= HEAD_TIME
+                    verdicts.append(f"{family} {vocab // 1024}K, {tokens:,} tokens: {memory:.2f}x "
+                                    f"the memory at {seconds:.2f}x the time: {'met' if met else 'NOT met'}")  # fmt: skip
+                    spread = max(abs(r["loss"] - own["loss"]) for r in rows.values()) / own["loss"]
+                    assert spread < 1e-4, f"the losses disagree ({spread:.1e}): {rows}"
+            headers = ["tokens"] + [f"{n.split()[0]} {c}" for n in ("own", "bigbatch", "TRL")
+                                    for c in ("added MiB", "s", "memory", "time")]  # fmt: skip
+            print_table(f"The head, {family} (hidden {args.dim}, vocabulary {vocab:,}): forward + "
+                        f"backward from the hidden states, ratios to the model's own loss", headers, table)  # fmt: skip
+    print(f"\n- target: the chunked head's added memory <= {HEAD_MEMORY}x the model's own loss at "
+          f"<= {HEAD_TIME}x its time:")  # fmt: skip
+    for line in verdicts:
+        print(f"  - {line}")
+
+
+def _ratios(r: dict[str, float], own: dict[str, float]) -> list[str]:
+    return [f"{r['added'] / own['added']:.2f}", f"{r['seconds'] / own['seconds']:.2f}"]
+
+
+def run_chunks(args: argparse.Namespace) -> None:
+    """Time of the chunked head per chunk size, 4,096 tokens (Note [chunk size])."""
+    for vocab in args.vocabs:
+        model, gen = build("llama", vocab, args.dim), torch.Generator().manual_seed(0)
+        hidden = torch.randn(4, 1024, args.dim, generator=gen).requires_grad_()
+        labels = torch.randint(0, vocab, (4, 1024), generator=gen)
+        head = model.get_output_embeddings()
+        chunks = [16, 32, 64, 128, 256, 512, 1024, 2048]
+        times: dict[int, list[float]] = {c: [] for c in chunks}
+        for _ in range(args.rounds + 1):
+            for c in chunks:
+                start = time.perf_counter()
+                loss_sum, count = bigbatch.head_cross_entropy(hidden, head, labels, chunk_tokens=c)
+                (loss_sum / count).backward()
+                times[c].append(time.perf_counter() - start)
+        table = [[c, f"{c * vocab * 4 / 2**20:,.0f}", f"{statistics.median(t[1:]):.2f}"]
+                 for c, t in times.items()]  # fmt: skip
+        print_table(f"Chunk sizes, vocabulary {vocab:,}, hidden {args.dim}, 4,096 tokens (the "
+                    "first round untimed)", ["chunk tokens", "chunk logits MiB", "s"], table)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- 2. the frontier
+def run_frontier(args: argparse.Namespace) -> None:
+    settings = argparse.Namespace(layers=4, dim=256, seq=128, vocab=8192, batch=8, device="cpu",
+                                  rounds=args.rounds)  # fmt: skip
+    if args.quick:
+        vars(settings).update(layers=2, dim=128, seq=32, vocab=512, batch=4)
+    model, ids, own_loss = frontier.gpt2(settings, "cpu")
+
+    def mean(loss_fn: Callable) -> Callable:
+        return lambda m, b: (lambda s, c: s / c)(*loss_fn(m, b))
+
+    plain = lambda m, b: bigbatch.token_cross_entropy(m(input_ids=b).logits, b, shift=True)  # noqa: E731
+    chunked = mean(with_chunked_head(plain, model))
+    rows = {f"own {k}" if k != "none" else "none": v
+            for k, v in frontier.measure_frontier(model, ids, own_loss, settings).items()}  # fmt: skip
+    rows.update({f"chunked {k}": v for k, v in frontier.measure_frontier(model, ids, chunked, settings).items()})  # fmt: skip
+    title = (f"Checkpointing frontier with the chunked head, GPT-2-like (vocabulary "
+             f"{settings.vocab:,}, batch {settings.batch} x {settings.seq}), on "
+             f"{device_name('cpu')} (median of {args.rounds} interleaved rounds); 'none' is the "
+             "model's own loss without checkpointing")  # fmt: skip
+    frontier.print_frontier(rows, title)
+
+
+# ----------------------------------------------------------------------------- 3. the token budget
+def text_batch(args: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.seq // 4, args.seq + 1, (args.batch,), generator=gen)
+    mask = torch.arange(args.seq)[None] < lengths[:, None]
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen) * mask
+    return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return bigbatch.token_cross_entropy(out.logits, batch["labels"], shift=True)
+
+
+def measure_budget(model: nn.Module, batch: dict, loss_fn: Callable, tokens: int, steps: int) -> dict[str, float]:  # fmt: skip
+    """Peak of a fresh copy, its AdamW state and two steps; then the median of ``steps``."""
+    with bigbatch.measure_peak("cpu") as peak:
+        work = copy.deepcopy(model)
+        acc = bigbatch.Accumulator(work, torch.optim.AdamW(work.parameters(), lr=1e-4),
+                                   micro_batch_tokens=tokens)  # fmt: skip
+        loss = loss_fn(work)
+        for _ in range(2):
+            acc.train_step(batch, loss)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        acc.train_step(batch, loss)
+        times.append(time.perf_counter() - start)
+    return {"peak": peak.peak_bytes, "seconds": statistics.median(times)}
+
+
+def run_budget(args: argparse.Namespace) -> None:
+    vocab = args.vocabs[-1]
+    model, batch = build("llama", vocab, args.dim, layers=2), text_batch(args, vocab)
+    budget = parse_bytes(args.budget) or 0
+    losses = {"model's own loss": lambda m: lm_loss, "chunked head": lambda m: with_chunked_head(lm_loss, m)}  # fmt: skip
+    found: dict[str, dict[int, dict[str, float]]] = {name: {} for name in losses}
+    table = []
+    for tokens in args.budget_tokens:
+        cells: list[object] = [f"{tokens:,}"]
+        for name, loss in losses.items():
+            r = found[name][tokens] = measure_budget(model, batch, loss, tokens, args.rounds)
+            cells += [f"{r['peak'] / 2**20:,.0f}", f"{r['seconds']:.2f}", "yes" if r["peak"] <= budget else "no"]  # fmt: skip
+        table.append(cells)
+    real = int(batch["attention_mask"].sum())
+    print_table(f"Token budgets under {args.budget}: Llama, 2 layers, hidden {args.dim}, vocabulary "
+                f"{vocab:,}, one step of {args.batch} sequences ({real:,} real tokens), AdamW",
+                ["token budget", "own peak MiB", "own s/step", "own fits", "chunked peak MiB",
+                 "chunked s/step", "chunked fits"], table)  # fmt: skip
+    largest = {n: max((t for t, r in rows.items() if r["peak"] <= budget), default=None) for n, rows in found.items()}  # fmt: skip
+    own, ours = largest["model's own loss"], largest["chunked head"]
+    for name, t in largest.items():
+        said = f"{t:,} tokens at {found[name][t]['seconds']:.2f} s/step" if t else "none"
+        print(f"- largest token budget within {args.budget}, {name}: {said}")
+    grew = ours / own if own and ours else float("inf") if ours else 0.0
+    print(f"- target: the token budget that fits at least doubles: {grew:.1f}x: {'met' if grew >= 2 else 'NOT met'}")  # fmt: skip
+
+
+QUICK = {"families": ["gpt2"], "vocabs": [4096], "tokens": [512], "dim": 64, "rounds": 2,
+         "budget_tokens": [128, 512], "batch": 4, "seq": 128, "budget": "1GiB"}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=["all", "head", "frontier", "budget"], default="all")
+    parser.add_argument("--full", action="store_true", help="the head at 2K to 16K tokens")
+    parser.add_argument("--chunks", action="store_true", help="only: time per chunk size")
+    parser.add_argument("--dim", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
+    parser.add_argument("--budget", default="3GiB", help="part 3's memory budget")
+    parser.add_argument("--batch", type=int, default=8, help="part 3: sequences per step")
+    parser.add_argument("--seq", type=int, default=1024, help="part 3: longest sequence")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    args = parser.parse_args()
+    vars(args).update(families=["gpt2", "llama"], vocabs=list(VOCABS),
+                      tokens=list(FULL_TOKENS if args.full else TOKENS),
+                      budget_tokens=[512, 1024, 2048, 4096, 8192])  # fmt: skip
+    if args.quick:
+        vars(args).update(QUICK)
+    torch.set_num_threads(args.threads)
+    small_mmap_threshold().__enter__()  # Note [honest CPU peaks], for every row of this process
+    print(f"# bigbatch LM-head benchmark on {device_name('cpu')} (torch {torch.__version__})")
+    print("command: python benchmarks/lm_head.py " + " ".join(sys.argv[1:]))
+    if args.chunks:
+        return run_chunks(args)
+    for part, run in (("head", run_head), ("frontier", run_frontier), ("budget", run_budget)):
+        if args.part in ("all", part):
+            run(args)
+
+
+if __name__ == "__main__":
+    main()
