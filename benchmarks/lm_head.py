@@ -53,7 +53,9 @@ from bigbatch.core.head import with_chunked_head  # noqa: E402
 from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
 
 VOCABS = (32768, 131072)
-TOKENS, FULL_TOKENS = (2048, 4096, 8192), (2048, 4096, 8192, 16384)
+CASES = [("gpt2", 32768, (2048, 4096, 8192)), ("llama", 131072, (2048, 4096))]
+"""The default sweep (family, vocabulary, tokens): a 2-core CPU takes ~10 minutes for it."""
+FULL_TOKENS = (2048, 4096, 8192, 16384)
 HEAD_MEMORY, HEAD_TIME = 0.25, 1.0  # the head's target: added memory and time, to the own loss
 
 
@@ -149,40 +151,44 @@ def measure_head(family: str, vocab: int, tokens: int, args: argparse.Namespace)
     return rows
 
 
+NAMES = ["model's own loss", "bigbatch chunked head", "TRL fused head"]
+
+
 def run_head(args: argparse.Namespace) -> None:
-    names = ["model's own loss", "bigbatch chunked head", "TRL fused head"]
-    verdicts = []
-    for family in args.families:
-        for vocab in args.vocabs:
-            table = []
-            for tokens in args.tokens:
-                rows = measure_head(family, vocab, tokens, args)
-                own = rows.get(names[0])
-                cells: list[object] = [f"{tokens:,}"]
-                for name in names:
-                    r = rows.get(name)
-                    if r is None:
-                        cells += ["does not fit" if name == names[0] else "not installed", "-", "-", "-"]  # fmt: skip
-                        continue
-                    cells += [f"{r['added'] / 2**20:,.0f}", f"{r['seconds']:.2f}",
-                              *(_ratios(r, own) if own else ["-", "-"])]  # fmt: skip
-                table.append(cells)
-                if own:
-                    ours = rows[names[1]]
-                    memory, seconds = ours["added"] / own["added"], ours["seconds"] / own["seconds"]
-                    met = memory <= HEAD_MEMORY and seconds <= HEAD_TIME
-                    verdicts.append(f"{family} {vocab // 1024}K, {tokens:,} tokens: {memory:.2f}x "
-                                    f"the memory at {seconds:.2f}x the time: {'met' if met else 'NOT met'}")  # fmt: skip
-                    spread = max(abs(r["loss"] - own["loss"]) for r in rows.values()) / own["loss"]
-                    assert spread < 1e-4, f"the losses disagree ({spread:.1e}): {rows}"
-            headers = ["tokens"] + [f"{n.split()[0]} {c}" for n in ("own", "bigbatch", "TRL")
-                                    for c in ("added MiB", "s", "memory", "time")]  # fmt: skip
-            print_table(f"The head, {family} (hidden {args.dim}, vocabulary {vocab:,}): forward + "
-                        f"backward from the hidden states, ratios to the model's own loss", headers, table)  # fmt: skip
+    verdicts: list[str] = []
+    for family, vocab, sweep in args.cases:
+        table = [head_row(family, vocab, tokens, args, verdicts) for tokens in sweep]
+        headers = ["tokens"] + [f"{n} {c}" for n in ("own", "bigbatch", "TRL")
+                                for c in ("added MiB", "s", "memory", "time")]  # fmt: skip
+        print_table(f"The head, {family} (hidden {args.dim}, vocabulary {vocab:,}): forward + "
+                    "backward from the hidden states, ratios to the model's own loss", headers, table)  # fmt: skip
     print(f"\n- target: the chunked head's added memory <= {HEAD_MEMORY}x the model's own loss at "
           f"<= {HEAD_TIME}x its time:")  # fmt: skip
     for line in verdicts:
         print(f"  - {line}")
+
+
+def head_row(family: str, vocab: int, tokens: int, args: argparse.Namespace, verdicts: list[str]) -> list[object]:  # fmt: skip
+    """One row of the head's table; its verdict appended to ``verdicts``."""
+    rows = measure_head(family, vocab, tokens, args)
+    own = rows.get(NAMES[0])
+    cells: list[object] = [f"{tokens:,}"]
+    for name in NAMES:
+        r = rows.get(name)
+        if r is None:
+            cells += ["does not fit" if name == NAMES[0] else "not installed", "-", "-", "-"]
+            continue
+        cells += [f"{r['added'] / 2**20:,.0f}", f"{r['seconds']:.2f}",
+                  *(_ratios(r, own) if own else ["-", "-"])]  # fmt: skip
+    if own:
+        ours = rows[NAMES[1]]
+        memory, seconds = ours["added"] / own["added"], ours["seconds"] / own["seconds"]
+        met = memory <= HEAD_MEMORY and seconds <= HEAD_TIME
+        verdicts.append(f"{family} {vocab // 1024}K, {tokens:,} tokens: {memory:.2f}x the "
+                        f"memory at {seconds:.2f}x the time: {'met' if met else 'NOT met'}")  # fmt: skip
+        spread = max(abs(r["loss"] - own["loss"]) for r in rows.values()) / own["loss"]
+        assert spread < 1e-4, f"the losses disagree ({spread:.1e}): {rows}"
+    return cells
 
 
 def _ratios(r: dict[str, float], own: dict[str, float]) -> list[str]:
@@ -291,7 +297,7 @@ def run_budget(args: argparse.Namespace) -> None:
     print(f"- target: the token budget that fits at least doubles: {grew:.1f}x: {'met' if grew >= 2 else 'NOT met'}")  # fmt: skip
 
 
-QUICK = {"families": ["gpt2"], "vocabs": [4096], "tokens": [512], "dim": 64, "rounds": 2,
+QUICK = {"cases": [("gpt2", 4096, (512,)), ("llama", 4096, (512,))], "vocabs": [4096], "dim": 64, "rounds": 2,
          "budget_tokens": [128, 512], "batch": 4, "seq": 128, "budget": "1GiB"}  # fmt: skip
 
 
@@ -308,8 +314,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     args = parser.parse_args()
-    vars(args).update(families=["gpt2", "llama"], vocabs=list(VOCABS),
-                      tokens=list(FULL_TOKENS if args.full else TOKENS),
+    full = [(f, v, FULL_TOKENS) for f in ("gpt2", "llama") for v in VOCABS]
+    vars(args).update(cases=full if args.full else CASES, vocabs=list(VOCABS),
                       budget_tokens=[512, 1024, 2048, 4096, 8192])  # fmt: skip
     if args.quick:
         vars(args).update(QUICK)

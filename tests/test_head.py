@@ -119,8 +119,8 @@ def test_half_precision_states_sum_in_float32(path, dtype, gen):
 
 
 def test_chunk_sizes():
-    assert chunk_size(32768, None, None) == chunked.CHUNK_BYTES // (4 * 32768)
-    assert chunk_size(32768, None, "64MiB") == 512 and chunk_size(10**9, None, None) == 16
+    assert chunk_size(32768, None, None) == 512 and chunk_size(2**20, None, None) == 256
+    assert chunk_size(32768, None, "16MiB") == 128 and chunk_size(10**9, None, "1KiB") == 1
     assert chunk_size(32768, 100, "64MiB") == 100
 
 

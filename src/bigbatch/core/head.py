@@ -24,11 +24,13 @@ Note [chunked head]
 
 Note [chunk size]
     ``chunk_tokens`` when given; else as many tokens as keep one chunk's float32 logits within
-    ``chunk_memory`` bytes, by default ``CHUNK_BYTES``. Measured on a 2-core CPU (hidden 256,
-    float32, forward and backward of 4,096 tokens, benchmarks/lm_head.py --chunks): the time is
-    flat from about 16 MiB of logits per chunk on and rises below 4 MiB (small products), while
-    torch's own ``aspect_ratio`` choice (chunk logits the size of the input: 32 tokens at 32K) is
-    4.6x slower.
+    ``chunk_memory`` bytes; by default within ``CHUNK_BYTES`` (64 MiB) and at least
+    ``CHUNK_TOKENS`` (256). Measured on a 2-core CPU (hidden 256, float32, forward and backward
+    of 4,096 tokens, ``benchmarks/lm_head.py --chunks``): the time falls as chunks grow up to
+    about 512 tokens at a 32K vocabulary (64 MiB: 6.1 s; 256 tokens 8.5 s, 32 tokens 21.8 s) and
+    128-1,024 at 128K (28-25 s; 64 tokens 36 s, 16 tokens 81 s): each chunk adds the weight's
+    gradient once more and runs products with a short side. torch's own ``aspect_ratio`` choice
+    sizes a chunk's logits like the input (32 tokens at 32K), 4.6x slower than 1,024 (issue 31).
 
 Note [deferred head]
     ``deferred_head(model)`` lets a loss written on logits (``token_cross_entropy(out.logits,
@@ -56,8 +58,8 @@ from bigbatch.core._units import parse_bytes
 
 LINEAR_CE = getattr(F, "linear_cross_entropy", None)
 """torch's chunked op (torch >= 2.13); ``None`` before: ``_Chunked`` computes every case."""
-CHUNK_BYTES = 32 * 2**20
-"""One chunk's float32 logits by default (Note [chunk size])."""
+CHUNK_BYTES, CHUNK_TOKENS = 64 * 2**20, 256
+"""One chunk's float32 logits by default, and its least tokens (Note [chunk size])."""
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -85,7 +87,7 @@ def head_cross_entropy(
             ``log²Σexp(logits)`` per token, computed in the same pass.
         chunk_tokens: tokens per chunk (Note [chunk size]).
         chunk_memory: without ``chunk_tokens``: bytes one chunk's float32 logits may take
-            (``"64MiB"``); default ``CHUNK_BYTES``.
+            (``"16MiB"``); default: 64 MiB, and at least 256 tokens (Note [chunk size]).
 
     Returns:
         ``(loss_sum, count)``: the summed loss over labelled tokens (float32 for half-precision
@@ -110,8 +112,8 @@ def head_cross_entropy(
     flat = labels.reshape(-1)
     kept = flat != ignore_index
     rows = kept.nonzero().squeeze(1)  # ignored tokens never reach the head
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    y = flat.index_select(0, rows).long()
+    h = hidden.reshape(-1, hidden.shape[-1])[rows]  # (index_select's backward: 5-10x slower)
+    y = flat[rows].long()
     chunk = chunk_size(weight.shape[0], chunk_tokens, chunk_memory)
     with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here
         w, b = weight.to(h.dtype), None if bias is None else bias.to(h.dtype)
@@ -131,9 +133,10 @@ def chunk_size(vocab: int, chunk_tokens: object, chunk_memory: object) -> int:
     Raises:
         ValueError: ``chunk_tokens`` is not a positive integer, or ``chunk_memory`` not a size.
     """
+    if chunk_tokens is None and chunk_memory is None:
+        return max(CHUNK_TOKENS, CHUNK_BYTES // (4 * vocab))
     if chunk_tokens is None:
-        budget = parse_bytes(chunk_memory, "chunk_memory") or CHUNK_BYTES
-        return max(16, budget // (4 * vocab))
+        return max(1, (parse_bytes(chunk_memory, "chunk_memory") or 0) // (4 * vocab))
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(
             f"chunk_tokens={chunk_tokens!r} is not allowed: use a positive integer (tokens per "
