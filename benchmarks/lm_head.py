@@ -8,20 +8,24 @@ threshold fixed at 64 KiB for the whole run, so every peak is live tensors, not 
    micro-batch (``--full``: to 16K, skipping what would not fit in this machine's memory), 10%
    of the labels padding. Given the hidden states, each loss runs forward and backward: the
    model's own (``model.loss_function`` on ``lm_head(hidden)``: transformers'
-   ``ForCausalLMLoss``), ``bigbatch.head_cross_entropy`` (its default chunk), TRL's fused head
+   ``ForCausalLMLoss``), ``bigbatch.head_cross_entropy`` (its default chunk; and its own path,
+   forced, as label smoothing, the z-loss, half precision and torch < 2.13 run), TRL's fused head
    (``trl.kernels.ChunkedLogProbFunction``, what ``add_fused_lm_head`` and the SFT trainer run).
    "Added MiB" is the peak above what was in use before (the hidden states and weights were),
    the head's own memory; time is the median of ``--rounds`` interleaved rounds. The target:
    bigbatch's added memory <= 0.25x the model's own at <= 1.0x its time.
 2. **The frontier** (``--part frontier``): ``benchmarks/memory.py``'s checkpointing frontier
    (GPT-2-like, 4 layers, width 256, 128 tokens, vocabulary 8,192, batch 8) with the model's
-   own loss and with the chunked head, every ratio to the own loss without checkpointing. The
-   target: >= 50% of the activation memory saved at <= 1.15x the time.
+   own loss and with the chunked head (``--chunk`` tokens per chunk: the default chunk holds
+   this micro-batch's 1,024 tokens whole), all twelve configurations in the same interleaved
+   rounds, every ratio to the own loss without checkpointing. The target: >= 50% of the
+   activation memory saved at <= 1.15x the time.
 3. **The token budget** (``--part budget``): a 2-layer Llama (hidden ``--dim``, vocabulary
    128K) trains one batch of variable-length text (``--batch`` sequences of up to ``--seq``
    tokens) cut by token budgets, AdamW: the peak of a step (a fresh model copy, its optimizer
    state, two steps) and the median step time, per budget, with and without the chunked head;
-   the largest budget whose peak fits ``--budget``. The target: it at least doubles.
+   the largest budget whose peak fits ``--budget`` (larger ones are not run once one does not
+   fit). The target: it at least doubles.
 
 Run:
     PYTHONPATH=src python benchmarks/lm_head.py                  # all three (~15 min, 2 cores)
@@ -48,6 +52,7 @@ import memory as frontier  # noqa: E402  # benchmarks/memory.py
 from _measure import device_name, print_table  # noqa: E402
 
 import bigbatch  # noqa: E402
+from bigbatch.core import head as chunked  # noqa: E402
 from bigbatch.core._units import parse_bytes  # noqa: E402
 from bigbatch.core.head import with_chunked_head  # noqa: E402
 from bigbatch.core.peak import small_mmap_threshold  # noqa: E402
@@ -90,6 +95,13 @@ def head_losses(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) ->
         loss_sum, count = bigbatch.head_cross_entropy(hidden, head, labels)
         return loss_sum / count
 
+    def fallback() -> torch.Tensor:  # bigbatch's own path, as on torch < 2.13
+        op, chunked.LINEAR_CE = chunked.LINEAR_CE, None
+        try:
+            return ours()
+        finally:
+            chunked.LINEAR_CE = op
+
     def fused() -> torch.Tensor:
         from trl.kernels import ChunkedLogProbFunction
 
@@ -110,7 +122,8 @@ def head_losses(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) ->
 
         return step
 
-    found = {"model's own loss": run(own), "bigbatch chunked head": run(ours)}
+    found = {"model's own loss": run(own), "bigbatch chunked head": run(ours),
+             "bigbatch own path": run(fallback)}  # fmt: skip
     try:
         import trl.kernels  # noqa: F401
 
@@ -151,14 +164,14 @@ def measure_head(family: str, vocab: int, tokens: int, args: argparse.Namespace)
     return rows
 
 
-NAMES = ["model's own loss", "bigbatch chunked head", "TRL fused head"]
+NAMES = ["model's own loss", "bigbatch chunked head", "bigbatch own path", "TRL fused head"]
 
 
 def run_head(args: argparse.Namespace) -> None:
     verdicts: list[str] = []
     for family, vocab, sweep in args.cases:
         table = [head_row(family, vocab, tokens, args, verdicts) for tokens in sweep]
-        headers = ["tokens"] + [f"{n} {c}" for n in ("own", "bigbatch", "TRL")
+        headers = ["tokens"] + [f"{n} {c}" for n in ("own", "bigbatch", "fallback", "TRL")
                                 for c in ("added MiB", "s", "memory", "time")]  # fmt: skip
         print_table(f"The head, {family} (hidden {args.dim}, vocabulary {vocab:,}): forward + "
                     "backward from the hidden states, ratios to the model's own loss", headers, table)  # fmt: skip
@@ -218,24 +231,34 @@ def run_chunks(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- 2. the frontier
 def run_frontier(args: argparse.Namespace) -> None:
-    settings = argparse.Namespace(layers=4, dim=256, seq=128, vocab=8192, batch=8, device="cpu",
-                                  rounds=args.rounds)  # fmt: skip
+    settings = argparse.Namespace(layers=4, dim=256, seq=128, vocab=8192, batch=8, device="cpu")
     if args.quick:
         vars(settings).update(layers=2, dim=128, seq=32, vocab=512, batch=4)
     model, ids, own_loss = frontier.gpt2(settings, "cpu")
 
-    def mean(loss_fn: Callable) -> Callable:
-        return lambda m, b: (lambda s, c: s / c)(*loss_fn(m, b))
+    def chunked(m: nn.Module, b: torch.Tensor) -> torch.Tensor:  # the Python API, its chunk given
+        hidden = m.transformer(input_ids=b).last_hidden_state
+        loss_sum, count = bigbatch.head_cross_entropy(hidden, m.lm_head, b, chunk_tokens=args.chunk)
+        return loss_sum / count
 
-    plain = lambda m, b: bigbatch.token_cross_entropy(m(input_ids=b).logits, b, shift=True)  # noqa: E731
-    chunked = mean(with_chunked_head(plain, model))
-    rows = {f"own {k}" if k != "none" else "none": v
-            for k, v in frontier.measure_frontier(model, ids, own_loss, settings).items()}  # fmt: skip
-    rows.update({f"chunked {k}": v for k, v in frontier.measure_frontier(model, ids, chunked, settings).items()})  # fmt: skip
-    title = (f"Checkpointing frontier with the chunked head, GPT-2-like (vocabulary "
-             f"{settings.vocab:,}, batch {settings.batch} x {settings.seq}), on "
-             f"{device_name('cpu')} (median of {args.rounds} interleaved rounds); 'none' is the "
-             "model's own loss without checkpointing")  # fmt: skip
+    points = {  # every configuration of both losses, timed in the same interleaved rounds
+        f"{name} {label}".replace("own none", "none"): frontier.FrontierPoint(model, f, policy, loss)
+        for name, loss in (("own", own_loss), ("chunked", chunked))
+        for label, f, policy in frontier.frontier_configs("cpu")
+    }  # fmt: skip
+    for i in range(2 + args.rounds):  # two warm-up rounds: allocator, thread pools, AdamW state
+        for point in points.values():
+            if i == 2:  # the warm-up's readings go
+                point.seconds.clear()
+                point.activation_bytes.clear()
+            point.step(ids, "cpu")
+    rows = {k: {"seconds": statistics.median(p.seconds), "activation": statistics.median(p.activation_bytes)}
+            for k, p in points.items()}  # fmt: skip
+    title = (f"Checkpointing frontier with the chunked head ({args.chunk} tokens per chunk), "
+             f"GPT-2-like (4 layers, width 256, vocabulary {settings.vocab:,}, batch "
+             f"{settings.batch} x {settings.seq}), on {device_name('cpu')}, median of "
+             f"{args.rounds} interleaved rounds; ratios to the model's own loss without "
+             "checkpointing ('none')")  # fmt: skip
     frontier.print_frontier(rows, title)
 
 
@@ -253,48 +276,63 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     return bigbatch.token_cross_entropy(out.logits, batch["labels"], shift=True)
 
 
-def measure_budget(model: nn.Module, batch: dict, loss_fn: Callable, tokens: int, steps: int) -> dict[str, float]:  # fmt: skip
-    """Peak of a fresh copy, its AdamW state and two steps; then the median of ``steps``."""
+def peak_of(model: nn.Module, batch: dict, loss: Callable, tokens: int) -> tuple[int, Callable]:
+    """Peak of a fresh copy, its AdamW state and two steps; and a step of that copy, to time."""
     with bigbatch.measure_peak("cpu") as peak:
         work = copy.deepcopy(model)
         acc = bigbatch.Accumulator(work, torch.optim.AdamW(work.parameters(), lr=1e-4),
                                    micro_batch_tokens=tokens)  # fmt: skip
-        loss = loss_fn(work)
         for _ in range(2):
-            acc.train_step(batch, loss)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        acc.train_step(batch, loss)
-        times.append(time.perf_counter() - start)
-    return {"peak": peak.peak_bytes, "seconds": statistics.median(times)}
+            acc.train_step(batch, loss(work))
+    return peak.peak_bytes, lambda: acc.train_step(batch, loss(work))
 
 
 def run_budget(args: argparse.Namespace) -> None:
     vocab = args.vocabs[-1]
     model, batch = build("llama", vocab, args.dim, layers=2), text_batch(args, vocab)
     budget = parse_bytes(args.budget) or 0
-    losses = {"model's own loss": lambda m: lm_loss, "chunked head": lambda m: with_chunked_head(lm_loss, m)}  # fmt: skip
-    found: dict[str, dict[int, dict[str, float]]] = {name: {} for name in losses}
+    losses = {"own": lambda m: lm_loss, "chunked": lambda m: with_chunked_head(lm_loss, m)}
+    peaks: dict[tuple[str, int], int] = {}
+    steps: dict[tuple[str, int], Callable] = {}
+    for tokens in args.budget_tokens:  # peaks; larger budgets not run once one does not fit
+        for name, loss in losses.items():
+            if all(peaks.get((name, t), 0) <= budget for t in args.budget_tokens if t < tokens):
+                peaks[name, tokens], step = peak_of(model, batch, loss, tokens)
+                if peaks[name, tokens] <= budget:
+                    steps[name, tokens] = step
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in steps}
+    for _ in range(args.rounds):  # the configurations that fit, timed in interleaved rounds
+        for key, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[key].append(time.perf_counter() - start)
+    seconds = {k: statistics.median(t) for k, t in times.items()}
+    print_budget(args, vocab, batch, budget, peaks, seconds)
+
+
+def print_budget(args: argparse.Namespace, vocab: int, batch: dict, budget: int,
+                 peaks: dict, seconds: dict) -> None:  # fmt: skip
     table = []
     for tokens in args.budget_tokens:
         cells: list[object] = [f"{tokens:,}"]
-        for name, loss in losses.items():
-            r = found[name][tokens] = measure_budget(model, batch, loss, tokens, args.rounds)
-            cells += [f"{r['peak'] / 2**20:,.0f}", f"{r['seconds']:.2f}", "yes" if r["peak"] <= budget else "no"]  # fmt: skip
+        for name in ("own", "chunked"):
+            peak, s = peaks.get((name, tokens)), seconds.get((name, tokens))
+            cells += ["-" if peak is None else f"{peak / 2**20:,.0f}", "-" if s is None else f"{s:.2f}",
+                      "yes" if peak is not None and peak <= budget else "no"]  # fmt: skip
         table.append(cells)
     real = int(batch["attention_mask"].sum())
     print_table(f"Token budgets under {args.budget}: Llama, 2 layers, hidden {args.dim}, vocabulary "
-                f"{vocab:,}, one step of {args.batch} sequences ({real:,} real tokens), AdamW",
+                f"{vocab:,}, one step of {args.batch} sequences ({real:,} real tokens), AdamW; "
+                f"time: median of {args.rounds} interleaved rounds of the budgets that fit",
                 ["token budget", "own peak MiB", "own s/step", "own fits", "chunked peak MiB",
                  "chunked s/step", "chunked fits"], table)  # fmt: skip
-    largest = {n: max((t for t, r in rows.items() if r["peak"] <= budget), default=None) for n, rows in found.items()}  # fmt: skip
-    own, ours = largest["model's own loss"], largest["chunked head"]
+    largest = {n: max((t for (m, t) in seconds if m == n), default=0) for n in ("own", "chunked")}
     for name, t in largest.items():
-        said = f"{t:,} tokens at {found[name][t]['seconds']:.2f} s/step" if t else "none"
+        said = f"{t:,} tokens at {seconds[name, t]:.2f} s/step" if t else "none"
         print(f"- largest token budget within {args.budget}, {name}: {said}")
-    grew = ours / own if own and ours else float("inf") if ours else 0.0
-    print(f"- target: the token budget that fits at least doubles: {grew:.1f}x: {'met' if grew >= 2 else 'NOT met'}")  # fmt: skip
+    grew = largest["chunked"] / largest["own"] if largest["own"] else float("inf")
+    print(f"- target: the token budget that fits at least doubles: {grew:.1f}x: "
+          f"{'met' if grew >= 2 else 'NOT met'}")  # fmt: skip
 
 
 QUICK = {"cases": [("gpt2", 4096, (512,)), ("llama", 4096, (512,))], "vocabs": [4096], "dim": 64, "rounds": 2,
@@ -308,15 +346,16 @@ def main() -> None:
     parser.add_argument("--chunks", action="store_true", help="only: time per chunk size")
     parser.add_argument("--dim", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
-    parser.add_argument("--budget", default="3GiB", help="part 3's memory budget")
+    parser.add_argument("--chunk", type=int, default=256, help="part 2: tokens per chunk")
+    parser.add_argument("--budget", default="2GiB", help="part 3's memory budget")
     parser.add_argument("--batch", type=int, default=8, help="part 3: sequences per step")
-    parser.add_argument("--seq", type=int, default=1024, help="part 3: longest sequence")
+    parser.add_argument("--seq", type=int, default=512, help="part 3: longest sequence")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     args = parser.parse_args()
     full = [(f, v, FULL_TOKENS) for f in ("gpt2", "llama") for v in VOCABS]
     vars(args).update(cases=full if args.full else CASES, vocabs=list(VOCABS),
-                      budget_tokens=[512, 1024, 2048, 4096, 8192])  # fmt: skip
+                      budget_tokens=[512, 1024, 2048, 4096])  # fmt: skip
     if args.quick:
         vars(args).update(QUICK)
     torch.set_num_threads(args.threads)
