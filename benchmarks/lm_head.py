@@ -28,7 +28,7 @@ threshold fixed at 64 KiB for the whole run, so every peak is live tensors, not 
    fit). The target: it at least doubles.
 
 Run:
-    PYTHONPATH=src python benchmarks/lm_head.py                  # all three (~15 min, 2 cores)
+    PYTHONPATH=src python benchmarks/lm_head.py                  # all three (~30 min, 2 cores)
     PYTHONPATH=src python benchmarks/lm_head.py --part head --full
     PYTHONPATH=src python benchmarks/lm_head.py --chunks         # time per chunk size (Note [chunk size])
     PYTHONPATH=src python benchmarks/lm_head.py --quick          # smoke test (seconds)

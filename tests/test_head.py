@@ -196,3 +196,37 @@ def test_check_finds_the_chunked_head_exact_in_float64(path, gen):
     model = TinyCausalLM()
     report = bigbatch.check(model, text_batch(10, gen), with_chunked_head(lm_loss, model))
     assert report.exact and report.compute_dtype == torch.float64, report.summary()
+
+
+def test_train_step_with_the_z_loss_equals_the_full_batch(gen):
+    """The named terms of the same pass (ce, z) through token windows, against their full batch."""
+    import copy
+
+    from cases import OPTIMIZERS
+    from models import TinyCausalLM
+    from reference import max_relative_error
+    from test_tokens import text_batch
+
+    def terms(model, batch):
+        with deferred_head(model):
+            logits = model(batch["input_ids"])
+        return logits.cross_entropy(batch["labels"], z_loss=0.01, chunk_tokens=7)
+
+    def full(model, batch):  # the plain head's logits, the same two means
+        logits, labels = model(batch["input_ids"])[:, :-1], batch["labels"][:, 1:]
+        kept = labels != -100
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return ce / kept.sum() + 0.01 * torch.logsumexp(logits, -1)[kept].square().mean()
+
+    torch.manual_seed(0)
+    ref = TinyCausalLM().double()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = OPTIMIZERS["adamw"](ref.parameters()), OPTIMIZERS["adamw"](model.parameters())
+    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=30)
+    for _ in range(2):
+        batch = text_batch(10, gen)
+        full(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert acc.train_step(batch, terms).micro_batches > 1
+    assert max_relative_error(ref, model) < 1e-10
