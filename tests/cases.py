@@ -120,9 +120,10 @@ def plain_full_batch(init, batches, fp16: bool):
     return model, skipped
 
 
-def fp16_accumulated(init, batches, low_level: bool = False, mode: str = "count_fn"):
+def fp16_accumulated(init, batches, low_level: bool = False, mode: str = "count_fn", loss=None):
     """fp16 accumulation; ``mode``: ``count_fn``, ``labels`` (no count_fn, a labels batch) or
-    ``tuple`` (no count_fn, an (ids, labels) batch: nothing to count before the window)."""
+    ``tuple`` (no count_fn, an (ids, labels) batch: nothing to count before the window);
+    ``loss``: another loss of a labels batch (the chunked head's)."""
     model = copy.deepcopy(init)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     acc = bigbatch.Accumulator(
@@ -137,7 +138,8 @@ def fp16_accumulated(init, batches, low_level: bool = False, mode: str = "count_
                 skipped.append(acc.train_step(pair, loss).skipped)
             else:
                 count_fn = lm_count if mode == "count_fn" else None
-                skipped.append(acc.train_step(batch, lm_loss, count_fn=count_fn).skipped)
+                result = acc.train_step(batch, loss or lm_loss, count_fn=count_fn)
+                skipped.append(result.skipped)
             continue
         pieces = bigbatch.split(batch, LM_MICRO)
         for i, piece in enumerate(pieces):

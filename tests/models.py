@@ -50,6 +50,10 @@ class TinyCausalLM(nn.Module):
         self.blocks = nn.ModuleList(layer() for _ in range(blocks))
         self.head = nn.Linear(dim, vocab)
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The output layer, as transformers names it (what ``--chunked-head`` defers)."""
+        return self.head
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         h = self.embed(ids) + self.pos[:t]

@@ -19,7 +19,11 @@ EXAMPLES = sorted(
     for p in (ROOT / "examples").glob("*.py")
     if p.name not in ("ddp_torchrun.py", "keras_fit.py")
 )
-NEEDS = {"causal_lm.py": "transformers", "hf_trainer.py": "transformers"}
+NEEDS = {
+    "causal_lm.py": "transformers",
+    "chunked_head.py": "transformers",
+    "hf_trainer.py": "transformers",
+}
 # What each example prints once it has checked its claim (most print their steps).
 SAYS = {"hf_trainer.py": "bigbatch.integrations.hf.Trainer: exact=True"}
 

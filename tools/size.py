@@ -25,7 +25,7 @@ FUNCTION_SOFT, FUNCTION_HARD = 30, 40
 # head, <= 350), 32 (the GPU run, <= 150): at most 6,735. The hard cap is a ratchet at what is
 # reached: lower it as code goes; raise it only by an issue's stated allowance.
 PACKAGE_SOFT, PACKAGE_HARD = 4800, 6735
-PUBLIC_NAMES_HARD = 25
+PUBLIC_NAMES_HARD = 26  # issue 31 names one more: bigbatch.head_cross_entropy (STYLE.md: target 25)
 MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting
 FUNCTION_CAPS: dict[tuple[str, str], int] = {}  # none: fit() fits the common cap now
 # Over a hard cap when the budget landed, to be split; none left (cli._add_train was generated

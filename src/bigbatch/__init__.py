@@ -11,6 +11,7 @@ from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.batchnorm import batchnorm
 from bigbatch.core.engine import Accumulator, StepResult
+from bigbatch.core.head import head_cross_entropy
 from bigbatch.core.loss import LossFn, sample_cross_entropy, sample_mse, token_cross_entropy
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.core.peak import PeakMemory, measure_peak
@@ -50,6 +51,7 @@ __all__ = [
     "disable_checkpointing",
     "enable_checkpointing",
     "fit",
+    "head_cross_entropy",
     "is_out_of_memory",
     "measure_peak",
     "plan",

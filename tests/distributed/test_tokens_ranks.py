@@ -1,7 +1,7 @@
 """Token windows on 2 real gloo ranks (issue 22 item 2), float64, against one full-batch step on
 the union: DDP with ranks running different numbers of micro-batches (each syncs once, on its
 last), and the models whose forwards must pair up across ranks (DDP broadcasting a buffer, FSDP2),
-where a rank with fewer micro-batches runs empty ones."""
+where a rank with fewer micro-batches runs empty ones; DDP with the chunked head (issue 31)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from test_tokens import lm_loss, text_batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bigbatch
+from bigbatch.core.head import with_chunked_head
 
 pytestmark = pytest.mark.slow  # real gloo ranks
 STEPS = 3
@@ -52,7 +53,7 @@ def _wrap(kind: str, model: torch.nn.Module) -> torch.nn.Module:
     return DDP(model)
 
 
-KINDS = ["ddp", "ddp_buffers", "fsdp2"]
+KINDS = ["ddp", "ddp_buffers", "fsdp2", "ddp_chunked_head"]  # the last: Note [chunked head]
 
 
 def _rank(rank: int, world: int, windows: list) -> dict:
@@ -63,11 +64,13 @@ def _rank(rank: int, world: int, windows: list) -> dict:
 def _train(rank: int, kind: str, optimizer: str, windows: list) -> dict:
     torch.manual_seed(0)
     model = _wrap(kind, (Buffered if kind == "ddp_buffers" else TinyCausalLM)().double())
+    paired = kind in ("ddp_buffers", "fsdp2")  # forwards pair up across ranks
     acc = bigbatch.Accumulator(
         model, OPTIMIZERS[optimizer](model.parameters()), micro_batch_tokens=24,
-        pad_to_multiple_of=4 if kind != "ddp" else None,
+        pad_to_multiple_of=4 if paired else None,
     )  # fmt: skip
-    counts = [acc.train_step(w[rank], lm_loss).micro_batches for w in windows]
+    loss = with_chunked_head(lm_loss, model) if kind == "ddp_chunked_head" else lm_loss
+    counts = [acc.train_step(w[rank], loss).micro_batches for w in windows]
     if kind == "fsdp2":
         from torch.distributed.tensor import DTensor
 
@@ -102,7 +105,7 @@ def test_token_windows_on_two_ranks_equal_the_full_batch(kind, optimizer, runs):
     ours.load_state_dict({k: v for k, v in results[0]["state"].items() if k != "calls"})
     assert max_relative_error(ref, ours) < 1e-10
     per_rank = [r["micro_batches"] for r in results]
-    if kind == "ddp":
+    if kind in ("ddp", "ddp_chunked_head"):
         assert per_rank[0] != per_rank[1]  # the ranks really ran different numbers
     else:
         assert per_rank[0] == per_rank[1]  # forwards paired up: the shorter rank ran empty ones

@@ -102,6 +102,9 @@ class _TextLM(nn.Module):
         self.embed, self.drop = nn.Embedding(11, 16), nn.Dropout(dropout)
         self.head = nn.Linear(16, 11)
 
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head  # what --chunked-head defers
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.drop(self.embed(ids))))
 

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 from bigbatch.app import config, demo, loop, report
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.head import with_chunked_head
 from bigbatch.distributed import launch as distributed
 from bigbatch.memory.planner import plan
 from bigbatch.verifier._check import check
@@ -327,7 +328,7 @@ def _run_check(args: argparse.Namespace) -> int:
     task = config.load_task(args.task)
     batch = config.first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
-    found = check(model, batch, task.loss_fn, args.micro_batch_size, tolerance=args.tolerance)
+    found = check(model, batch, _loss(task, args), args.micro_batch_size, tolerance=args.tolerance)
     report.print_check(found, title=f"bigbatch check {args.task}: worst parameters")
     return 0 if found.exact else 1
 
@@ -351,7 +352,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
     with report.progress_lines("bigbatch plan") as progress:
         result = plan(
-            task.model, config.first_batch(task, args.batch_size), task.loss_fn,
+            task.model, config.first_batch(task, args.batch_size), _loss(task, args),
             memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
             checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
             margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
@@ -360,8 +361,21 @@ def _run_plan(args: argparse.Namespace) -> None:
     report.print_plan(result)
 
 
+def _loss(task: config.Task, args: argparse.Namespace) -> Any:
+    """The task's loss, with ``--chunked-head`` as the trainer computes it (its memory counted)."""
+    return with_chunked_head(task.loss_fn, task.model) if args.chunked_head else task.loss_fn
+
+
 INT, NUMBER = _typed(int), _typed(float)
 TASK = ("task", dict(metavar="TASK", help="module:function returning a bigbatch.Task"))
+CHUNKED = (
+    "--chunked-head",
+    dict(
+        action="store_true",
+        help="the loss as `bigbatch train "
+        "--chunked-head` computes it: from the hidden states, in chunks",
+    ),
+)
 _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, dict]], dict]] = [
     (_run_demo, "train one model full-batch, accumulated and auto under a budget: same weights, "
      "less memory", [
@@ -389,6 +403,7 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
          "float64 rounding (default 1e-10; raised to 1e-5 where the model computes in float32, "
          "and the verdict says so)")),
         ("--eval", dict(action="store_true", help="check the model in eval mode (model.eval())")),
+        CHUNKED,
     ], {}),
     (_run_plan, "measure micro-batch sizes and checkpointing, choose the fastest that fits in "
      "memory", [
@@ -407,5 +422,6 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
         ("--steps", dict(type=INT, default=5, help="timed rounds (default 5)")),
         ("--micro-batch-tokens", dict(type=_typed(int, words=["auto"], listed=True),
          help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
+        CHUNKED,
     ], {}),
 ]  # fmt: skip

@@ -101,6 +101,9 @@ class TrainConfig:
         compile: torch.compile the model (give --pad-to-multiple-of with tokens)
         gradient_checkpointing: recompute the model's repeated blocks in backward (less
             memory, ~1 more forward)
+        chunked_head: compute the language-model loss from the hidden states in chunks,
+            never holding the logits (tokens x vocabulary): a larger micro-batch fits; the
+            model needs get_output_embeddings() and the loss bigbatch.token_cross_entropy
         precision: autocast precision
         batchnorm: BatchNorm under accumulation (a micro-batch's statistics are not the full
             batch's): keep: leave the model, warn; micro: per-micro-batch statistics,
@@ -159,6 +162,7 @@ class TrainConfig:
     trim_padding: bool = setting(True)
     compile: bool = setting(False)
     gradient_checkpointing: bool = setting(False)
+    chunked_head: bool = setting(False)
     precision: str = setting("fp32", choices=PRECISIONS, aliases=("--fp16=fp16", "--bf16=bf16"))
     batchnorm: str | None = setting("keep", choices=BATCHNORMS)
     max_grad_norm: float | None = setting(None)

@@ -98,7 +98,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any
 
@@ -115,6 +115,7 @@ from bigbatch.core._tree import map_tensors
 from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator, StepResult
+from bigbatch.core.head import with_chunked_head
 from bigbatch.core.loss import as_sum_and_count
 from bigbatch.core.oom import MemoryBudgetExceeded, is_out_of_memory
 from bigbatch.core.peak import PeakProbe
@@ -278,6 +279,8 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
     if total_steps >= steps_per_epoch:  # the run reaches the epoch's last (smaller) batch
         distributed.check_batch_sizes(len(task.train_data), batch_size, ranks.world_size)
     model = cfg.prepare_model(task.model, config, ranks)
+    if config.chunked_head:  # Note [deferred head] in bigbatch.core.head
+        task = replace(task, loss_fn=with_chunked_head(task.loss_fn, model))
     lr = cfg.checked_lr(config, batch_size, model)
     optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
     schedule = task.scheduler or functools.partial(cfg.schedule, config)

@@ -40,6 +40,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from bigbatch.core.head import HeadLogits
+
 LossOutput = Any
 """What a ``loss_fn`` returns: a scalar mean, a ``(loss_sum, count)`` pair, or named terms."""
 
@@ -207,7 +209,8 @@ def token_cross_entropy(
     of the mean over every real token of the logical batch (see Note [window normalisation]).
 
     Args:
-        logits: ``[..., vocab]`` scores.
+        logits: ``[..., vocab]`` scores, or a model's logits under ``--chunked-head``, computed
+            here in chunks (Note [deferred head] in ``bigbatch.core.head``).
         labels: ``[...]`` target ids; positions equal to ``ignore_index`` are not counted.
         ignore_index: label value that marks padding.
         shift: predict token ``t+1`` from position ``t`` (causal LM with unshifted labels).
@@ -222,6 +225,8 @@ def token_cross_entropy(
         >>> int(count)
         3
     """
+    if isinstance(logits, HeadLogits):
+        return logits.cross_entropy(labels, shift=shift, ignore_index=ignore_index)  # type: ignore[no-any-return]
     flat_logits, flat_labels, kept = flat_tokens(logits, labels, shift, ignore_index)
     loss_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
     return loss_sum, kept.sum()

@@ -44,6 +44,21 @@ Note [generating trainers]
     accumulation that is a mean of micro-batch means, which ``audit`` reports. Making it a token
     mean over the window would take TRL's whole loss rewritten as named terms
     (``bigbatch.losses.terms.policy_gradient`` has the three units) in an ``Accumulator`` loop.
+
+Note [chunked head in a trainer]
+    With ``chunked_head=True`` the window's loss is not ``compute_loss``: it is the causal LM's
+    own loss computed without its logits. The model runs with its labels taken out and its
+    output layer deferred (Note [deferred head] in ``bigbatch.core.head``); what the layer
+    received goes to ``head_cross_entropy``, shifted, with ``label_smoothing_factor``: the loss
+    transformers' ``ForCausalLMLoss`` and ``LabelSmoother`` compute from the logits, and TRL's
+    SFT loss (``loss_type="nll"``). A logit scale (Cohere, Granite) is applied exactly. Refused
+    when made, in one line naming the cause, where that would not be the trainer's loss: a
+    ``loss_fn``, a ``compute_loss_func``, a ``compute_loss`` of another trainer, TRL's other
+    ``loss_type``, a model that is not a causal LM, final-logit soft-capping
+    (``final_logit_softcapping``), an MoE auxiliary loss added in the forward
+    (``output_router_logits``). Only training changes: evaluation runs the trainer's own
+    ``compute_loss``, and TRL's SFT metrics computed from the logits (entropy, token accuracy)
+    are not logged in training.
 """
 
 from __future__ import annotations
@@ -68,7 +83,8 @@ from bigbatch.core._tokens import (
 from bigbatch.core._tree import map_tensors, take
 from bigbatch.core._units import parse_bytes
 from bigbatch.core.engine import Accumulator
-from bigbatch.core.loss import WindowLoss
+from bigbatch.core.head import HeadLogits, deferred_head, output_layer
+from bigbatch.core.loss import LossFn, WindowLoss
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
@@ -100,14 +116,18 @@ def exact(trainer_class: type) -> type:
         The subclass. Besides the trainer's own arguments it takes ``micro_batch_size`` (rows per
         micro-batch, ``"auto"`` for the largest that fits; default
         ``per_device_train_batch_size``), ``micro_batch_tokens`` (cut by tokens, or ``"auto"``),
-        ``memory_budget`` and ``pad_to_multiple_of`` as ``bigbatch.Accumulator`` does, and
-        ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``.
-        Building one under DeepSpeed raises ``ValueError`` (``refuse_deepspeed``); FSDP (FSDP2's
-        ``fully_shard`` too) and DDP are exact.
+        ``memory_budget`` and ``pad_to_multiple_of`` as ``bigbatch.Accumulator`` does,
+        ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``, and
+        ``chunked_head``: a causal LM's loss computed from its hidden states in chunks, never
+        holding the logits (Note [chunked head in a trainer]). Building one under DeepSpeed
+        raises ``ValueError`` (``refuse_deepspeed``); FSDP (FSDP2's ``fully_shard`` too) and DDP
+        are exact.
 
     Raises:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
             or RLOO trainer (Note [generating trainers]).
+        ValueError: ``chunked_head=True`` with a loss it cannot compute (Note [chunked head in a
+            trainer]), when the trainer is made.
 
     Example:
         >>> from trl import DPOTrainer  # doctest: +SKIP
@@ -133,12 +153,15 @@ def exact(trainer_class: type) -> type:
         def __init__(  # the trainer's arguments, and how bigbatch cuts its windows
             self, *args: Any, micro_batch_size: int | str | None = None,
             micro_batch_tokens: int | str | None = None, memory_budget: int | str | None = None,
-            pad_to_multiple_of: int | None = None, loss_fn: Any = None, **kwargs: Any,
+            pad_to_multiple_of: int | None = None, loss_fn: Any = None,
+            chunked_head: bool = False, **kwargs: Any,
         ) -> None:  # fmt: skip
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
             parse_bytes(memory_budget)
             super().__init__(*args, **kwargs)
             refuse_deepspeed(self, f"bigbatch.hf.exact({trainer_class.__name__})")
+            if chunked_head:  # Note [chunked head in a trainer]
+                loss_fn = chunked_loss(self, loss_fn)
             if micro_batch_size is None and micro_batch_tokens is None:
                 micro_batch_size = self.args.per_device_train_batch_size
             given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
@@ -153,6 +176,64 @@ def exact(trainer_class: type) -> type:
     Exact.__name__ = Exact.__qualname__ = trainer_class.__name__
     Exact.__doc__ = f"``{trainer_class.__name__}`` with bigbatch's exact accumulation (``exact``)."
     return Exact
+
+
+def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
+    """``chunked_head=True``'s loss: the causal LM's own, without its logits (Note [chunked head
+    in a trainer]).
+
+    Raises:
+        ValueError: naming the setting, attribute or method the chunked head would ignore.
+        TypeError: the model has no output layer (``get_output_embeddings()``).
+    """
+    cause = chunked_refusal(trainer, loss_fn)
+    if cause is not None:
+        raise ValueError(f"chunked_head=True cannot compute this trainer's loss: {cause}.")
+    output_layer(trainer.model)
+    smoothing = trainer.args.label_smoothing_factor
+
+    def loss(model: Any, batch: Any) -> Any:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with deferred_head(model):
+            logits = model(**inputs).logits
+        if not isinstance(logits, HeadLogits):
+            raise TypeError(f"chunked_head=True: {type(trainer.model).__name__}'s logits do not "
+                            "come from its get_output_embeddings() layer.")  # fmt: skip
+        loss_sum, count = logits.cross_entropy(
+            batch["labels"], shift=True, label_smoothing=smoothing
+        )
+        # counted as the trainer counts: transformers' num_items_in_batch counts every label of a
+        # model whose loss_type it does not know (GPT-2), the shifted ones otherwise
+        return loss_sum, (_audit.count_items(batch, False) if every_label else count)
+
+    every_label = getattr(trainer, "model_accepts_loss_kwargs", False) and not getattr(
+        trainer, "_loss_shifts_labels", True
+    )
+    return loss
+
+
+def chunked_refusal(trainer: Any, loss_fn: Any) -> str | None:
+    """Why the chunked head would not compute ``trainer``'s loss, or ``None``."""
+    name, model = type(trainer).__name__, trainer.model
+    sft = (
+        getattr(trainer.args, "loss_type", "nll") if _named(type(trainer), ("SFTTrainer",)) else ""
+    )
+    if loss_fn is not None or trainer.compute_loss_func is not None:
+        return "a loss_fn or compute_loss_func replaces the model's loss: give one or the other"
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    if not (owner.__module__.startswith("transformers.") or sft):
+        return f"{name}.compute_loss is not transformers' (nor TRL SFTTrainer's)"
+    if sft not in ("", "nll"):
+        return f"loss_type={sft!r} is not the token cross-entropy (loss_type='nll')"
+    if not shifts_labels(model):
+        return f"{type(model).__name__} is not a causal LM (its loss does not shift labels)"
+    inner = next(m for m in model.modules() if isinstance(m, _transformers.PreTrainedModel))
+    config = inner.config.get_text_config()
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return f"final_logit_softcapping={config.final_logit_softcapping} caps the logits (tanh)"
+    if getattr(config, "output_router_logits", False):
+        return "output_router_logits=True adds an MoE auxiliary loss in the model's forward"
+    return None
 
 
 class TrainerWindow:

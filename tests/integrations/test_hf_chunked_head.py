@@ -1,0 +1,181 @@
+"""``bigbatch.hf.Trainer(chunked_head=True)`` (Note [chunked head in a trainer]) in float64.
+
+The chunked Trainer accumulates 5 + 5 + 2 per window; it must equal its own one-batch run and
+the causal LM's loss written plainly in float64 (token cross-entropy of the logits, label
+smoothing as ``F.cross_entropy``'s) to 1e-10. transformers' own loss (``ForCausalLMLoss``,
+``LabelSmoother``) upcasts the logits with ``.float()``, which in a float64 model is a cast
+*down* to float32: against it the agreement is float32's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers  # noqa: E402
+from integrations.hf_models import (  # noqa: E402
+    Wrapper,
+    adamw,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    llama,
+    sgd,
+    texts,
+)
+from integrations.test_hf import plain, train  # noqa: E402
+
+import bigbatch.hf  # noqa: E402
+from bigbatch.core.head import HeadLogits, with_chunked_head  # noqa: E402
+from bigbatch.core.loss import token_cross_entropy  # noqa: E402
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+FLOAT32 = 1e-5  # transformers' loss, and Llama's RMSNorm, compute in float32
+
+
+def formula(eps: float, every_label: bool = False):
+    """The causal LM's loss from the logits in float64: what the chunked head must equal. Over
+    the shifted labels, divided by what transformers counts as ``num_items_in_batch``: every label
+    for a model whose ``loss_type`` it does not know (GPT-2), the shifted ones otherwise."""
+
+    def loss(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        labels = b["labels"][:, 1:].flatten()
+        flat = logits[:, :-1].flatten(0, 1)
+        count = (b["labels"] != -100).sum() if every_label else (labels != -100).sum()
+        return F.cross_entropy(flat, labels, label_smoothing=eps, reduction="sum"), count
+
+    return loss
+
+
+CASES = [  # model, optimizers, label smoothing
+    ("gpt2", sgd, 0.0), ("llama", adamw, 0.0), ("gpt2", adamw, 0.1),
+    pytest.param("llama", sgd, 0.1, marks=pytest.mark.slow),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, optimizers, eps", CASES)
+def test_chunked_head_equals_the_one_batch_step(tmp_path, name, optimizers, eps):
+    base = MODELS[name]()
+    args = {"label_smoothing_factor": eps}
+    ours, one = copy.deepcopy(base), copy.deepcopy(base)
+    made = []  # what the output layer returned: never logits
+    ours.get_output_embeddings().register_forward_hook(lambda m, a, out: made.append(type(out)))
+    trainer = train(
+        bigbatch.hf.Trainer, ours, 5, 3, optimizers, tmp=tmp_path, args=args, chunked_head=True
+    )
+    assert trainer.bigbatch_window.last.micro_batches == 3
+    assert made and set(made) == {HeadLogits}
+    train(bigbatch.hf.Trainer, one, 12, 1, optimizers, tmp=tmp_path, args=args, chunked_head=True)
+    assert distance(ours, one, base) < 1e-10
+    reference = plain(base, formula(eps, name == "gpt2"), optimizers)  # the logits' loss
+    assert distance(ours, reference, base) < (1e-10 if name == "gpt2" else FLOAT32)
+    if name == "llama":  # transformers' one-batch run, its own loss (GPT-2's: test_hf.py)
+        own = copy.deepcopy(base)
+        train(transformers.Trainer, own, 12, 1, optimizers, tmp=tmp_path, args=args)
+        assert distance(ours, own, base) < FLOAT32
+
+
+def tiny(kind: str, **settings):
+    """A tiny float64 causal LM of another family, from its config."""
+    config_class = getattr(transformers, f"{kind}Config")
+    model_class = getattr(transformers, f"{kind}ForCausalLM")
+    config = config_class(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, pad_token_id=0, **settings,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return model_class(config).to(torch.float64)
+
+
+def test_a_logit_scale_is_applied_exactly(tmp_path):
+    """Cohere multiplies its logits by ``logit_scale``: the chunked head scales the hidden states."""
+    base = tiny("Cohere", logit_scale=0.5)
+    ours = copy.deepcopy(base)
+    train(bigbatch.hf.Trainer, ours, 5, 3, tmp=tmp_path, chunked_head=True)
+    reference = plain(base, formula(0.0), sgd)
+    assert distance(ours, reference, base) < FLOAT32  # (its LayerNorm computes in float32)
+    unscaled = copy.deepcopy(base)
+    unscaled.logit_scale = 1.0
+    assert distance(ours, plain(unscaled, formula(0.0), sgd), base) > 0.01
+
+
+def classifier():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, num_labels=2)
+    return transformers.GPT2ForSequenceClassification(config).to(torch.float64)
+
+
+def loss_func(outputs, labels, num_items_in_batch=None):
+    return outputs.logits.sum()
+
+
+class Custom(bigbatch.hf.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss
+
+
+REFUSED = [  # (model, trainer class, trainer kwargs, message)
+    (gpt2, bigbatch.hf.Trainer, {"compute_loss_func": loss_func}, "a loss_fn or compute_loss_func"),
+    (gpt2, bigbatch.hf.Trainer, {"loss_fn": lambda m, b: m(**b).loss}, "a loss_fn or compute_loss_func"),
+    (gpt2, Custom, {}, "Custom.compute_loss is not transformers'"),
+    (classifier, bigbatch.hf.Trainer, {}, "GPT2ForSequenceClassification is not a causal LM"),
+    (lambda: tiny("Gemma2", final_logit_softcapping=30.0), bigbatch.hf.Trainer, {},
+     r"final_logit_softcapping=30.0 caps the logits"),
+    (lambda: tiny("Mixtral", output_router_logits=True, num_local_experts=2), bigbatch.hf.Trainer,
+     {}, "output_router_logits=True adds an MoE auxiliary loss"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make, cls, kwargs, message", REFUSED)
+def test_what_it_cannot_compute_is_refused(tmp_path, make, cls, kwargs, message):
+    model = make()
+    with pytest.raises(ValueError, match=f"chunked_head=True cannot compute .*: {message}"):
+        cls(model=model, args=arguments(tmp_path, 2, 2), chunked_head=True, **kwargs)
+
+
+def test_a_wrapper_that_indexes_its_logits_is_refused_when_it_runs(tmp_path):
+    model = Wrapper(gpt2())
+    trainer = bigbatch.hf.Trainer(
+        model=model, args=arguments(tmp_path, 5, 3), train_dataset=texts(12),
+        data_collator=collate, optimizers=sgd(model), chunked_head=True,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="so indexing cannot be applied to them"):
+        trainer.train()
+    assert "forward" not in model.inner.get_output_embeddings().__dict__  # given back
+
+
+def test_soft_capping_met_at_run_time_is_refused():
+    """A model that transforms its logits without saying so in its config: refused, not wrong."""
+    model = tiny("Gemma2", final_logit_softcapping=30.0)
+    batch = collate(texts(3))
+    logits = lambda m, b: m(input_ids=b["input_ids"]).logits  # noqa: E731
+    loss = with_chunked_head(lambda m, b: token_cross_entropy(logits(m, b), b["labels"]), model)
+    with pytest.raises(TypeError, match="so tanh cannot be applied to them"):
+        loss(model, batch)
+
+
+def test_sft_trainer_with_the_chunked_head(tmp_path):
+    """TRL's SFT loss (its own fused head, float32) computed by ours: exact under accumulation."""
+    trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
+    from integrations.test_trl import sentences
+    from integrations.test_trl import train as train_trl
+
+    data, base = datasets.Dataset.from_dict({"text": sentences(12, 1)}), llama()
+    made = []  # what the output layer returned (copies share the hook)
+    base.get_output_embeddings().register_forward_hook(lambda m, a, out: made.append(type(out)))
+    chunked = bigbatch.hf.exact(trl.SFTTrainer)
+    trl_one, _ = train_trl(trl.SFTTrainer, base, 12, 1, tmp_path, data)
+    ours, audit = train_trl(chunked, base, 5, 3, tmp_path, data, chunked_head=True)
+    one, _ = train_trl(chunked, base, 12, 1, tmp_path, data, chunked_head=True)
+    assert audit.exact and set(made) == {HeadLogits}  # (the audit's replay included)
+    assert distance(ours, one, base) < 1e-10 and distance(ours, trl_one, base) < FLOAT32
+    with pytest.raises(ValueError, match="loss_type='dft' is not the token cross-entropy"):
+        train_trl(chunked, base, 5, 3, tmp_path, data, chunked_head=True, args={"loss_type": "dft"})
