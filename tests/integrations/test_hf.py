@@ -335,3 +335,37 @@ def test_import_without_the_extra_names_the_install(missing, module, extra, monk
         ImportError, match=rf'{missing} is missing: pip install "bigbatch\[{extra}\]"'
     ):
         importlib.import_module(module)
+
+
+def test_pad_values_declare_a_per_token_key_of_the_trainers_batches(tmp_path):
+    """A per-token key beyond transformers' (token weights) is declared with ``pad_values``, as
+    the ``Accumulator``'s: the micro-batches are trimmed with it, nothing is warned, the step is
+    the one-batch step. Before, the Trainer took no ``pad_values``: the warning's advice could
+    not be followed, and no micro-batch was trimmed."""
+    import warnings
+
+    def weighted_collate(samples):
+        batch = collate(samples)
+        return {**batch, "weights": batch["attention_mask"].double() * 0.5 + 0.25}
+
+    def weighted(m, b):
+        logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        labels, w = b["labels"][:, 1:], b["weights"][:, 1:]
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), reduction="none"
+        )
+        return (ce * w.flatten()).sum(), (labels != -100).sum()
+
+    base = gpt2()
+    ours, ref = copy.deepcopy(base), copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bigbatch.BigBatchWarning)
+        trainer = train(
+            bigbatch.hf.Trainer, ours, 4, 3, tmp=tmp_path, data_collator=weighted_collate,
+            loss_fn=weighted, pad_values={"weights": 0},
+        )  # fmt: skip
+    assert trainer.bigbatch_window.last.padded_tokens < 12 * 19  # trimmed
+    optimizer = sgd(ref)[0]
+    for _ in range(2):
+        full_batch_step(ref, optimizer, weighted, weighted_collate(texts(12)))
+    assert distance(ours, ref, base) < 1e-10

@@ -92,7 +92,9 @@ __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
-SETTINGS = ("micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of")
+SETTINGS = (
+    "micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of", "pad_values"
+)  # fmt: skip
 """How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
 _transformers = _audit.need("transformers", "hf")
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
@@ -116,7 +118,8 @@ def exact(trainer_class: type) -> type:
         The subclass. Besides the trainer's own arguments it takes ``micro_batch_size`` (rows per
         micro-batch, ``"auto"`` for the largest that fits; default
         ``per_device_train_batch_size``), ``micro_batch_tokens`` (cut by tokens, or ``"auto"``),
-        ``memory_budget`` and ``pad_to_multiple_of`` as ``bigbatch.Accumulator`` does,
+        ``memory_budget``, ``pad_to_multiple_of`` and ``pad_values`` (the per-token keys beyond
+        transformers', Note [per-token tensors]) as ``bigbatch.Accumulator`` does,
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``, and
         ``chunked_head``: a causal LM's loss computed from its hidden states in chunks, never
         holding the logits (Note [chunked head in a trainer]). Building one under DeepSpeed
@@ -153,19 +156,18 @@ def exact(trainer_class: type) -> type:
         def __init__(  # the trainer's arguments, and how bigbatch cuts its windows
             self, *args: Any, micro_batch_size: int | str | None = None,
             micro_batch_tokens: int | str | None = None, memory_budget: int | str | None = None,
-            pad_to_multiple_of: int | None = None, loss_fn: Any = None,
-            chunked_head: bool = False, **kwargs: Any,
+            pad_to_multiple_of: int | None = None, pad_values: Mapping[str, Any] | None = None,
+            loss_fn: Any = None, chunked_head: bool = False, **kwargs: Any,
         ) -> None:  # fmt: skip
-            make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of)  # refuse early
-            parse_bytes(memory_budget)
+            settings = {k: v for k, v in locals().items() if k in SETTINGS}  # the Accumulator's
+            make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of, None, pad_values)
+            parse_bytes(memory_budget)  # both refuse early, before the trainer is built
             super().__init__(*args, **kwargs)
             refuse_deepspeed(self, f"bigbatch.hf.exact({trainer_class.__name__})")
             if chunked_head:  # Note [chunked head in a trainer]
                 loss_fn = chunked_loss(self, loss_fn)
             if micro_batch_size is None and micro_batch_tokens is None:
-                micro_batch_size = self.args.per_device_train_batch_size
-            given = micro_batch_size, micro_batch_tokens, memory_budget, pad_to_multiple_of
-            settings = dict(zip(SETTINGS, given, strict=True))
+                settings["micro_batch_size"] = self.args.per_device_train_batch_size
             self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -202,13 +204,11 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         loss_sum, count = logits.cross_entropy(
             batch["labels"], shift=True, label_smoothing=smoothing
         )
-        # counted as the trainer counts: transformers' num_items_in_batch counts every label of a
-        # model whose loss_type it does not know (GPT-2), the shifted ones otherwise
-        return loss_sum, (_audit.count_items(batch, False) if every_label else count)
+        # counted as transformers counts num_items_in_batch: every label where LOSS_MAPPING does
+        # not know the model's loss_type (GPT-2's None), the shifted ones otherwise
+        return loss_sum, (count if shifted else _audit.count_items(batch, False))
 
-    every_label = getattr(trainer, "model_accepts_loss_kwargs", False) and not getattr(
-        trainer, "_loss_shifts_labels", True
-    )
+    shifted = getattr(trainer, "_loss_shifts_labels", True) or not trainer.model_accepts_loss_kwargs
     return loss
 
 
