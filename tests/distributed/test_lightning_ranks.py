@@ -16,21 +16,18 @@ import os
 import warnings
 
 import pytest
+from integrations.hf_models import distance, gpt2
 from ranks import run_ranks
 
-pytest.importorskip("lightning.pytorch")
-pytest.importorskip("transformers")
-
-from integrations.hf_models import distance, gpt2  # noqa: E402
-
-pytestmark = pytest.mark.slow  # real gloo ranks, Lightning imported in each
+# real gloo ranks, Lightning imported in each (not at collection: ~5 s in every test worker)
+pytestmark = [pytest.mark.slow, pytest.mark.needs("lightning", "transformers")]
 
 
 def _rank(rank: int, world: int, settings: tuple[bool, bool]) -> tuple:
     import lightning.pytorch as L
     import torch
     from integrations.hf_models import collate, texts
-    from integrations.test_lightning import LM, sgd
+    from integrations.lightning_cases import LM, sgd
 
     import bigbatch.lightning
 
@@ -54,7 +51,7 @@ def _rank(rank: int, world: int, settings: tuple[bool, bool]) -> tuple:
 @pytest.mark.parametrize("exact", [False, True])
 def test_lightning_ddp(exact):
     from integrations.hf_models import texts
-    from integrations.test_lightning import full, sgd
+    from integrations.lightning_cases import full, sgd
 
     base = gpt2()
     reference = full(base, sgd, [texts(12)] * 2)
