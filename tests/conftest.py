@@ -2,6 +2,7 @@ import importlib.util
 
 import pytest
 import torch
+from alone import pytest_runtest_protocol  # noqa: F401 (@pytest.mark.alone)
 from seeds import seed_for
 
 THREADS = 1
