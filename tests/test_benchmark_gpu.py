@@ -4,10 +4,9 @@ command prepared for the rare minutes a GPU is at hand still works when they com
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forks
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,10 +17,8 @@ def test_the_gpu_run_works_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "gpu"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
+    script = str(ROOT / "benchmarks" / "gpu.py")  # forked: torch imported once (forks)
+    done = forks.run([script, "--dry-run", "--out", str(out)], env=env, timeout=900, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout + done.stderr
     index = (out / "README.md").read_text()
     assert "| torch | " in index and "dry run" in index

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
+import forks
 import pytest
 import reference
 import torch
@@ -369,9 +368,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(*argv: str) -> str:
+    """``python ARGV`` at the root, forked (``forks``: torch imported once); its output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)  # fmt: skip
+    done = forks.run([str(ROOT / argv[0]), *argv[1:]], env=env, timeout=600, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return done.stdout
 
