@@ -78,17 +78,16 @@ AUTO = ["--batch-size", "16", "--micro-batch-size", "auto", "--memory-budget", s
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="not guaranteed, and the README says so: CPU peaks near --memory-budget vary between "
-    "processes, so a resumed run (or an uninterrupted one) can take another micro-batch at a step; "
-    "the re-measure rule (Note [re-measure before shrinking]) makes agreement the usual case",
-)
 def test_resume_with_auto_and_a_budget_takes_the_same_decisions(tmp_path):
     """A fresh process resumed from the uninterrupted run's own snapshot of step 2 must take
     that run's micro-batch decisions at steps 3-8 and end with bitwise its weights. (Resuming
     from the run's own snapshot isolates the fresh process: a run killed at step 3 would have
-    measured its steps 1-2 in another process, whose decisions may differ by noise alone.)"""
+    measured its steps 1-2 in another process, whose decisions may differ by noise alone.)
+    Both runs must complete; the same decisions are not guaranteed, and the README says so: CPU
+    peaks near --memory-budget vary between processes, so the resumed run can take another
+    micro-batch at a step (the re-measure rule, Note [re-measure before shrinking], makes
+    agreement the usual case): then the test is an expected failure, and with the same
+    decisions the weights must be bitwise equal."""
     argv = [sys.executable, "-m", "bigbatch", "train", f"{runs.TASKS}:hungry", *AUTO]
     whole, out = tmp_path / "whole", tmp_path / "run"
     done = runs.run([*argv, "--out", str(whole)], fresh=True)  # CPU peaks as a user's process
@@ -99,7 +98,10 @@ def test_resume_with_auto_and_a_budget_takes_the_same_decisions(tmp_path):
     done = runs.run([*argv, "--out", str(out), "--resume"], fresh=True)
     assert done.returncode == 0, done.stderr[-3000:]
     got, want = read_csv(str(out / "metrics.csv")), read_csv(str(whole / "metrics.csv"))
-    for key in ("micro_batch_size", "oom_retries", "loss"):
-        assert [r[key] for r in got] == [r[key] for r in want], key
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    decisions = [[(r["micro_batch_size"], r["oom_retries"]) for r in rows] for rows in (got, want)]
+    if decisions[0] != decisions[1]:
+        pytest.xfail(f"another micro-batch at a step near the budget: {decisions}")
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
     a, b = torch.load(out / "model.pt"), torch.load(whole / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
