@@ -17,28 +17,22 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def in_a_fresh_process(module: str, call: str, out: Path) -> object:
+def in_a_fresh_process(module: str, call: str, out: Path, forked: bool = False) -> object:
     """Evaluate ``<module>.<call>`` (e.g. ``"train_under(123)"``) in a new process with
-    ``tests/memory`` and ``src`` on its path; return what it returned (through ``out``)."""
+    ``tests/memory`` and ``src`` on its path; return what it returned (through ``out``).
+    ``forked``: for what reads no peaks (timings, choices), a child of the suite's fork server
+    (``forks``), which has imported torch already (~4 s less per child)."""
     code = f"import torch, {module} as m; torch.save(m.{call}, {str(out)!r})"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE)])}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    if forked:
+        import forks
 
-
-def in_a_forked_process(module: str, call: str, out: Path) -> object:
-    """``in_a_fresh_process`` for what reads no peaks (timings, choices): a child forked from the
-    suite's fork server (``forks``), which has imported torch already (~4 s less per child)."""
-    import forks
-
-    script = out.with_suffix(".py")
-    script.write_text(
-        f"import sys; sys.path[:0] = [{str(HERE)!r}]\n"
-        f"import torch, {module} as m; torch.save(m.{call}, {str(out)!r})\n"
-    )
-    done = forks.run([str(script)], timeout=600)
+        script = out.with_suffix(".py")
+        script.write_text(code + "\n")
+        done = forks.run([str(script)], env=env, timeout=600)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False)

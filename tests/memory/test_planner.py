@@ -57,10 +57,10 @@ def square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).pow(2).mean()
 
 
-def in_a_fresh_process(function: str, out: Path) -> object:
+def in_a_fresh_process(function: str, out: Path, forked: bool = False) -> object:
     """Run ``test_planner.<function>()`` in a new Python process and read back its result: a
-    fresh process reads peaks as a user's would (``fresh``)."""
-    return fresh.in_a_fresh_process("test_planner", f"{function}()", out)
+    fresh process reads peaks as a user's would (``fresh``; ``forked`` for what reads none)."""
+    return fresh.in_a_fresh_process("test_planner", f"{function}()", out, forked)
 
 
 # ---------------------------------------------------------------------------- the setting
@@ -188,7 +188,7 @@ def plan_close_candidates() -> tuple:
 def test_repeated_plans_choose_the_same(tmp_path):
     # forked, not fresh: the choice reads times, not peaks (the fork server imported torch once)
     runs = [
-        fresh.in_a_forked_process("test_planner", "plan_close_candidates()", tmp_path / f"r{i}.pt")
+        in_a_fresh_process("plan_close_candidates", tmp_path / f"r{i}.pt", forked=True)
         for i in range(3)
     ]
     print(json.dumps([measured for _, measured in runs], indent=1))
@@ -261,7 +261,7 @@ def plan_small_activations() -> tuple:
 def test_checkpointing_that_saves_nothing_is_called_out_in_the_reason(tmp_path):
     """Recompute costs time and saves nothing measurable: the plan says so, and checkpoints
     nothing."""
-    found = fresh.in_a_fresh_process("test_planner", "plan_small_activations()", tmp_path / "r.pt")
+    found = in_a_fresh_process("plan_small_activations", tmp_path / "r.pt")
     saves_nothing, saved, peak, reason, choice = found
     assert saves_nothing, (saved, peak)
     assert "Checkpointing saves nothing measurable on this model (full at micro-batch 4:" in reason
