@@ -27,7 +27,17 @@ from ranks import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, sgd, texts  # noqa: E402
+from integrations.hf_models import (  # noqa: E402
+    Wrapper,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    loaded,
+    sgd,
+    texts,
+    wrapper_loss,
+)
 from integrations.test_hf import counted, plain  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real gloo ranks, transformers imported in each
@@ -90,22 +100,16 @@ def ranks(tmp_path_factory):
     return run_ranks(_rank, str(tmp_path_factory.mktemp("fsdp")), timeout_s=600)
 
 
-def _model(make, state):
-    model = make()
-    model.load_state_dict(state)
-    return model
-
-
 @pytest.mark.parametrize(
     "name, make", [("bigbatch", gpt2), ("bigbatch wrapper", lambda: Wrapper(gpt2()))]
 )
 def test_bigbatch_under_fsdp2_equals_one_process_on_the_union(ranks, name, make):
     base = make()
-    reference = plain(copy.deepcopy(base), counted if name == "bigbatch" else _wrapped, sgd)
+    reference = plain(copy.deepcopy(base), counted if name == "bigbatch" else wrapper_loss, sgd)
     for rank in ranks:
         state, results = rank[name]
         assert [r.exact for r in results] == [True, True], results
-        assert distance(_model(make, state), reference, base) < 1e-10
+        assert distance(loaded(make, state), reference, base) < 1e-10
 
 
 def test_the_audit_under_fsdp2_flags_a_mean_of_micro_batch_means(ranks):
@@ -121,13 +125,9 @@ def test_the_audit_under_fsdp2_leaves_training_unchanged(ranks):
     for rank in ranks:
         audited, alone = rank["stock wrapper"][0], rank["stock wrapper, not audited"][0]
         make = lambda: Wrapper(gpt2())  # noqa: E731
-        assert distance(_model(make, audited), _model(make, alone), make()) < 1e-12
+        assert distance(loaded(make, audited), loaded(make, alone), make()) < 1e-12
 
 
 def test_the_audit_under_fsdp2_raises_no_false_alarm(ranks):
     for rank in ranks:
         assert [r.exact for r in rank["stock"][1]] == [True, True], rank["stock"][1]
-
-
-def _wrapped(m, b):
-    return m(**b)["loss"]

@@ -26,7 +26,17 @@ from ranks import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, sgd, texts  # noqa: E402
+from integrations.hf_models import (  # noqa: E402
+    Wrapper,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    loaded,
+    sgd,
+    texts,
+    wrapper_loss,
+)
 from integrations.test_hf import counted, plain  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real gloo ranks, transformers imported in each
@@ -80,15 +90,9 @@ def ranks(tmp_path_factory):
     return run_ranks(_rank, str(tmp_path_factory.mktemp("hf")), timeout_s=400)
 
 
-def _model(make, state):
-    model = make()
-    model.load_state_dict(state)
-    return model
-
-
 def test_no_sync_on_every_micro_batch_is_flagged_and_the_ranks_drift(ranks):
     states = [r["never syncs"][0] for r in ranks]
-    a, b = (_model(gpt2, s) for s in states)
+    a, b = (loaded(gpt2, s) for s in states)
     assert distance(a, b, gpt2()) > 1e-2  # each rank stepped alone
     for rank in ranks:
         for result in rank["never syncs"][1]:
@@ -124,12 +128,8 @@ def test_a_mean_of_micro_batch_means_on_ranks_is_flagged(ranks):
 )
 def test_bigbatch_on_ranks_equals_one_process_on_the_union(ranks, name, make):
     base = make()
-    reference = plain(copy.deepcopy(base), counted if name == "bigbatch" else _wrapped, sgd)
+    reference = plain(copy.deepcopy(base), counted if name == "bigbatch" else wrapper_loss, sgd)
     for rank in ranks:
         state, results = rank[name]
         assert [r.exact for r in results] == [True, True], results
-        assert distance(_model(make, state), reference, base) < 1e-10
-
-
-def _wrapped(m, b):
-    return m(**b)["loss"]
+        assert distance(loaded(make, state), reference, base) < 1e-10

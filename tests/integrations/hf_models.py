@@ -52,6 +52,18 @@ class Wrapper(torch.nn.Module):
         return {"loss": loss, "logits": logits}
 
 
+def wrapper_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """A ``Wrapper``'s loss on a batch, as the full-batch reference reads it."""
+    return model(**batch)["loss"]
+
+
+def loaded(make, state: dict) -> torch.nn.Module:
+    """``make()`` with ``state`` loaded: a model that a rank sent back as its state dict."""
+    model = make()
+    model.load_state_dict(state)
+    return model
+
+
 def texts(n: int = 12, seed: int = 1, low: int = 3, high: int = 20) -> list[dict[str, list[int]]]:
     """``n`` samples of very different lengths (the padding is what the bugs feed on)."""
     g = torch.Generator().manual_seed(seed)

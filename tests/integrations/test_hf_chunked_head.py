@@ -30,13 +30,12 @@ from integrations.hf_models import (  # noqa: E402
     sgd,
     texts,
 )
-from integrations.test_hf import plain, train  # noqa: E402
+from integrations.test_hf import MODELS, plain, train  # noqa: E402
 
 import bigbatch.hf  # noqa: E402
 from bigbatch.core.head import HeadLogits, with_chunked_head  # noqa: E402
 from bigbatch.core.loss import token_cross_entropy  # noqa: E402
 
-MODELS = {"gpt2": gpt2, "llama": llama}
 FLOAT32 = 1e-5  # transformers' loss, and Llama's RMSNorm, compute in float32
 
 
