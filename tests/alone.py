@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no workers beside each other to keep apart
+    fcntl = None
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
@@ -25,10 +30,6 @@ def pytest_runtest_protocol(item, nextitem):
 @contextlib.contextmanager
 def _turn(alone, config):
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no workers beside each other to keep apart
-        fcntl = None
     if run is None or fcntl is None:
         yield
         return
