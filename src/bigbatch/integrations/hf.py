@@ -193,6 +193,7 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         raise ValueError(f"chunked_head=True cannot compute this trainer's loss: {cause}.")
     output_layer(trainer.model)
     smoothing = trainer.args.label_smoothing_factor
+    shifted = getattr(trainer, "_loss_shifts_labels", True) or not trainer.model_accepts_loss_kwargs
 
     def loss(model: Any, batch: Any) -> Any:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -208,7 +209,6 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         # not know the model's loss_type (GPT-2's None), the shifted ones otherwise
         return loss_sum, (count if shifted else _audit.count_items(batch, False))
 
-    shifted = getattr(trainer, "_loss_shifts_labels", True) or not trainer.model_accepts_loss_kwargs
     return loss
 
 
