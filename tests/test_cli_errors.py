@@ -207,6 +207,7 @@ def test_check_micro_batch_size_zero_is_refused(capsys):
     )
 
 
+@pytest.mark.needs("rich")  # main() past the parser imports the command line's extra
 @pytest.mark.parametrize(
     "argv, line",
     [

@@ -7,8 +7,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-from oracle import OPTIMIZERS, Expect, judge, reference, unchanged_on_refusal
-from scenarios import (
+
+pytest.importorskip("hypothesis")  # the test extra's: pip install -e ".[test]"
+
+from oracle import OPTIMIZERS, Expect, judge, reference, unchanged_on_refusal  # noqa: E402
+from scenarios import (  # noqa: E402
     Encoder,
     Plain,
     batches,
@@ -22,7 +25,7 @@ from scenarios import (
     train_by_pieces,
     train_resumed,
 )
-from strategies import Cached, Grads, Resume, cached_cases, grads_cases, hold, resume_cases
+from strategies import Cached, Grads, Resume, cached_cases, grads_cases, hold, resume_cases  # noqa: E402
 
 import bigbatch
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from distributed.ranks import run_ranks
-from oracle import judge, reference
-from scenarios import Plain, batches, expectation, make_model, rank_train
-from strategies import Ranks, hold, rank_cases
+
+pytest.importorskip("hypothesis")  # the test extra's: pip install -e ".[test]"
+
+import torch  # noqa: E402
+from distributed.ranks import run_ranks  # noqa: E402
+from oracle import judge, reference  # noqa: E402
+from scenarios import Plain, batches, expectation, make_model, rank_train  # noqa: E402
+from strategies import Ranks, hold, rank_cases  # noqa: E402
 
 REFUSALS = {"ValueError": ValueError, "TypeError": TypeError}
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from oracle import judge, reference
-from scenarios import Plain, batches, expectation, make_model, train
-from strategies import FOCI, Case, hold, sample_cases, token_cases
+
+pytest.importorskip("hypothesis")  # the test extra's: pip install -e ".[test]"
+
+from oracle import judge, reference  # noqa: E402
+from scenarios import Plain, batches, expectation, make_model, train  # noqa: E402
+from strategies import FOCI, Case, hold, sample_cases, token_cases  # noqa: E402
 
 SAMPLE_FOCI = ("everything", "terms", "names", "statistics", "bad_arguments")  # MLPs: no text
 

@@ -470,6 +470,7 @@ def test_cli_prints_the_table_the_margin_and_the_runner_up(tmp_path, capsys):
     )
 
 
+@pytest.mark.needs("rich")
 def test_cli_bad_inputs_are_one_line(tmp_path, capsys):
     """A batch larger than the data, and a model without parameters: one line, exit 2."""
     (tmp_path / "plan_bad_task.py").write_text(textwrap.dedent(TASK) + NO_PARAMETERS)

@@ -4,6 +4,7 @@ output layer is refused in one line."""
 
 from __future__ import annotations
 
+import pytest
 import tasks
 import torch
 
@@ -28,6 +29,7 @@ def test_a_chunked_run_equals_the_plain_whole_batch_run(tmp_path):
         assert torch.allclose(ours[name], value, rtol=1e-10, atol=1e-13), name
 
 
+@pytest.mark.needs("rich")
 def test_check_and_plan_run_the_chunked_loss(tmp_path, capsys, monkeypatch):
     task = f"{tasks.__file__}:text"
     assert main(["check", task, "--batch-size", "10", "--chunked-head"]) == 0

@@ -96,6 +96,7 @@ def test_the_command_line_shows_the_syntax_error_not_importlib(tmp_path, monkeyp
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.needs("rich")
 @pytest.mark.parametrize("command", ["plan", "check"])
 def test_plan_and_check_refuse_a_batch_larger_than_the_data(command, capsys):
     """``first_batch`` would give them 50 samples where 1000 were asked for."""

@@ -38,6 +38,7 @@ def test_token_windows_train_as_the_whole_batch_and_log_padding_and_terms(tmp_pa
     assert 0 <= summary["padding"] < 0.5 and summary["terms"].startswith("lm=")
 
 
+@pytest.mark.needs("rich")
 def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
     out = tmp_path / "run"
     task = f"{tasks.__file__}:text"
