@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 
 import pytest
@@ -34,6 +35,13 @@ MODELS = {
 
 def masked(batch: dict) -> dict:
     return {**batch, "attention_mask": (batch["labels"] != PAD).long()}
+
+
+def _eps(make_opt, eps, params):
+    opt = make_opt(params)
+    for group in opt.param_groups:
+        group["eps"] = eps
+    return opt
 
 
 def _twins(make_model, make_opt, dtype, scheduler=False):
@@ -174,7 +182,12 @@ def test_naive_mean_over_k_is_wrong_on_padded_data_but_engine_is_right(gen):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_float32_within_1e5(model_name, opt_name, gen):
     make_model, make_batch, loss_fn = MODELS[model_name]
-    ref, eng, opt_ref, opt_eng, _, _ = _twins(make_model, OPTIMIZERS[opt_name], torch.float32)
+    make_opt = OPTIMIZERS[opt_name]
+    if opt_name == "adamw":  # Adam's first step is lr * g / (|g| + eps): at eps 1e-8 a gradient
+        # element within float32 rounding of 0 moves by up to lr either way (measured: 1.3e-5 on
+        # this CPU, SGD's parameters 1e-8 apart); at 1e-6 the rounding moves it by lr / 100
+        make_opt = functools.partial(_eps, make_opt, 1e-6)
+    ref, eng, opt_ref, opt_eng, _, _ = _twins(make_model, make_opt, torch.float32)
     acc = bigbatch.Accumulator(eng, opt_eng, micro_batch_size=3)
     for _ in range(3):
         batch = make_batch(10, gen, torch.float32)

@@ -35,3 +35,15 @@ def test_size_names_what_is_over_a_cap(tmp_path: Path) -> None:
     assert any("long() has 62 code lines, over the cap of 40" in p for p in problems)
     cap = size.PUBLIC_NAMES_HARD
     assert any(f"__all__ has {cap + 1} names, over the cap of {cap}" in p for p in problems)
+
+
+def test_size_counts_the_code_as_ruff_format_writes_it(tmp_path: Path) -> None:
+    # a call packed on one line with a marker counts as the lines ruff format gives it
+    packed = "def f(a, b):\n    return g(aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa, bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb, cccccccccccccccccccccccccccccc, d=1)  # fmt: skip\n"
+    (tmp_path / "__init__.py").write_text("__all__ = []\n")
+    (tmp_path / "m.py").write_text(packed)
+    modules, funcs = size.measure(tmp_path)
+    assert dict(modules)["m.py"] == 7  # def, return g(, the four arguments, )
+    assert size.fmt_markers(tmp_path) == ["m.py:2"]
+    (tmp_path / "n.py").write_text("X = 1  # fmt: skip\n" * (size.FMT_SKIP_HARD + 1))
+    assert any("fmt markers, over the cap" in p for p in size.violations(tmp_path))

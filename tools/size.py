@@ -1,6 +1,10 @@
 """Code-line budget of the package (STYLE.md rules 1-3, 9, 22): print sizes, fail above the caps.
 
-"Code lines" leave out docstrings (any bare string statement), comments and blank lines.
+"Code lines" leave out docstrings (any bare string statement), comments and blank lines, and are
+counted as ``ruff format`` writes the code: the package is copied, its ``# fmt: skip`` / ``# fmt:
+off`` markers are taken out and the copy is formatted with the project's own settings before it is
+counted, so a line packed by hand counts as the lines it formats to. ``# fmt: skip`` stays for
+tables that read better aligned, each with its reason on the line, at most ``FMT_SKIP_HARD`` of them.
 
 Run: python tools/size.py            modules, and the functions over the soft budget
      python tools/size.py --all      every function too
@@ -13,18 +17,23 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import tokenize
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "bigbatch"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "bigbatch"
 MODULE_SOFT, MODULE_HARD = 300, 500
 FUNCTION_SOFT, FUNCTION_HARD = 30, 40
-# Issue 20 asked for <= 6,000 with issues 22-24 in: 5,985 on 2026-11-25 (from 7,830 at the
-# start of the shrink). Round 4 allows what its issues add: 30 (mends, <= 250), 31 (the chunked
-# head, <= 350), 32 (the GPU run, <= 150): at most 6,735. The hard cap is a ratchet at what is
-# reached: lower it as code goes; raise it only by an issue's stated allowance.
-PACKAGE_SOFT, PACKAGE_HARD = 4800, 6735
+# The package total is a ratchet at what is reached, counted as ruff format writes the code
+# (issue 36: 7,573 formatted lines when the count stopped trusting packed lines, against 6,735
+# counted as packed). Lower it as code goes; raise it only by an issue's stated allowance.
+PACKAGE_SOFT, PACKAGE_HARD = 4800, 7573
+FMT_SKIP_HARD = 10  # "# fmt: skip" for tables that read better aligned, with their reason
 PUBLIC_NAMES_HARD = 26  # issue 31 names one more: bigbatch.head_cross_entropy (STYLE.md: target 25)
 MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting
 FUNCTION_CAPS: dict[tuple[str, str], int] = {}  # none: fit() fits the common cap now
@@ -84,8 +93,49 @@ def public_names(init: Path) -> list[str]:
     return []
 
 
+MARKER = re.compile(r"[ \t]*# fmt: (skip|off|on)\b.*$", re.MULTILINE)
+
+
+def fmt_markers(package: Path) -> list[str]:
+    """``module:line`` of every ``# fmt: skip`` / ``off`` / ``on`` marker in ``package``."""
+    return [
+        f"{path.relative_to(package).as_posix()}:{n}"
+        for path in sorted(package.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if MARKER.search(line)
+    ]
+
+
+def formatted(package: Path, into: Path) -> Path:
+    """A copy of ``package`` under ``into``, its fmt markers taken out, as ``ruff format`` writes
+    it with the repository's ``pyproject.toml`` (what the budget counts)."""
+    copy = into / package.name
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in copy.rglob("*.py"):
+        path.write_text(MARKER.sub("", path.read_text()))
+    config = ROOT / "pyproject.toml"
+    command = [
+        sys.executable,
+        "-m",
+        "ruff",
+        "format",
+        "--quiet",
+        "--config",
+        str(config),
+        str(copy),
+    ]
+    subprocess.run(command, check=True)
+    return copy
+
+
 def measure(package: Path) -> tuple[list[tuple[str, int]], list[tuple[str, str, int]]]:
-    """Code lines per module (relative path) and per function ``(module, function, lines)``."""
+    """Code lines per module (relative path) and per function ``(module, function, lines)``, of
+    ``package`` as ``ruff format`` writes it (``formatted``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _measure(formatted(package, Path(tmp)))
+
+
+def _measure(package: Path) -> tuple[list[tuple[str, int]], list[tuple[str, str, int]]]:
     modules, funcs = [], []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package).as_posix()
@@ -117,6 +167,12 @@ def violations(package: Path) -> list[str]:
     total = sum(n for _, n in modules)
     if total > PACKAGE_HARD:
         found.append(f"the package has {total} code lines, over the cap of {PACKAGE_HARD}.")
+    markers = fmt_markers(package)
+    if len(markers) > FMT_SKIP_HARD:
+        found.append(
+            f"{len(markers)} fmt markers, over the cap of {FMT_SKIP_HARD} (for aligned tables "
+            f"only): {', '.join(markers[:5])}..."
+        )
     names = public_names(package / "__init__.py")
     if len(names) > PUBLIC_NAMES_HARD:
         found.append(
@@ -147,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for rel, name, n in sorted(shown, key=lambda f: -f[2]):
         print(f"{n:>10}  {rel}: {name}")
     print(f"\npublic names: {len(public_names(PACKAGE / '__init__.py'))} (cap {PUBLIC_NAMES_HARD})")
+    print(f"fmt markers: {len(fmt_markers(PACKAGE))} (cap {FMT_SKIP_HARD})")
     problems = violations(PACKAGE)
     for problem in problems:
         print(f"OVER: {problem}", file=sys.stderr)

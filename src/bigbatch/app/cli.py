@@ -46,8 +46,16 @@ from bigbatch.verifier._check import check
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/bigbatch
 # Raised by bigbatch's own checks: their message is the whole story (Note [error boundary]).
 # Stopped is no error: a run stopped by a signal says how to resume (exit 130 / 143).
-CHECKED = (ValueError, TypeError, RuntimeError, OSError, MemoryError, FloatingPointError,
-           ImportError, loop.Stopped)  # fmt: skip
+CHECKED = (
+    ValueError,
+    TypeError,
+    RuntimeError,
+    OSError,
+    MemoryError,
+    FloatingPointError,
+    ImportError,
+    loop.Stopped,
+)
 
 
 class UsageError(Exception):
@@ -106,9 +114,12 @@ def shown_default(action: argparse.Action) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``bigbatch`` argument parser (also used to render ``--help`` and docs/cli.md)."""
-    parser = _Parser(prog="bigbatch", description="Train with the batch size you want on the "
-                     "memory you have: exact gradient accumulation for PyTorch.", epilog="Errors "
-                     "print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.")  # fmt: skip
+    parser = _Parser(
+        prog="bigbatch",
+        description="Train with the batch size you want on the "
+        "memory you have: exact gradient accumulation for PyTorch.",
+        epilog="Errors print one line; set BIGBATCH_TRACEBACK=1 to see the full traceback.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for run, help, flags, options in _COMMANDS:
         name, doc = run.__name__.removeprefix("_run_"), inspect.cleandoc(run.__doc__ or "")
@@ -126,8 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run() -> None:
     """The ``bigbatch`` console script: ``main``, then exit (Note [gloo exit] under torchrun)."""
     if importlib.util.find_spec("rich") is None:  # the application's one required extra
-        print('bigbatch: the command line needs its extra: pip install "bigbatch[cli]" (the '
-              "library itself, import bigbatch, needs only torch).", file=sys.stderr)  # fmt: skip
+        print(
+            'bigbatch: the command line needs its extra: pip install "bigbatch[cli]" (the '
+            "library itself, import bigbatch, needs only torch).",
+            file=sys.stderr,
+        )
         sys.exit(2)
     distributed.exit_process(main())
 
@@ -298,8 +312,9 @@ def _run_train(args: argparse.Namespace) -> None:
     given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
     chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
-        raise ValueError('no task: give TASK (module:function) or `task = "module:function"` in '
-                         "--config.")  # fmt: skip
+        raise ValueError(
+            'no task: give TASK (module:function) or `task = "module:function"` in --config.'
+        )
     _rng.seed_all(chosen.seed)  # the task function builds the model: same seed, same weights
     loop.fit(config.load_task(chosen.task), chosen)
 
@@ -352,12 +367,19 @@ def _run_plan(args: argparse.Namespace) -> None:
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
     with report.progress_lines("bigbatch plan") as progress:
         result = plan(
-            task.model, config.first_batch(task, args.batch_size), _loss(task, args),
-            memory_budget=args.memory_budget, micro_batch_sizes=args.micro_batch_sizes,
-            checkpointing=args.checkpointing, optimizer=optimizer, steps=args.steps,
-            margin=args.margin, micro_batch_tokens=args.micro_batch_tokens, lengths=task.lengths,
+            task.model,
+            config.first_batch(task, args.batch_size),
+            _loss(task, args),
+            memory_budget=args.memory_budget,
+            micro_batch_sizes=args.micro_batch_sizes,
+            checkpointing=args.checkpointing,
+            optimizer=optimizer,
+            steps=args.steps,
+            margin=args.margin,
+            micro_batch_tokens=args.micro_batch_tokens,
+            lengths=task.lengths,
             progress=progress,
-        )  # fmt: skip
+        )
     report.print_plan(result)
 
 
@@ -377,51 +399,131 @@ CHUNKED = (
     ),
 )
 _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, dict]], dict]] = [
-    (_run_demo, "train one model full-batch, accumulated and auto under a budget: same weights, "
-     "less memory", [
-        ("--steps", dict(type=INT, default=40, help="optimizer steps per run")),
-        ("--batch-size", dict(type=INT, default=512, help="samples per optimizer step")),
-        ("--micro-batch-size", dict(type=INT, default=64,
-                                    help="the accumulated run's micro-batch")),
-        ("--out", dict(metavar="FILE.png", default="bigbatch-demo.png",
-                       help="where to write the plot")),
-    ], dict(description=(demo.__doc__ or "").split("\nNote [")[0], formatter_class=_Raw,
-            epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png")),
-    (_run_train, "train a task with exact gradient accumulation (progress, CSV, resume, report)", [
-        ("--config", dict(metavar="FILE.toml", default=None,
-                          help="TOML file of settings (keys = these flags' names with _ for -)")),
-    ], dict(formatter_class=_Raw)),
-    (_run_report, "summarise a run folder and plot its loss and memory over steps (PNG)", [
-        ("out", dict(metavar="DIR", help="the --out folder of a `bigbatch train` run")),
-        ("--png", dict(help="where to write the plot (default DIR/report.png)")),
-    ], {}),
-    (_run_check, "is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)", [
-        TASK,
-        ("--batch-size", dict(type=INT, default=16, help="samples in the batch compared")),
-        ("--micro-batch-size", dict(type=INT, help="samples per micro-batch (default: a third)")),
-        ("--tolerance", dict(type=NUMBER, default=1e-10, help="relative difference counted as "
-         "float64 rounding (default 1e-10; raised to 1e-5 where the model computes in float32, "
-         "and the verdict says so)")),
-        ("--eval", dict(action="store_true", help="check the model in eval mode (model.eval())")),
-        CHUNKED,
-    ], {}),
-    (_run_plan, "measure micro-batch sizes and checkpointing, choose the fastest that fits in "
-     "memory", [
-        TASK,
-        ("--batch-size", dict(type=INT, required=True, help="samples per optimizer step")),
-        ("--memory-budget", dict(help="memory a step may use, e.g. 6GiB (default: the GPU's "
-         "memory, or the CPU's available memory)")),
-        ("--margin", dict(type=NUMBER, default=0.1, help="fraction of the budget kept free, in "
-         "[0, 1) (default 0.1: peaks within 90%% of it)")),
-        ("--micro-batch-sizes", dict(type=_typed(int, listed=True), help="comma-separated sizes "
-         "to try, e.g. 1,2,4 (default: powers of two up to the batch)")),
-        ("--checkpointing", dict(type=_typed(float, str, listed=True),
-         help="comma-separated options: fractions of the blocks recomputed whole and policy "
-         "names none, selective, full, offload (selective:0.5 for a fraction); default: "
-         "none,selective,0.5,1 (and offload on CUDA)")),
-        ("--steps", dict(type=INT, default=5, help="timed rounds (default 5)")),
-        ("--micro-batch-tokens", dict(type=_typed(int, words=["auto"], listed=True),
-         help="token budgets to compare too, comma-separated, or auto (variable-length text)")),
-        CHUNKED,
-    ], {}),
-]  # fmt: skip
+    (
+        _run_demo,
+        "train one model full-batch, accumulated and auto under a budget: same weights, "
+        "less memory",
+        [
+            ("--steps", dict(type=INT, default=40, help="optimizer steps per run")),
+            ("--batch-size", dict(type=INT, default=512, help="samples per optimizer step")),
+            (
+                "--micro-batch-size",
+                dict(type=INT, default=64, help="the accumulated run's micro-batch"),
+            ),
+            (
+                "--out",
+                dict(
+                    metavar="FILE.png", default="bigbatch-demo.png", help="where to write the plot"
+                ),
+            ),
+        ],
+        dict(
+            description=(demo.__doc__ or "").split("\nNote [")[0],
+            formatter_class=_Raw,
+            epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
+        ),
+    ),
+    (
+        _run_train,
+        "train a task with exact gradient accumulation (progress, CSV, resume, report)",
+        [
+            (
+                "--config",
+                dict(
+                    metavar="FILE.toml",
+                    default=None,
+                    help="TOML file of settings (keys = these flags' names with _ for -)",
+                ),
+            ),
+        ],
+        dict(formatter_class=_Raw),
+    ),
+    (
+        _run_report,
+        "summarise a run folder and plot its loss and memory over steps (PNG)",
+        [
+            ("out", dict(metavar="DIR", help="the --out folder of a `bigbatch train` run")),
+            ("--png", dict(help="where to write the plot (default DIR/report.png)")),
+        ],
+        {},
+    ),
+    (
+        _run_check,
+        "is accumulation exact for a task's model and loss? (exit 0 exact, 1 not)",
+        [
+            TASK,
+            ("--batch-size", dict(type=INT, default=16, help="samples in the batch compared")),
+            (
+                "--micro-batch-size",
+                dict(type=INT, help="samples per micro-batch (default: a third)"),
+            ),
+            (
+                "--tolerance",
+                dict(
+                    type=NUMBER,
+                    default=1e-10,
+                    help="relative difference counted as "
+                    "float64 rounding (default 1e-10; raised to 1e-5 where the model computes in float32, "
+                    "and the verdict says so)",
+                ),
+            ),
+            (
+                "--eval",
+                dict(action="store_true", help="check the model in eval mode (model.eval())"),
+            ),
+            CHUNKED,
+        ],
+        {},
+    ),
+    (
+        _run_plan,
+        "measure micro-batch sizes and checkpointing, choose the fastest that fits in memory",
+        [
+            TASK,
+            ("--batch-size", dict(type=INT, required=True, help="samples per optimizer step")),
+            (
+                "--memory-budget",
+                dict(
+                    help="memory a step may use, e.g. 6GiB (default: the GPU's "
+                    "memory, or the CPU's available memory)"
+                ),
+            ),
+            (
+                "--margin",
+                dict(
+                    type=NUMBER,
+                    default=0.1,
+                    help="fraction of the budget kept free, in "
+                    "[0, 1) (default 0.1: peaks within 90%% of it)",
+                ),
+            ),
+            (
+                "--micro-batch-sizes",
+                dict(
+                    type=_typed(int, listed=True),
+                    help="comma-separated sizes "
+                    "to try, e.g. 1,2,4 (default: powers of two up to the batch)",
+                ),
+            ),
+            (
+                "--checkpointing",
+                dict(
+                    type=_typed(float, str, listed=True),
+                    help="comma-separated options: fractions of the blocks recomputed whole and policy "
+                    "names none, selective, full, offload (selective:0.5 for a fraction); default: "
+                    "none,selective,0.5,1 (and offload on CUDA)",
+                ),
+            ),
+            ("--steps", dict(type=INT, default=5, help="timed rounds (default 5)")),
+            (
+                "--micro-batch-tokens",
+                dict(
+                    type=_typed(int, words=["auto"], listed=True),
+                    help="token budgets to compare too, comma-separated, or auto (variable-length text)",
+                ),
+            ),
+            CHUNKED,
+        ],
+        {},
+    ),
+]

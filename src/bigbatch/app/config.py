@@ -58,9 +58,15 @@ BATCHNORMS = ("keep", *(p for p in bn.POLICIES if p != "keep"))  # the default f
 DEFAULT_BATCH_SIZE = 32
 
 
-def setting(default: Any, *, choices: tuple[Any, ...] | None = None, low: int | None = None,
-            allowed: str | None = None, aliases: tuple[str, ...] = (),
-            resumable: bool = False) -> Any:  # fmt: skip
+def setting(
+    default: Any,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    low: int | None = None,
+    allowed: str | None = None,
+    aliases: tuple[str, ...] = (),
+    resumable: bool = False,
+) -> Any:
     """A ``TrainConfig`` field with what the command line and the checks need to know about it
     (its help is its entry in ``TrainConfig``'s Attributes).
 
@@ -155,7 +161,8 @@ class TrainConfig:
     task: str | None = setting(None)
     batch_size: int | None = setting(None, low=1)
     micro_batch_size: int | Literal["auto"] | None = setting(
-        None, low=1, aliases=("--per-device-train-batch-size",))  # fmt: skip
+        None, low=1, aliases=("--per-device-train-batch-size",)
+    )
     gradient_accumulation_steps: int | None = setting(None, low=1)
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
@@ -183,9 +190,13 @@ class TrainConfig:
     eval_every: int = setting(0, low=0, resumable=True)
     log_every: int = setting(0, low=0, resumable=True)
     device: str | None = setting(None, choices=(None, *distributed.DEVICES))
-    local_steps: int = setting(1, low=1, allowed="a whole number >= 1, the optimizer steps each "
-                               "rank takes between two exchanges (1, the default: the exact "
-                               "data-parallel step)")  # fmt: skip
+    local_steps: int = setting(
+        1,
+        low=1,
+        allowed="a whole number >= 1, the optimizer steps each "
+        "rank takes between two exchanges (1, the default: the exact "
+        "data-parallel step)",
+    )
     outer_lr: float = setting(1.0)
     outer_momentum: float = setting(0.0)
     outer_nesterov: bool = setting(False)
@@ -273,30 +284,44 @@ def _check_field(f: Field, value: Any) -> None:
 def _check_numbers(c: TrainConfig) -> None:
     """What one field's type and range do not say."""
     if c.steps is not None and c.epochs is not None:
-        raise ValueError(f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
-                         "(--steps N: N optimizer steps; --epochs N: N passes over the data).")  # fmt: skip
+        raise ValueError(
+            f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
+            "(--steps N: N optimizer steps; --epochs N: N passes over the data)."
+        )
     for name, right, allowed in [
         ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
-        ("max_grad_norm", positive(c.max_grad_norm), "a positive number (finite, e.g. 1.0), or "
-         "leave it out for no clipping"),
+        (
+            "max_grad_norm",
+            positive(c.max_grad_norm),
+            "a positive number (finite, e.g. 1.0), or leave it out for no clipping",
+        ),
         ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
         ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper, λ: model averaging)"),
         ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1), e.g. 0.9 (DiLoCo's)"),
-    ]:  # fmt: skip
+    ]:
         if not right:
             raise ValueError(f"{name}={getattr(c, name)!r} is not allowed: use {allowed}.")
     parse_bytes(c.memory_budget)  # refuses what is not a finite, positive size
     if c.lr_scaling != "none" and c.reference_batch_size is None:
-        raise ValueError(f"lr_scaling={c.lr_scaling!r} needs reference_batch_size, the batch "
-                         "size lr was tuned for: e.g. --reference-batch-size 256.")  # fmt: skip
+        raise ValueError(
+            f"lr_scaling={c.lr_scaling!r} needs reference_batch_size, the batch "
+            "size lr was tuned for: e.g. --reference-batch-size 256."
+        )
     if c.outer_nesterov and c.outer_momentum == 0:
-        raise ValueError("outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 "
-                         "(DiLoCo's), or drop --outer-nesterov.")  # fmt: skip
-    outer = [f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)  # used only with local_steps > 1
-             if f.name.startswith("outer_") and getattr(c, f.name) != f.default]  # fmt: skip
+        raise ValueError(
+            "outer_nesterov=True needs outer momentum: add --outer-momentum 0.9 "
+            "(DiLoCo's), or drop --outer-nesterov."
+        )
+    outer = [
+        f"{f.name}={getattr(c, f.name)!r}"
+        for f in fields(c)  # used only with local_steps > 1
+        if f.name.startswith("outer_") and getattr(c, f.name) != f.default
+    ]
     if c.local_steps == 1 and outer:
-        raise ValueError(f"{', '.join(outer)} has no effect with local_steps=1, the exact "
-                         "data-parallel step: add --local-steps λ > 1, or drop it.")  # fmt: skip
+        raise ValueError(
+            f"{', '.join(outer)} has no effect with local_steps=1, the exact "
+            "data-parallel step: add --local-steps λ > 1, or drop it."
+        )
 
 
 def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
@@ -315,25 +340,33 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
     k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
     tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
     if k is not None and tokens:
-        raise ValueError(f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: "
-                         "the tokens decide the number of micro-batches. Drop one of the two.")  # fmt: skip
+        raise ValueError(
+            f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: "
+            "the tokens decide the number of micro-batches. Drop one of the two."
+        )
     if k is not None and given_m == "auto":
-        raise ValueError(f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
-                         f"gradient_accumulation_steps={k}, or give an integer micro_batch_size.")  # fmt: skip
+        raise ValueError(
+            f"micro_batch_size='auto' chooses the accumulation steps itself: drop "
+            f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
+        )
     if tokens or given_m == "auto":
         return (config.batch_size or DEFAULT_BATCH_SIZE), given_m, None  # type: ignore[return-value]
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     steps = math.ceil(b / m)
     if k is not None and steps != k and given_m is not None and config.batch_size is not None:
-        raise ValueError(f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_"
-                         f"steps={k} contradict each other: {b} samples at {m} per micro-batch "
-                         f"take {steps} micro-batches. Give only two of the three.")  # fmt: skip
+        raise ValueError(
+            f"batch_size={b}, micro_batch_size={given_m} and gradient_accumulation_"
+            f"steps={k} contradict each other: {b} samples at {m} per micro-batch "
+            f"take {steps} micro-batches. Give only two of the three."
+        )
     if k is not None and steps != k:
-        raise ValueError(f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-"
-                         f"batches: at {m} samples per micro-batch it takes {steps} (only the last "
-                         f"may be smaller). Use gradient_accumulation_steps={steps}, or give "
-                         "micro_batch_size instead.")  # fmt: skip
+        raise ValueError(
+            f"batch_size={b} cannot be cut into gradient_accumulation_steps={k} micro-"
+            f"batches: at {m} samples per micro-batch it takes {steps} (only the last "
+            f"may be smaller). Use gradient_accumulation_steps={steps}, or give "
+            "micro_batch_size instead."
+        )
     return b, m, steps
 
 
@@ -385,8 +418,10 @@ def make_config(
         spelled.update({n: n for n in names})
         close = [closest(key.lstrip("-").replace("-", "_"), spelled) for key in unknown]
         hints = "".join(f" Did you mean {spelled[c]!r}?" for c in close if c)
-        raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: "
-                         f"{', '.join(names)}.{hints}")  # fmt: skip
+        raise ValueError(
+            f"unknown setting(s) {', '.join(map(repr, unknown))}; allowed: "
+            f"{', '.join(names)}.{hints}"
+        )
     return TrainConfig(**given)
 
 
@@ -477,8 +512,10 @@ def check_task(task: object) -> None:
             callable, training data that is not a non-empty map-style dataset.
     """
     if not isinstance(task, Task):
-        raise TaskError(f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task "
-                        "function with `return bigbatch.Task(model=, train_data=, loss_fn=)`.")  # fmt: skip
+        raise TaskError(
+            f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task "
+            "function with `return bigbatch.Task(model=, train_data=, loss_fn=)`."
+        )
     if not isinstance(task.model, torch.nn.Module):
         kind = type(task.model).__name__
         raise TaskError(f"Task.model is a {kind}; it must be a torch.nn.Module.")
@@ -486,12 +523,16 @@ def check_task(task: object) -> None:
         value = getattr(task, name)
         if (value is not None or name == "loss_fn") and not callable(value):
             what = " loss_fn(model, batch) returning a mean or (loss_sum, count)"
-            raise TaskError(f"Task.{name} is {value!r}; it must be a function"
-                            f"{what if name == 'loss_fn' else ''}.")  # fmt: skip
+            raise TaskError(
+                f"Task.{name} is {value!r}; it must be a function"
+                f"{what if name == 'loss_fn' else ''}."
+            )
     data = task.train_data
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
-        raise TaskError(f"Task.train_data is a {type(data).__name__}; the trainer needs a "
-                        "map-style dataset (len() and [i]), e.g. a TensorDataset(x, y) or a list.")  # fmt: skip
+        raise TaskError(
+            f"Task.train_data is a {type(data).__name__}; the trainer needs a "
+            "map-style dataset (len() and [i]), e.g. a TensorDataset(x, y) or a list."
+        )
     if len(data) == 0:
         raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
 
@@ -530,12 +571,18 @@ def _no_function(path: str, module_name: str) -> str:
     if module_name:
         with _current_folder_importable():
             module = _import(module_name, path)
-        names = [name for name, f in vars(module).items() if inspect.isfunction(f)  # -> Task
-                 and str(f.__annotations__.get("return")).rstrip("'>").endswith("Task")]  # fmt: skip
+        names = [
+            name
+            for name, f in vars(module).items()
+            if inspect.isfunction(f)  # -> Task
+            and str(f.__annotations__.get("return")).rstrip("'>").endswith("Task")
+        ]
     example = f"{module_name}:{names[0]}" if names else "my_project.tasks:mnist"
-    return (f"task {path!r} names no function: give module:function or file.py:function, e.g. "
-            f"{example} (its functions that return a bigbatch.Task: "
-            f"{', '.join(names) or 'none'}).")  # fmt: skip
+    return (
+        f"task {path!r} names no function: give module:function or file.py:function, e.g. "
+        f"{example} (its functions that return a bigbatch.Task: "
+        f"{', '.join(names) or 'none'})."
+    )
 
 
 def _import(module_name: str, path: str) -> Any:
@@ -554,8 +601,10 @@ def _import(module_name: str, path: str) -> Any:
     except ModuleNotFoundError as exc:
         if file:  # the user's file imports something missing: the user's line says it
             raise
-        raise TaskError(f"task {path!r}: cannot import {module_name!r} ({exc}); run from the "
-                        "folder that holds it or install it.") from None  # fmt: skip
+        raise TaskError(
+            f"task {path!r}: cannot import {module_name!r} ({exc}); run from the "
+            "folder that holds it or install it."
+        ) from None
     except SyntaxError as exc:  # the user's file, line and caret; not importlib's frame
         raise TaskError(f"task {path!r}: {_syntax_error(exc)}") from None
 
@@ -597,12 +646,16 @@ def first_batch(task: Task, batch_size: int) -> Any:
     """
     samples = len(task.train_data)
     if batch_size < 1:
-        raise ValueError(f"--batch-size {batch_size} is not allowed: use a positive integer, at "
-                         f"most the task's {samples} training samples.")  # fmt: skip
+        raise ValueError(
+            f"--batch-size {batch_size} is not allowed: use a positive integer, at "
+            f"most the task's {samples} training samples."
+        )
     if batch_size > samples:
-        raise ValueError(f"--batch-size {batch_size} is larger than the task's {samples} training "
-                         f"samples: the batch measured would hold only {samples}. Give "
-                         f"--batch-size {samples} or less.")  # fmt: skip
+        raise ValueError(
+            f"--batch-size {batch_size} is larger than the task's {samples} training "
+            f"samples: the batch measured would hold only {samples}. Give "
+            f"--batch-size {samples} or less."
+        )
     collate = task.collate_fn or torch.utils.data.default_collate
     return collate([task.train_data[i] for i in range(batch_size)])
 
@@ -617,9 +670,13 @@ def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
     if is_main:
         scaled = config.lr_scaling != "none"
         lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
-        warnings.warn(f"--batch-size {batch_size} is larger than the task's {samples} training "
-                      f"samples: every step trains on all {samples} (full-batch gradient descent)"
-                      f"{lr}. Give --batch-size {samples} or less.", BigBatchWarning, stacklevel=5)  # fmt: skip
+        warnings.warn(
+            f"--batch-size {batch_size} is larger than the task's {samples} training "
+            f"samples: every step trains on all {samples} (full-batch gradient descent)"
+            f"{lr}. Give --batch-size {samples} or less.",
+            BigBatchWarning,
+            stacklevel=5,
+        )
     return samples
 
 
@@ -635,14 +692,17 @@ def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> 
     dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
     largest = torch.finfo(dtype).max
     if not lr < largest / 1000:
-        raise ValueError(f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
-                         f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
-                         f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3.")  # fmt: skip
+        raise ValueError(
+            f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
+            f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
+            f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3."
+        )
     return lr
 
 
-def prepare_model(model: torch.nn.Module, config: TrainConfig,
-                  ranks: distributed.Ranks) -> torch.nn.Module:  # fmt: skip
+def prepare_model(
+    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
+) -> torch.nn.Module:
     """Checkpointing and the BatchNorm policy on; DDP around it (not under local rounds)."""
     if config.gradient_checkpointing:
         from bigbatch.memory.checkpointing import enable_checkpointing
@@ -656,8 +716,9 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig,
     return torch.compile(model) if config.compile else model  # type: ignore[return-value]
 
 
-def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer,
-             total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+def schedule(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
     warmup = config.warmup_steps
 

@@ -101,8 +101,10 @@ def load_digits(test_samples: int = 397, seed: int = 0) -> Digits:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
-        raise ImportError(f"the demo's data come with scikit-learn ({exc}): run pip install "
-                          'scikit-learn (or pip install -e ".[demo]" in a clone).') from None  # fmt: skip
+        raise ImportError(
+            f"the demo's data come with scikit-learn ({exc}): run pip install "
+            'scikit-learn (or pip install -e ".[demo]" in a clone).'
+        ) from None
     digits = sklearn_digits()
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(seed))
     x = (torch.tensor(digits.data, dtype=torch.float64) / 16.0)[order]
@@ -121,8 +123,13 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
-             out: str = "bigbatch-demo.png", hidden: int = 8192) -> DemoResult:  # fmt: skip
+def run_demo(
+    steps: int = 40,
+    batch_size: int = 512,
+    micro_batch_size: int = 64,
+    out: str = "bigbatch-demo.png",
+    hidden: int = 8192,
+) -> DemoResult:
     """Train the digits MLP three ways, print the comparison table and write the plot.
 
     Args:
@@ -144,11 +151,15 @@ def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
     if steps < 2:
         raise ValueError(f"steps={steps} is too few: use 2 or more (the first step is a warm-up).")
     if not MIN_BATCH <= batch_size <= n:
-        raise ValueError(f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n} (the "
-                         "training images; below, auto's budget cannot hold the step).")  # fmt: skip
+        raise ValueError(
+            f"batch_size={batch_size} is not allowed: use {MIN_BATCH} to {n} (the "
+            "training images; below, auto's budget cannot hold the step)."
+        )
     if not 1 <= micro_batch_size <= batch_size:
-        raise ValueError(f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch "
-                         f"size ({batch_size}).")  # fmt: skip
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is not allowed: use 1 to the batch "
+            f"size ({batch_size})."
+        )
     gen = torch.Generator().manual_seed(0)  # each step: batch_size distinct samples, afresh
     order = [torch.randperm(n, generator=gen)[:batch_size] for _ in range(steps)]
     torch.manual_seed(0)
@@ -169,8 +180,14 @@ def run_demo(steps: int = 40, batch_size: int = 512, micro_batch_size: int = 64,
     return result
 
 
-def _train(name: str, init: torch.nn.Module, data: Digits, order: list[torch.Tensor],
-           micro_batch_size: int | str | None = None, budget: int | None = None) -> Run:  # fmt: skip
+def _train(
+    name: str,
+    init: torch.nn.Module,
+    data: Digits,
+    order: list[torch.Tensor],
+    micro_batch_size: int | str | None = None,
+    budget: int | None = None,
+) -> Run:
     """One run: a plain full-batch loop (``micro_batch_size=None``) or an ``Accumulator``."""
     from rich.progress import track
 
@@ -203,31 +220,54 @@ def print_demo(result: DemoResult) -> None:
     full, rows = result.runs[0], []
     for run, acc, diff in zip(result.runs, result.accuracies, result.differences, strict=True):
         size, peak = run.micro_batch_sizes[-1], run.peak_bytes()
-        rows.append((
-            run.name, f"{size} x {-(-run.batch_size // size)}", _mib(peak),
-            f"{peak / full.peak_bytes():.0%}", f"{run.time_s:.1f} s",
-            f"{run.batch_size * len(run.losses) / run.time_s:,.0f}", f"{acc:.2%}",
-            "—" if run is full else f"{diff:.0e}",
-        ))  # fmt: skip
-    columns = ["run", "micro-batch\nx steps", "peak\nmemory", "vs full\nbatch", "time",
-               "samples/s", "test\naccuracy", "weights:\nmax diff"]  # fmt: skip
+        rows.append(
+            (
+                run.name,
+                f"{size} x {-(-run.batch_size // size)}",
+                _mib(peak),
+                f"{peak / full.peak_bytes():.0%}",
+                f"{run.time_s:.1f} s",
+                f"{run.batch_size * len(run.losses) / run.time_s:,.0f}",
+                f"{acc:.2%}",
+                "—" if run is full else f"{diff:.0e}",
+            )
+        )
+    columns = [
+        "run",
+        "micro-batch\nx steps",
+        "peak\nmemory",
+        "vs full\nbatch",
+        "time",
+        "samples/s",
+        "test\naccuracy",
+        "weights:\nmax diff",
+    ]
     console = print_table(
         f"digits MLP, batch {full.batch_size}, {len(full.losses)} AdamW steps, float64",
-        columns, rows, right=2, box=box.SIMPLE_HEAD, padding=0,  # the box's blank column
+        columns,
+        rows,
+        right=2,
+        box=box.SIMPLE_HEAD,
+        padding=0,  # the box's blank column
         caption="peak: the most memory a step adds; auto's budget: half the full batch's peak",
-    )  # fmt: skip
+    )
     console.print(f"{_verdict(result)}\nplot: {result.plot_path}")
 
 
 def _verdict(result: DemoResult) -> str:
     full, accumulated, auto = (r.peak_bytes() for r in result.runs)
     accuracies = ", ".join(sorted({f"{a:.2%}" for a in result.accuracies}))
-    head = ("[bold green]Same result[/]: the weights agree to float64 rounding" if result.exact()
-            else "[bold red]NOT as expected[/]: the weights differ")  # fmt: skip
-    return (f"{head} (max relative difference {max(result.differences):.0e}), test accuracy "
-            f"{accuracies}; peak memory {_mib(full)} -> {_mib(accumulated)} accumulated ("
-            f"{full / max(accumulated, 1):.1f}x less) and {_mib(auto)} auto, under a "
-            f"{_mib(result.budget_bytes)} budget the full batch exceeds.")  # fmt: skip
+    head = (
+        "[bold green]Same result[/]: the weights agree to float64 rounding"
+        if result.exact()
+        else "[bold red]NOT as expected[/]: the weights differ"
+    )
+    return (
+        f"{head} (max relative difference {max(result.differences):.0e}), test accuracy "
+        f"{accuracies}; peak memory {_mib(full)} -> {_mib(accumulated)} accumulated ("
+        f"{full / max(accumulated, 1):.1f}x less) and {_mib(auto)} auto, under a "
+        f"{_mib(result.budget_bytes)} budget the full batch exceeds."
+    )
 
 
 def _mib(n: int) -> str:

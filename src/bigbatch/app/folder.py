@@ -93,8 +93,18 @@ from bigbatch.distributed import launch as distributed
 
 LOCK = ".lock"
 # what bigbatch writes in a run folder (Note [no links]): files, snapshots, temporary files, logs
-WRITTEN = (LOCK, "metrics.csv", "summary.json", "model.pt", "snapshot*.pt", "report.png",
-           "tensorboard", ".*tmp*", "*.tmp", "*.log")  # fmt: skip
+WRITTEN = (
+    LOCK,
+    "metrics.csv",
+    "summary.json",
+    "model.pt",
+    "snapshot*.pt",
+    "report.png",
+    "tensorboard",
+    ".*tmp*",
+    "*.tmp",
+    "*.log",
+)
 
 
 class RunFolderBusy(RuntimeError):
@@ -152,16 +162,22 @@ class RunFolder:
             raise PermissionError(errno.EACCES, "is not writable: choose another --out", self.out)
         links = planted_links(self.out)  # before anything is written (Note [no links])
         if links:
-            raise OSError(errno.ELOOP, f"holds symbolic links where bigbatch writes ("
-                          f"{', '.join(links)}), and bigbatch never writes through one: remove "
-                          "them, or choose another --out", self.out)  # fmt: skip
+            raise OSError(
+                errno.ELOOP,
+                f"holds symbolic links where bigbatch writes ("
+                f"{', '.join(links)}), and bigbatch never writes through one: remove "
+                "them, or choose another --out",
+                self.out,
+            )
         fd = no_follow(self.path(LOCK), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunFolderBusy(f"run folder {self.out!r} is in use by another bigbatch run "
-                                f"(process {_holder(fd)}): wait for it to end, or choose another "
-                                "--out.") from None  # fmt: skip
+            raise RunFolderBusy(
+                f"run folder {self.out!r} is in use by another bigbatch run "
+                f"(process {_holder(fd)}): wait for it to end, or choose another "
+                "--out."
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -201,9 +217,12 @@ def no_follow(path: str, flags: int, mode: int = 0o666) -> int:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP or (exc.errno == errno.EEXIST and os.path.islink(path)):
-            raise OSError(errno.ELOOP, "is a symbolic link, and bigbatch never writes through "
-                          "one in a run folder: remove the link, or choose another --out",
-                          path) from None  # fmt: skip
+            raise OSError(
+                errno.ELOOP,
+                "is a symbolic link, and bigbatch never writes through "
+                "one in a run folder: remove the link, or choose another --out",
+                path,
+            ) from None
         raise
 
 
@@ -257,8 +276,10 @@ def replace_file(path: str, content: Any, kept: str = "nothing was changed") -> 
 def bytes_needed(obj: Any) -> int:
     """What ``torch.save(obj)`` writes, at most: each tensor storage once, and a margin for the
     archive's records and the pickled structure."""
-    storages = {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-                for _, t in tensor_leaves(obj)}  # fmt: skip
+    storages = {
+        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for _, t in tensor_leaves(obj)
+    }
     return sum(storages.values()) + 1024 * len(storages) + (64 << 10)
 
 
@@ -336,13 +357,19 @@ class Snapshot:
     def environment_changes(self) -> list[str]:
         """How this process differs from the one that wrote the snapshot (for a warning)."""
         version, threads = str(torch.__version__), torch.get_num_threads()
-        return [text for differs, text in [
-            (self.torch_version != version, f"torch {self.torch_version} -> {version}"),
-            (self.num_threads != threads, f"{self.num_threads} -> {threads} threads")] if differs]  # fmt: skip
+        return [
+            text
+            for differs, text in [
+                (self.torch_version != version, f"torch {self.torch_version} -> {version}"),
+                (self.num_threads != threads, f"{self.num_threads} -> {threads} threads"),
+            ]
+            if differs
+        ]
 
 
-def write_snapshot(out: str, snapshot: Snapshot, keep: int = 2,
-                   previous_step: int | None = None) -> None:  # fmt: skip
+def write_snapshot(
+    out: str, snapshot: Snapshot, keep: int = 2, previous_step: int | None = None
+) -> None:
     """Write ``snapshot`` as ``out/snapshot.pt``, the newest ``keep`` kept (Note [atomic snapshot]).
 
     Args:
@@ -378,11 +405,20 @@ def latest_path(out: str) -> str | None:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "identity": (dict,), "step": (int,), "total_steps": (int,), "model": (dict,),
-    "optimizer": (dict,), "scheduler": (dict, type(None)), "engine": (dict,), "rng": (list,),
-    "elapsed_s": (int, float), "local": (dict, type(None)), "torch_version": (str,),
-    "num_threads": (int,), "format": (str,),
-}  # fmt: skip
+    "identity": (dict,),
+    "step": (int,),
+    "total_steps": (int,),
+    "model": (dict,),
+    "optimizer": (dict,),
+    "scheduler": (dict, type(None)),
+    "engine": (dict,),
+    "rng": (list,),
+    "elapsed_s": (int, float),
+    "local": (dict, type(None)),
+    "torch_version": (str,),
+    "num_threads": (int,),
+    "format": (str,),
+}
 
 
 def read_snapshot(path: str) -> Snapshot:
@@ -395,19 +431,25 @@ def read_snapshot(path: str) -> Snapshot:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise RunMismatchError(f"{path} is not a readable bigbatch snapshot ({type(exc).__name__}"
-                               "); move it away or choose another --out.") from None  # fmt: skip
+        raise RunMismatchError(
+            f"{path} is not a readable bigbatch snapshot ({type(exc).__name__}"
+            "); move it away or choose another --out."
+        ) from None
     found = state.get("format") if isinstance(state, dict) else None
     if isinstance(found, str) and found.startswith("bigbatch-snapshot-") and found != FORMAT:
-        raise RunMismatchError(f"{path} was written by another version of bigbatch ({found}; this "
-                               f"one reads {FORMAT}): resume it with that version, or start again "
-                               "in another --out.")  # fmt: skip
+        raise RunMismatchError(
+            f"{path} was written by another version of bigbatch ({found}; this "
+            f"one reads {FORMAT}): resume it with that version, or start again "
+            "in another --out."
+        )
     if found != FORMAT:
         raise RunMismatchError(f"{path} is not a bigbatch snapshot; choose another --out.")
     # every field there, of its type and range, and no other (Note [snapshot fields])
     if unknown := ", ".join(repr(key) for key in state if key not in _TYPES):
-        raise RunMismatchError(f"{path}: the snapshot holds {unknown}, not a field of bigbatch's "
-                               f"snapshots: {_NOT_OURS}")  # fmt: skip
+        raise RunMismatchError(
+            f"{path}: the snapshot holds {unknown}, not a field of bigbatch's "
+            f"snapshots: {_NOT_OURS}"
+        )
     for name, kinds in _TYPES.items():
         if name not in state:
             raise crafted(path, name, "is missing")
@@ -428,8 +470,10 @@ def crafted(path: str, name: str, problem: str) -> RunMismatchError:
     return RunMismatchError(f"{path}: the snapshot's field {name!r} {problem}: {_NOT_OURS}")
 
 
-_NOT_OURS = ("the file is damaged or was not written by bigbatch; move it away (an older "
-             "snapshot-*.pt is used then), or choose another --out.")  # fmt: skip
+_NOT_OURS = (
+    "the file is damaged or was not written by bigbatch; move it away (an older "
+    "snapshot-*.pt is used then), or choose another --out."
+)
 
 
 @contextlib.contextmanager
@@ -454,14 +498,20 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], out: str) -> 
     keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
     if keys:
         diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys)
-        raise RunMismatchError(f"run folder {out!r} belongs to another run ({diffs}): resume with "
-                               "the same task and settings, or choose another --out.")  # fmt: skip
+        raise RunMismatchError(
+            f"run folder {out!r} belongs to another run ({diffs}): resume with "
+            "the same task and settings, or choose another --out."
+        )
 
 
 def restore_rng(saved: list[dict[str, Any]], ranks: distributed.Ranks) -> None:
     """Each rank takes back its own generators; on another number of ranks, rank 0's (warned)."""
     if len(saved) != ranks.world_size and ranks.is_main:
-        warnings.warn(f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: each "
-                      "rank takes rank 0's random state, so random draws (dropout) differ; resume "
-                      f"on {len(saved)} for a bitwise-equal result.", BigBatchWarning, stacklevel=5)  # fmt: skip
+        warnings.warn(
+            f"resuming on {ranks.world_size} rank(s) a run saved on {len(saved)}: each "
+            "rank takes rank 0's random state, so random draws (dropout) differ; resume "
+            f"on {len(saved)} for a bitwise-equal result.",
+            BigBatchWarning,
+            stacklevel=5,
+        )
     _rng.restore_all(saved[ranks.rank if len(saved) == ranks.world_size else 0])

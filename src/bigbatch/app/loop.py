@@ -123,10 +123,14 @@ from bigbatch.distributed import launch as distributed
 from bigbatch.distributed.local import LocalAccumulation
 
 MAX_SKIPPED_IN_A_ROW = 20
-_MODEL_KEPT = ("model.pt was not written; the last snapshot holds the trained model: free space "
-               "and run again with --resume")  # fmt: skip
-_NOTHING_TO_RESUME = ("--resume: run folder {out!r} holds no run to resume: drop --resume to start "
-                      "a new run there, or give --resume auto (start when there is none).")  # fmt: skip
+_MODEL_KEPT = (
+    "model.pt was not written; the last snapshot holds the trained model: free space "
+    "and run again with --resume"
+)
+_NOTHING_TO_RESUME = (
+    "--resume: run folder {out!r} holds no run to resume: drop --resume to start "
+    "a new run there, or give --resume auto (start when there is none)."
+)
 
 
 @dataclass(frozen=True)
@@ -192,8 +196,11 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     run = _prepare(task, config, ranks)  # in memory: refused before mkdir
     with run.folder, run.stop:
         progress = _start(run)
-        log = RunLog(config.out, run.total_steps, progress.step, config.quiet,
-                     config.log_every) if ranks.is_main else None  # rank 0 alone writes  # fmt: skip
+        log = (
+            RunLog(config.out, run.total_steps, progress.step, config.quiet, config.log_every)
+            if ranks.is_main
+            else None
+        )  # rank 0 alone writes
         with contextlib.closing(log) if log else contextlib.nullcontext():
             _train(run, progress, log)
         summary = _finish(run, progress)
@@ -242,8 +249,9 @@ def _finish(run: _Run, progress: _Progress) -> Summary:
             _check_finite(run, progress, "model.pt")
             model = distributed.unwrap(run.acc.model).state_dict()
             folder.replace_file(run.folder.path("model.pt"), model, _MODEL_KEPT)
-        return summarize(run.folder.out, progress.elapsed_s, run.batch_size, final,
-                         run.ranks.is_main)  # fmt: skip
+        return summarize(
+            run.folder.out, progress.elapsed_s, run.batch_size, final, run.ranks.is_main
+        )
 
 
 def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -> dict[str, Any]:
@@ -267,8 +275,10 @@ def _step(run: _Run, progress: _Progress, step: int, samples: int, batch: Any) -
     progress.tally = [total + value for total, value in zip(progress.tally, applied, strict=True)]
     progress.skipped_in_a_row = progress.skipped_in_a_row + 1 if result.nonfinite else 0
     if progress.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-        raise NonFiniteRun(f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
-                           f"/ inf values (skipped or applied). {_last_good(run, progress)}")  # fmt: skip
+        raise NonFiniteRun(
+            f"step {step}: the last {MAX_SKIPPED_IN_A_ROW} steps all had NaN "
+            f"/ inf values (skipped or applied). {_last_good(run, progress)}"
+        )
     counted = samples if run.local is None else split.batch_size(batch)  # what result.count saw
     return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
 
@@ -285,18 +295,45 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
     optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
     schedule = task.scheduler or functools.partial(cfg.schedule, config)
     acc = Accumulator(
-        model, optimizer, cfg.resolve_batch(config)[1], schedule(optimizer, total_steps),
-        config.max_grad_norm, config.precision, config.memory_budget, nonfinite=config.nonfinite,
-        micro_batch_tokens=config.micro_batch_tokens, lengths=task.lengths,
-        pad_to_multiple_of=config.pad_to_multiple_of, trim_padding=config.trim_padding,
+        model,
+        optimizer,
+        cfg.resolve_batch(config)[1],
+        schedule(optimizer, total_steps),
+        config.max_grad_norm,
+        config.precision,
+        config.memory_budget,
+        nonfinite=config.nonfinite,
+        micro_batch_tokens=config.micro_batch_tokens,
+        lengths=task.lengths,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+        trim_padding=config.trim_padding,
         pad_values=task.pad_values,
-    )  # fmt: skip
-    local = None if config.local_steps == 1 else LocalAccumulation.from_accumulator(  # collective
-        acc, config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum,
-        nesterov=config.outer_nesterov)  # fmt: skip
+    )
+    local = (
+        None
+        if config.local_steps == 1
+        else LocalAccumulation.from_accumulator(  # collective
+            acc,
+            config.local_steps,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
+            nesterov=config.outer_nesterov,
+        )
+    )
     identity = cfg.identity(task, config, optimizer)
-    return _Run(task, config, ranks, folder.RunFolder(config.out, ranks), acc, local,
-                StopSignals(ranks.device), identity, batch_size, steps_per_epoch, total_steps)  # fmt: skip
+    return _Run(
+        task,
+        config,
+        ranks,
+        folder.RunFolder(config.out, ranks),
+        acc,
+        local,
+        StopSignals(ranks.device),
+        identity,
+        batch_size,
+        steps_per_epoch,
+        total_steps,
+    )
 
 
 def _start(run: _Run) -> _Progress:
@@ -307,15 +344,21 @@ def _start(run: _Run) -> _Progress:
     path = folder.latest_path(out)
     snapshot = None if path is None else folder.read_snapshot(path)
     if snapshot is not None and not config.resume:
-        raise folder.RunMismatchError(f"run folder {config.out!r} already holds a run (step "
-                                      f"{snapshot.step} of {snapshot.total_steps}): add --resume "
-                                      "to continue it, or choose another --out.")  # fmt: skip
+        raise folder.RunMismatchError(
+            f"run folder {config.out!r} already holds a run (step "
+            f"{snapshot.step} of {snapshot.total_steps}): add --resume "
+            "to continue it, or choose another --out."
+        )
     if path is None or snapshot is None:  # a run killed before its first snapshot starts again
         if config.resume is True and not os.path.exists(run.folder.path(METRICS_CSV)):
             raise folder.RunMismatchError(_NOTHING_TO_RESUME.format(out=config.out))
         if config.resume is True:
-            warnings.warn(f"--resume: the run in {config.out!r} was stopped before its first "
-                          "snapshot: it starts again from step 0.", BigBatchWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"--resume: the run in {config.out!r} was stopped before its first "
+                "snapshot: it starts again from step 0.",
+                BigBatchWarning,
+                stacklevel=3,
+            )
         _rng.seed_all(config.seed)
         return _Progress()
     _restore(run, snapshot, path)
@@ -329,8 +372,11 @@ def _restore(run: _Run, snapshot: folder.Snapshot, path: str) -> None:
     [snapshot fields] in ``app.folder``)."""
     folder.check_same_run(snapshot.identity, run.identity, run.config.out)
     if snapshot.total_steps != run.total_steps:
-        raise folder.crafted(path, "total_steps", f"is {snapshot.total_steps}, and this run "
-                             f"takes {run.total_steps} steps")  # fmt: skip
+        raise folder.crafted(
+            path,
+            "total_steps",
+            f"is {snapshot.total_steps}, and this run takes {run.total_steps} steps",
+        )
     acc, (optimizer, engine) = run.acc, (snapshot.optimizer, snapshot.engine)
     if snapshot.local is not None and run.local is not None:  # Note [local rounds]
         with folder.restoring(path, "local"):
@@ -348,9 +394,12 @@ def _restore(run: _Run, snapshot: folder.Snapshot, path: str) -> None:
             load(state)
     changes = snapshot.environment_changes()
     if changes and run.ranks.is_main:
-        warnings.warn(f"resuming with {', '.join(changes)}: the last bits of the results may "
-                      "differ from an uninterrupted run (other kernels, another summation order).",
-                      BigBatchWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"resuming with {', '.join(changes)}: the last bits of the results may "
+            "differ from an uninterrupted run (other kernels, another summation order).",
+            BigBatchWarning,
+            stacklevel=3,
+        )
 
 
 def _load_scheduler(scheduler: Any, state: dict[str, Any] | None) -> None:
@@ -373,19 +422,24 @@ def check_local_steps(config: TrainConfig, ranks: distributed.Ranks, model: Any)
     """
     steps = config.local_steps
     if steps > 1 and ranks.world_size == 1:
-        raise ValueError(f"--local-steps {steps} needs several ranks and this is one process: "
-                         "there is nothing to average. Launch with `torchrun --nproc_per_node N "
-                         "-m bigbatch train ...`, or drop --local-steps.")  # fmt: skip
+        raise ValueError(
+            f"--local-steps {steps} needs several ranks and this is one process: "
+            "there is nothing to average. Launch with `torchrun --nproc_per_node N "
+            "-m bigbatch train ...`, or drop --local-steps."
+        )
     kind = wrapper_kind(model) if steps > 1 else "plain"
     if kind != "plain":
         fsdp = " FSDP cannot take local steps: every forward all-gathers." if kind == "fsdp" else ""
-        raise TypeError(f"--local-steps {steps} steps a whole plain replica of the model on each "
-                        f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
-                        f"from the task, or use --local-steps 1.{fsdp}")  # fmt: skip
+        raise TypeError(
+            f"--local-steps {steps} steps a whole plain replica of the model on each "
+            f"rank, and the task's model is {_WRAPPED[kind]}: return the plain module "
+            f"from the task, or use --local-steps 1.{fsdp}"
+        )
 
 
-def train_step(local: LocalAccumulation | None, acc: Accumulator, batch: split.Batch, task: Task,
-               last: bool) -> tuple[StepResult, dict[str, Any]]:  # fmt: skip
+def train_step(
+    local: LocalAccumulation | None, acc: Accumulator, batch: split.Batch, task: Task, last: bool
+) -> tuple[StepResult, dict[str, Any]]:
     """The exact data-parallel step (``local`` is ``None``), or one local step of this rank:
     the outer step after every λ-th, and after the run's ``last`` step. Returns the step's
     result and, at a round's end, ``round_count``."""
@@ -447,9 +501,11 @@ def this_rank(saved: dict[str, Any], ranks: distributed.Ranks) -> tuple[dict, di
     """
     n = len(saved["optimizers"])
     if n != ranks.world_size:
-        raise folder.RunMismatchError(f"the snapshot was written by {n} ranks under --local-steps, "
-                                      f"each with its own optimizer state: resume on {n} ranks "
-                                      f"(torchrun --nproc_per_node {n}), not {ranks.world_size}.")  # fmt: skip
+        raise folder.RunMismatchError(
+            f"the snapshot was written by {n} ranks under --local-steps, "
+            f"each with its own optimizer state: resume on {n} ranks "
+            f"(torchrun --nproc_per_node {n}), not {ranks.world_size}."
+        )
     return saved["optimizers"][ranks.rank], saved["engines"][ranks.rank]
 
 
@@ -473,8 +529,9 @@ def _batches(run: _Run, start_step: int) -> Iterator[tuple[int, Any]]:
         epoch, position = epoch + 1, 0
 
 
-def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int,
-         counted: int) -> dict[str, Any]:  # fmt: skip
+def _row(
+    run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples: int, counted: int
+) -> dict[str, Any]:
     """The step's row of ``metrics.csv`` (``report.COLUMNS``); ``counted``: the samples ``r.count``
     saw, which differ from it when the loss counts tokens."""
     tokens = r.count != counted or r.tokens is not None
@@ -484,18 +541,29 @@ def _row(run: _Run, step: int, r: StepResult, seconds: float, peak: Any, samples
     graphs = dynamo.counters["stats"]["unique_graphs"] if dynamo else 0  # type: ignore[attr-defined]
     terms = " ".join(f"{k}={v:.4g}" for k, v in r.terms.items())  # "lm=2.31 aux=0.052"
     return {
-        "step": step, "epoch": (step - 1) // run.steps_per_epoch, "loss": r.loss,
-        "lr": run.acc.optimizer.param_groups[0]["lr"], "grad_norm": r.grad_norm,
-        "samples": samples, "count": r.count, "micro_batch_size": r.micro_batch_size,
+        "step": step,
+        "epoch": (step - 1) // run.steps_per_epoch,
+        "loss": r.loss,
+        "lr": run.acc.optimizer.param_groups[0]["lr"],
+        "grad_norm": r.grad_norm,
+        "samples": samples,
+        "count": r.count,
+        "micro_batch_size": r.micro_batch_size,
         "micro_batch_tokens": r.micro_batch_size if run.config.micro_batch_tokens else "",
-        "micro_batches": r.micro_batches, "oom_retries": r.oom_retries, "skipped": int(r.skipped),
-        "nonfinite": int(r.nonfinite), "time_s": seconds, "samples_per_s": samples / seconds,
+        "micro_batches": r.micro_batches,
+        "oom_retries": r.oom_retries,
+        "skipped": int(r.skipped),
+        "nonfinite": int(r.nonfinite),
+        "time_s": seconds,
+        "samples_per_s": samples / seconds,
         "tokens_per_s": (r.tokens or r.count) / seconds if tokens else "",
         "padding": 1 - (r.tokens or 0) / r.padded_tokens if r.padded_tokens else "",
-        "terms": terms if len(r.terms) > 1 else "", "graphs": graphs or "",
-        "peak_bytes": peak.baseline_bytes + step_peak, "step_peak_bytes": step_peak,
+        "terms": terms if len(r.terms) > 1 else "",
+        "graphs": graphs or "",
+        "peak_bytes": peak.baseline_bytes + step_peak,
+        "step_peak_bytes": step_peak,
         "retry_peak_bytes": peak.peak_bytes if r.oom_retries else "",
-    }  # fmt: skip
+    }
 
 
 def _save(run: _Run, progress: _Progress) -> None:
@@ -506,11 +574,17 @@ def _save(run: _Run, progress: _Progress) -> None:
         return
     _check_finite(run, progress, "a snapshot")
     snapshot = folder.Snapshot(
-        identity=run.identity, step=progress.step, total_steps=run.total_steps,
-        model=distributed.unwrap(acc.model).state_dict(), optimizer=acc.optimizer.state_dict(),
+        identity=run.identity,
+        step=progress.step,
+        total_steps=run.total_steps,
+        model=distributed.unwrap(acc.model).state_dict(),
+        optimizer=acc.optimizer.state_dict(),
         scheduler=acc.scheduler.state_dict() if acc.scheduler is not None else None,
-        engine=acc.state_dict(), rng=rng, elapsed_s=progress.elapsed_s, local=local,
-    )  # fmt: skip
+        engine=acc.state_dict(),
+        rng=rng,
+        elapsed_s=progress.elapsed_s,
+        local=local,
+    )
     with run.stop.writing():
         keep = run.config.keep_snapshots
         folder.write_snapshot(run.folder.out, snapshot, keep, progress.snapshot_step)
@@ -522,9 +596,11 @@ def _save(run: _Run, progress: _Progress) -> None:
 def _check_finite(run: _Run, progress: _Progress, what: str) -> None:
     params = distributed.unwrap(run.acc.model).parameters()
     if not all(bool(torch.isfinite(p).all()) for p in params if p.is_floating_point()):
-        raise NonFiniteRun(f"step {progress.step}: the weights hold NaN / inf (nonfinite="
-                           f"{run.config.nonfinite!r}); {what} was not written. "
-                           f"{_last_good(run, progress)}")  # fmt: skip
+        raise NonFiniteRun(
+            f"step {progress.step}: the weights hold NaN / inf (nonfinite="
+            f"{run.config.nonfinite!r}); {what} was not written. "
+            f"{_last_good(run, progress)}"
+        )
 
 
 def _last_good(run: _Run, progress: _Progress) -> str:
@@ -533,8 +609,10 @@ def _last_good(run: _Run, progress: _Progress) -> str:
     if path is None:
         return "No snapshot was written yet: fix the cause and start again."
     last = f" (step {step})" if step is not None else ""
-    return (f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
-            "clipping) and run again with --resume, or pass --nonfinite skip.")  # fmt: skip
+    return (
+        f"The last good snapshot is {path}{last}: fix the cause (data, learning rate, "
+        "clipping) and run again with --resume, or pass --nonfinite skip."
+    )
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -648,17 +726,23 @@ def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> st
     """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
     over = config.memory_budget is not None
     if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
-        cause = (f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
-                 f"--memory-budget {format_bytes(exc.budget_bytes or 0)}")  # fmt: skip
+        cause = (
+            f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
+            f"--memory-budget {format_bytes(exc.budget_bytes or 0)}"
+        )
     elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
-        return (f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
-                "--micro-batch-size auto down to 1: a single sample does not fit. "
-                f"{'Use a larger --memory-budget, add' if over else 'Add'} "
-                "--gradient-checkpointing, free memory, or use a smaller model or sequence length.")  # fmt: skip
+        return (
+            f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
+            "--micro-batch-size auto down to 1: a single sample does not fit. "
+            f"{'Use a larger --memory-budget, add' if over else 'Add'} "
+            "--gradient-checkpointing, free memory, or use a smaller model or sequence length."
+        )
     else:
         cause = f"out of memory at micro-batch {cfg.resolve_batch(config)[1]} ({exc})"
-    return (f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
-            "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget.")  # fmt: skip
+    return (
+        f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
+        "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget."
+    )
 
 
 def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = False) -> Stopped:
@@ -671,8 +755,12 @@ def stopped(signum: int, step: int, total_steps: int, out: str, final: bool = Fa
     name, path = signal.Signals(signum).name, folder.latest_path(out)
     where = f"after step {step} of {total_steps}"
     if final:
-        return Stopped(f"stopped by {name} during the final evaluation, {where}: the training is "
-                       f"complete, in {path}; model.pt and summary.json were not written. "
-                       f"Evaluate and write them with: {command}", signum)  # fmt: skip
-    return Stopped(f"stopped by {name} {where}; snapshot written to {path}. Resume with: {command}",
-                   signum)  # fmt: skip
+        return Stopped(
+            f"stopped by {name} during the final evaluation, {where}: the training is "
+            f"complete, in {path}; model.pt and summary.json were not written. "
+            f"Evaluate and write them with: {command}",
+            signum,
+        )
+    return Stopped(
+        f"stopped by {name} {where}; snapshot written to {path}. Resume with: {command}", signum
+    )

@@ -57,13 +57,44 @@ from bigbatch.memory.planner import Plan
 from bigbatch.verifier._check import CheckReport
 
 COLUMNS = [
-    "step", "epoch", "loss", "lr", "grad_norm", "samples", "count", "micro_batch_size",
-    "micro_batch_tokens", "micro_batches", "oom_retries", "skipped", "nonfinite", "time_s", "samples_per_s",
-    "tokens_per_s", "peak_bytes", "step_peak_bytes", "retry_peak_bytes", "eval_loss", "metric",
-    "round_loss", "round_count", "round_skipped", "padding", "terms", "graphs",
-]  # fmt: skip
-TENSORBOARD = ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_bytes", "metric",
-               "round_loss")  # fmt: skip
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples",
+    "count",
+    "micro_batch_size",
+    "micro_batch_tokens",
+    "micro_batches",
+    "oom_retries",
+    "skipped",
+    "nonfinite",
+    "time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_bytes",
+    "step_peak_bytes",
+    "retry_peak_bytes",
+    "eval_loss",
+    "metric",
+    "round_loss",
+    "round_count",
+    "round_skipped",
+    "padding",
+    "terms",
+    "graphs",
+]
+TENSORBOARD = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_bytes",
+    "metric",
+    "round_loss",
+)
 METRICS_CSV = "metrics.csv"
 LINES_PER_RUN = 20
 
@@ -79,8 +110,9 @@ class RunLog:
         every: a progress line every N steps (0: about ``LINES_PER_RUN`` in the run).
     """
 
-    def __init__(self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False,
-                 every: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, out: str, total_steps: int, start_step: int = 0, quiet: bool = False, every: int = 0
+    ) -> None:
         path = os.path.join(out, METRICS_CSV)
         # keep exactly the header and the rows of steps 1..start_step: a resumed run redoes the
         # steps its snapshot did not hold (a torn last row, left by a kill mid-write, goes too);
@@ -144,16 +176,24 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
     unit, left = "tokens" if row.get("tokens_per_s") not in (None, "") else "samples", round(left_s)
     speed = f"{float(row[unit + '_per_s']):,.0f} {unit}/s"
     evaluated = row.get("eval_loss") not in (None, "")
-    return " | ".join([
-        f"step {row['step']}/{total_steps}", f"loss {float(row['loss']):.4f}", speed,
-        f"micro-batch {_cut(row.get('micro_batch_tokens'), row['micro_batch_size'])} x "
-        f"{row['micro_batches']}",
-        f"peak {format_bytes(float(row['peak_bytes']))}",
-        *([f"padding {float(row['padding']):.0%}"] if row.get("padding") not in (None, "") else []),
-        *([row["terms"]] if row.get("terms") else []),
-        *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
-        f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
-    ])  # fmt: skip
+    return " | ".join(
+        [
+            f"step {row['step']}/{total_steps}",
+            f"loss {float(row['loss']):.4f}",
+            speed,
+            f"micro-batch {_cut(row.get('micro_batch_tokens'), row['micro_batch_size'])} x "
+            f"{row['micro_batches']}",
+            f"peak {format_bytes(float(row['peak_bytes']))}",
+            *(
+                [f"padding {float(row['padding']):.0%}"]
+                if row.get("padding") not in (None, "")
+                else []
+            ),
+            *([row["terms"]] if row.get("terms") else []),
+            *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
+            f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",
+        ]
+    )
 
 
 def _cut(tokens: Any, size: Any) -> str:
@@ -178,8 +218,10 @@ def read_csv(path: str) -> list[dict[str, str]]:
         fields = reader.fieldnames or []
         missing = [c for c in ("step", "loss", "samples", "count") if c not in fields]
         if missing:
-            raise ValueError(f"{path} lacks the column(s) {', '.join(missing)}: it is not the "
-                             "metrics.csv of a `bigbatch train` run (or of another version).")  # fmt: skip
+            raise ValueError(
+                f"{path} lacks the column(s) {', '.join(missing)}: it is not the "
+                "metrics.csv of a `bigbatch train` run (or of another version)."
+            )
         return [row for row in reader if _readable(row)]
 
 
@@ -218,8 +260,14 @@ def _progress_bar(total: int, done: int, what: str = "step") -> Any:
     console = Console(stderr=True)
     if not console.is_terminal:
         return None
-    bar = Progress(TextColumn(what), MofNCompleteColumn(), BarColumn(),
-                   TextColumn("{task.fields[info]}"), console=console, transient=True)  # fmt: skip
+    bar = Progress(
+        TextColumn(what),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        transient=True,
+    )
     bar.add_task("train", total=total, completed=done, info="")
     bar.start()
     return bar
@@ -284,8 +332,13 @@ class Summary:
     micro_batch_tokens: int | None = None
 
 
-def summarize(out: str, time_s: float, batch_size: int,
-              evaluation: tuple[float | None, float | None], write: bool = True) -> Summary:  # fmt: skip
+def summarize(
+    out: str,
+    time_s: float,
+    batch_size: int,
+    evaluation: tuple[float | None, float | None],
+    write: bool = True,
+) -> Summary:
     """Build the run's ``Summary`` from ``out/metrics.csv`` and write ``out/summary.json``
     (``write=False``: only read, as ranks other than 0 do)."""
     rows = read_csv(os.path.join(out, METRICS_CSV))
@@ -294,23 +347,32 @@ def summarize(out: str, time_s: float, batch_size: int,
     tokens = sum(counted) if col("tokens_per_s") else None
     time_s, samples, losses = max(time_s, 1e-9), int(sum(col("samples"))), ends("round_loss")
     summary = Summary(
-        steps=len(rows), samples=samples, tokens=tokens, time_s=time_s,
-        samples_per_s=samples / time_s, tokens_per_s=None if tokens is None else tokens / time_s,
+        steps=len(rows),
+        samples=samples,
+        tokens=tokens,
+        time_s=time_s,
+        samples_per_s=samples / time_s,
+        tokens_per_s=None if tokens is None else tokens / time_s,
         peak_bytes=int(max(col("peak_bytes"), default=0)),
         step_peak_bytes=int(max(col("step_peak_bytes"), default=0)),
-        final_loss=(losses or col("loss") or [math.nan])[-1], eval_loss=evaluation[0],
-        metric=evaluation[1], batch_size=batch_size,
-        micro_batch_size=_whole(col("micro_batch_size")[-1:]), out=out,
+        final_loss=(losses or col("loss") or [math.nan])[-1],
+        eval_loss=evaluation[0],
+        metric=evaluation[1],
+        batch_size=batch_size,
+        micro_batch_size=_whole(col("micro_batch_size")[-1:]),
+        out=out,
         retry_peak_bytes=_whole(col("retry_peak_bytes")),
         skipped_steps=int(sum(ends("round_skipped") or col("skipped"))),  # every rank's
         padding=statistics.fmean(col("padding")) if col("padding") else None,
         terms=(rows[-1].get("terms") or "") if rows else "",
         compiled_graphs=_whole(col("graphs")[-1:]),
         micro_batch_tokens=_whole(col("micro_batch_tokens")[-1:]),
-    )  # fmt: skip
+    )
     if write:  # NaN and inf as null: summary.json stays JSON
-        plain = {k: v if not isinstance(v, float) or math.isfinite(v) else None
-                 for k, v in asdict(summary).items()}  # fmt: skip
+        plain = {
+            k: v if not isinstance(v, float) or math.isfinite(v) else None
+            for k, v in asdict(summary).items()
+        }
         replace_file(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
     return summary
 
@@ -331,8 +393,10 @@ def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:
     try:
         rows = read_csv(metrics)
         if not rows:
-            raise FileNotFoundError(f"{metrics} is missing or empty: give the --out folder of a "
-                                    "`bigbatch train` run that took a step.")  # fmt: skip
+            raise FileNotFoundError(
+                f"{metrics} is missing or empty: give the --out folder of a "
+                "`bigbatch train` run that took a step."
+            )
         summary, partial = _summary_so_far(out, rows)
         return summary, partial, plot_run(out, path, rows, partial)
     except BaseException:
@@ -349,8 +413,9 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
             with open(path) as file:
                 summary = Summary(**json.load(file))
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` "
-                             "again to write it.") from None  # fmt: skip
+            raise ValueError(
+                f"{path} is not a bigbatch summary ({exc}); run `bigbatch train` again to write it."
+            ) from None
         if summary.steps == len(rows):
             return summary, None
     col = _column(rows)
@@ -358,8 +423,10 @@ def _summary_so_far(out: str, rows: list[dict[str, str]]) -> tuple[Summary, str 
     summary = summarize(out, sum(col("time_s")), _whole(col("samples")) or 0, evaluation, False)
     if holder is not None:
         return summary, f"the run is still running (process {holder}), at step {len(rows)}"
-    return summary, (f"the run stopped at step {len(rows)} before its end (a crash, a kill or "
-                     "Ctrl-C): `bigbatch train ... --resume` continues it")  # fmt: skip
+    return summary, (
+        f"the run stopped at step {len(rows)} before its end (a crash, a kill or "
+        "Ctrl-C): `bigbatch train ... --resume` continues it"
+    )
 
 
 def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
@@ -367,8 +434,10 @@ def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
     s, retried = summary, summary.retry_peak_bytes
     rows: list[tuple[str, Any]] = [
         ("optimizer steps", f"{s.steps:,}"),
-        ("effective batch", f"{s.batch_size:,} (micro-batch "
-                            f"{_cut(s.micro_batch_tokens, s.micro_batch_size)})"),
+        (
+            "effective batch",
+            f"{s.batch_size:,} (micro-batch {_cut(s.micro_batch_tokens, s.micro_batch_size)})",
+        ),
         ("time", f"{s.time_s:.1f} s"),
         ("samples/s", f"{s.samples_per_s:,.1f}"),
         ("tokens/s", None if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"),
@@ -382,7 +451,7 @@ def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
         ("final terms", s.terms),
         ("eval loss", None if s.eval_loss is None else f"{s.eval_loss:.4f}"),
         ("eval metric", None if s.metric is None else f"{s.metric:.4f}"),
-    ]  # fmt: skip
+    ]
     lines = [(f"[bold]{name}", value) for name, value in rows if value]
     print_table(f"{title}: {s.out}", ["", ""], lines, show_header=False)
 
@@ -442,8 +511,14 @@ def _whole(values: list[float]) -> int | None:
 
 
 # ---------------------------------------------------------------------------- tables
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]], right: int = 1,
-                width: int = 100, **options: Any) -> Any:  # fmt: skip
+def print_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    right: int = 1,
+    width: int = 100,
+    **options: Any,
+) -> Any:
     """Print ``rows`` under ``columns`` (those from index ``right`` on right-justified and not
     wrapped) as a rich ``Table(title, **options)``, at least ``width`` columns wide; return the
     console, for the lines that follow the table."""
@@ -464,27 +539,41 @@ def print_plan(result: Plan) -> None:
     """Every configuration as a table, then the margin, the memory fits, the choice and why."""
     budget, usable = format_bytes(result.memory_budget), format_bytes(result.usable_bytes)
     title = f"bigbatch plan: batch {result.batch_size} on {result.device}, budget {budget}, "
-    columns = ["micro-batch", "token budget", "padding", "steps", "checkpointing", "peak MiB",
-               "saved MiB", "ms/step", "spread (ms)", "samples/s", "fits"]  # fmt: skip
+    columns = [
+        "micro-batch",
+        "token budget",
+        "padding",
+        "steps",
+        "checkpointing",
+        "peak MiB",
+        "saved MiB",
+        "ms/step",
+        "spread (ms)",
+        "samples/s",
+        "fits",
+    ]
     rows = [_plan_row(result, c) for c in result.candidates]
     console = print_table(title + f"safety margin {result.margin:.0%}", columns, rows, 0, 160)
     lines = [
         "ms/step: the median of the timed steps, taken in alternating rounds; spread: their "
         "interquartile range (a tie needs overlapping spreads and at most 5% between medians)",
         "! saves nothing measurable: within 2% of the same micro-batch without checkpointing"
-        if any(c.saves_nothing for c in result.candidates) else "",
+        if any(c.saves_nothing for c in result.candidates)
+        else "",
         f"safety margin {result.margin:.0%}: a configuration fits when its peak is within "
         f"{usable} of the {budget} budget",
-        *(f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
-          f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
-          "largest that fits: "
-          f"{'any' if (n := fit.largest_fitting(result.usable_bytes)) >= 2**31 else n}"
-          for fit in result.fits),
+        *(
+            f"memory fit, {fit.label}: peak ≈ {format_bytes(fit.base_bytes)} + "
+            f"{format_bytes(fit.bytes_per_sample)} x {'token' if fit.tokens else 'micro-batch'}; "
+            "largest that fits: "
+            f"{'any' if (n := fit.largest_fitting(result.usable_bytes)) >= 2**31 else n}"
+            for fit in result.fits
+        ),
         *(f"not tried: {skipped}" for skipped in result.skipped),
         f"choice: {result.choice.describe()} (headroom {format_bytes(result.headroom_bytes)})",
         f"runner-up: {result.runner_up.describe()}" if result.runner_up is not None else "",
         f"why: {result.reason}",
-    ]  # fmt: skip
+    ]
     for line in filter(None, lines):
         console.print(line, markup=False)
 
@@ -499,13 +588,17 @@ def _plan_row(result: Plan, c: Candidate) -> tuple[str, ...]:
     mark = {id(result.choice): " <- chosen", id(result.runner_up): " <- runner-up"}
     return (
         f"≤{c.micro_batch_size} rows" if c.micro_batch_tokens else str(c.micro_batch_size),
-        f"{c.micro_batch_tokens:,} tokens" if c.micro_batch_tokens else "-", "-" if c.padding is None else f"{c.padding:.0%}",
-        str(c.gradient_accumulation_steps), c.label,
-        "-" if c.out_of_memory else peak, saved + ("!" if c.saves_nothing else ""),
+        f"{c.micro_batch_tokens:,} tokens" if c.micro_batch_tokens else "-",
+        "-" if c.padding is None else f"{c.padding:.0%}",
+        str(c.gradient_accumulation_steps),
+        c.label,
+        "-" if c.out_of_memory else peak,
+        saved + ("!" if c.saves_nothing else ""),
         f"{c.seconds_per_step * 1000:,.1f}" if c.seconds_per_step else "-",
         "-" if not spread else f"{spread[0]:,.1f}-{spread[1]:,.1f}",
-        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-", fits + mark.get(id(c), ""),
-    )  # fmt: skip
+        f"{c.samples_per_s:,.1f}" if c.samples_per_s else "-",
+        fits + mark.get(id(c), ""),
+    )
 
 
 def print_check(report: CheckReport, title: str) -> None:

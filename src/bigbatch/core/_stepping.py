@@ -339,9 +339,17 @@ class Stepper:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            loss, count, w.micro_batches, fields.pop("micro_batch_size", None), grad_norm,
-            skipped, nonfinite=nonfinite, samples=w.samples, terms=terms, **fields,
-        )  # fmt: skip
+            loss,
+            count,
+            w.micro_batches,
+            fields.pop("micro_batch_size", None),
+            grad_norm,
+            skipped,
+            nonfinite=nonfinite,
+            samples=w.samples,
+            terms=terms,
+            **fields,
+        )
 
     def normalise(
         self, w: Any, counts: dict[str, float], grads: list[Any] | None, norm: float

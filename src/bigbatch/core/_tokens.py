@@ -72,9 +72,17 @@ from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core._window import Piece, SampleCut
 from bigbatch.core.split import batch_size
 
-PAD_VALUES: dict[str, float | None] = {"input_ids": 0, "attention_mask": 0, "labels": -100,
-    "token_type_ids": 0, "position_ids": 0, "inputs_embeds": 0, "completion_mask": 0,
-    "assistant_masks": 0, "pixel_values": None}  # fmt: skip
+PAD_VALUES: dict[str, float | None] = {
+    "input_ids": 0,
+    "attention_mask": 0,
+    "labels": -100,
+    "token_type_ids": 0,
+    "position_ids": 0,
+    "inputs_embeds": 0,
+    "completion_mask": 0,
+    "assistant_masks": 0,
+    "pixel_values": None,
+}
 """The per-token keys of transformers (and TRL) and their pad value; ``None``: a known key that is
 not per-token (an image's pixels). Note [per-token tensors]."""
 MAX_ROW_PADDING = 0.25  # a sample joins a micro-batch if it pads at most this of its row
@@ -97,10 +105,14 @@ def check_pad_rows(terms: Mapping[str, Any]) -> None:
         )
 
 
-def make_cut(micro_batch_size: int | str | None, micro_batch_tokens: int | str | None,
-             pad_to_multiple_of: int | None = None, lengths: Callable[[Any], Any] | None = None,
-             pad_values: Mapping[str, float | None] | None = None, trim_padding: bool = True,
-             ) -> tuple[Sizing, SampleCut]:  # fmt: skip
+def make_cut(
+    micro_batch_size: int | str | None,
+    micro_batch_tokens: int | str | None,
+    pad_to_multiple_of: int | None = None,
+    lengths: Callable[[Any], Any] | None = None,
+    pad_values: Mapping[str, float | None] | None = None,
+    trim_padding: bool = True,
+) -> tuple[Sizing, SampleCut]:
     """The ``Accumulator``'s sizing policy and cut: by samples (each micro-batch trimmed to its
     longest sample unless ``trim_padding=False``: Note [per-token tensors]), or by tokens with
     ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
@@ -269,12 +281,23 @@ class TokenCut(SampleCut):
         flat = found.tolist() if torch.is_tensor(found) and found.dim() == 1 else found
         listed = isinstance(flat, (Sequence, Iterator)) and not isinstance(flat, (str, bytes))
         values = list(flat) if listed else []
-        wrong = [v for v in values if not isinstance(v, numbers.Real) or isinstance(v, bool)
-                 or not (float(v) >= 1 and float(v).is_integer())]  # fmt: skip
+        wrong = [
+            v
+            for v in values
+            if not isinstance(v, numbers.Real)
+            or isinstance(v, bool)
+            or not (float(v) >= 1 and float(v).is_integer())
+        ]
         if not listed or len(values) != n or wrong:
-            what = (f"a length of {wrong[0]!r}" if wrong else f"{len(values)} lengths for "
-                    f"{n} samples" if listed else f"a tensor of shape {tuple(found.shape)}"
-                    if torch.is_tensor(found) else reprlib.repr(found))  # fmt: skip
+            what = (
+                f"a length of {wrong[0]!r}"
+                if wrong
+                else f"{len(values)} lengths for {n} samples"
+                if listed
+                else f"a tensor of shape {tuple(found.shape)}"
+                if torch.is_tensor(found)
+                else reprlib.repr(found)
+            )
             raise ValueError(
                 f"lengths(batch) returned {what}: return one length per sample, a positive "
                 "integer (its tokens), as a list or a 1-D tensor."

@@ -166,8 +166,11 @@ class BatchNormHook:
 
     def __init__(self, layer: _BatchNorm, policy: str, momentum_correction: bool = True) -> None:
         self.layer, self.policy, self.correct, self.momentum = (
-            layer, policy, momentum_correction, layer.momentum
-        )  # fmt: skip
+            layer,
+            policy,
+            momentum_correction,
+            layer.momentum,
+        )
         self.window_samples: int | None = None
         self._was_training = False
         self._handles = [

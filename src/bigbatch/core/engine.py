@@ -124,9 +124,13 @@ class Accumulator:
         trim_padding: bool = True,
     ) -> None:
         sizing, cut = make_cut(
-            micro_batch_size, micro_batch_tokens, pad_to_multiple_of, lengths, pad_values,
+            micro_batch_size,
+            micro_batch_tokens,
+            pad_to_multiple_of,
+            lengths,
+            pad_values,
             trim_padding,
-        )  # fmt: skip
+        )
         settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
         self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
         self.scheduler, self.max_grad_norm, self.nonfinite = settings
@@ -260,9 +264,12 @@ class Accumulator:
         if isinstance(self._runner.cut, TokenCut):  # the shapes this window was cut into
             self._runner.cut.check_shapes(self.model)
         return self._apply(
-            micro_batch_size=size, oom_retries=retries, peak_bytes=peak, tokens=tokens,
+            micro_batch_size=size,
+            oom_retries=retries,
+            peak_bytes=peak,
+            tokens=tokens,
             padded_tokens=padded,
-        )  # fmt: skip
+        )
 
     def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
@@ -332,8 +339,14 @@ class Accumulator:
                 return {name: t.count for name, t in terms.items()}
 
             counts, states = self._prepass(count, pieces, states)
-        plan(self._window, batch, counts, sum(p.samples for p in pieces), self._sync,
-             self._precision.scaler is not None)  # fmt: skip
+        plan(
+            self._window,
+            batch,
+            counts,
+            sum(p.samples for p in pieces),
+            self._sync,
+            self._precision.scaler is not None,
+        )
         return loss_fn, states
 
     def _prepass(

@@ -64,10 +64,17 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def head_cross_entropy(
-    hidden: torch.Tensor, head: Any, labels: torch.Tensor, *, shift: bool = True,
-    ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-    chunk_tokens: int | None = None, chunk_memory: int | str | None = None,
-) -> Any:  # fmt: skip
+    hidden: torch.Tensor,
+    head: Any,
+    labels: torch.Tensor,
+    *,
+    shift: bool = True,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_tokens: int | None = None,
+    chunk_memory: int | str | None = None,
+) -> Any:
     """Token cross-entropy of a linear head on ``hidden``, in chunks, as ``(loss_sum, count)``.
 
     Equal to ``token_cross_entropy(head(hidden), labels, shift=shift)`` (with ``label_smoothing``:
@@ -183,9 +190,14 @@ class _Chunked(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor,
-        chunk: int, smoothing: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        ctx: Any,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        y: torch.Tensor,
+        chunk: int,
+        smoothing: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         acc = torch.float32 if h.dtype in HALF else h.dtype
         lse = torch.empty(len(h), dtype=acc, device=h.device)
         ce, z = torch.zeros(2, dtype=acc, device=h.device).unbind()

@@ -135,8 +135,10 @@ def as_terms(output: Any, n_samples: int) -> dict[str, Term]:
         if not math.isfinite(weight):
             raise ValueError(f"loss_fn's term {name!r} has weight {weight!r}: use a finite number.")
         if str(name) in terms:  # 1 and "1": the window's totals are kept by text
-            raise ValueError(f"loss_fn's term names {list(output)!r} hold {str(name)!r} twice "
-                             "as text: give each term a name of its own.")  # fmt: skip
+            raise ValueError(
+                f"loss_fn's term names {list(output)!r} hold {str(name)!r} twice "
+                "as text: give each term a name of its own."
+            )
         terms[str(name)] = Term(loss_sum, count, float(weight))
     return terms
 

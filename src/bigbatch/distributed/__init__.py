@@ -23,7 +23,21 @@ from bigbatch.distributed.launch import (
 from bigbatch.distributed.local import LocalAccumulation, LocalStepResult, OuterStepResult
 
 __all__ = [
-    "LocalAccumulation", "LocalStepResult", "OuterStepResult", "Ranks", "all_gather_object",
-    "barrier", "check_batch_sizes", "deal", "exit_process", "in_group", "is_main_process",
-    "make_sampler", "per_rank_batch_size", "setup", "teardown", "unwrap", "wrap",
-]  # fmt: skip
+    "LocalAccumulation",
+    "LocalStepResult",
+    "OuterStepResult",
+    "Ranks",
+    "all_gather_object",
+    "barrier",
+    "check_batch_sizes",
+    "deal",
+    "exit_process",
+    "in_group",
+    "is_main_process",
+    "make_sampler",
+    "per_rank_batch_size",
+    "setup",
+    "teardown",
+    "unwrap",
+    "wrap",
+]

@@ -118,15 +118,23 @@ def _environment(on_cuda: bool) -> tuple[int, int, int]:
     devices = torch.cuda.device_count() if on_cuda else world_size
     where = f"{devices} CUDA device(s) here" if on_cuda else f"WORLD_SIZE={world_size}"
     for wrong, what in (
-        (world_size < 1, f"WORLD_SIZE={world_size} is not allowed: it is the number of processes"
-         ", at least 1"),
-        (not 0 <= rank < world_size, f"RANK={rank} is out of range for WORLD_SIZE={world_size} "
-         f"(0 to {world_size - 1})"),
-        (not 0 <= local_rank < max(devices, 1), f"LOCAL_RANK={local_rank} is out of range "
-         f"({where})"),
-        (world_size > 1 and not 0 < _env_int("MASTER_PORT", 1) < 65536, "MASTER_PORT="
-         f"{os.environ.get('MASTER_PORT')} is not a port (1 to 65535)"),
-    ):  # fmt: skip
+        (
+            world_size < 1,
+            f"WORLD_SIZE={world_size} is not allowed: it is the number of processes, at least 1",
+        ),
+        (
+            not 0 <= rank < world_size,
+            f"RANK={rank} is out of range for WORLD_SIZE={world_size} (0 to {world_size - 1})",
+        ),
+        (
+            not 0 <= local_rank < max(devices, 1),
+            f"LOCAL_RANK={local_rank} is out of range ({where})",
+        ),
+        (
+            world_size > 1 and not 0 < _env_int("MASTER_PORT", 1) < 65536,
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')} is not a port (1 to 65535)",
+        ),
+    ):
         if wrong:
             raise ValueError(f"environment variable {what}; {_LAUNCH}")
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]

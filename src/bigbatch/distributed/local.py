@@ -146,18 +146,31 @@ class LocalAccumulation:
     """
 
     def __init__(
-        self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, local_steps: int, *,
-        micro_batch_size: int | str = 32, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-        nesterov: bool = False, group: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        local_steps: int,
+        *,
+        micro_batch_size: int | str = 32,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        group: Any = None,
+    ) -> None:
         accumulator = Accumulator(model, inner_optimizer, micro_batch_size=micro_batch_size)
         self._setup(accumulator, local_steps, outer_lr, outer_momentum, nesterov, group)
 
     @classmethod
     def from_accumulator(
-        cls, accumulator: Accumulator, local_steps: int, *, outer_lr: float = 1.0,
-        outer_momentum: float = 0.0, nesterov: bool = False, group: Any = None,
-    ) -> LocalAccumulation:  # fmt: skip
+        cls,
+        accumulator: Accumulator,
+        local_steps: int,
+        *,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        group: Any = None,
+    ) -> LocalAccumulation:
         """Wrap an ``Accumulator`` you built (scheduler, clipping, precision, memory budget).
 
         Its model must be the plain module; the scheduler steps once per INNER step.
@@ -171,9 +184,14 @@ class LocalAccumulation:
         return local
 
     def _setup(
-        self, acc: Accumulator, local_steps: int, lr: float, momentum: float, nesterov: bool,
+        self,
+        acc: Accumulator,
+        local_steps: int,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
         group: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.world_size = _check(acc, local_steps, lr, momentum, nesterov, group)
         self.accumulator, self.local_steps, self.group = acc, local_steps, group
         params = {n: p for n, p in acc.model.named_parameters() if p.requires_grad}
@@ -305,9 +323,14 @@ class LocalAccumulation:
                 "until the outer step; take it when local.at_boundary, or after local.outer_step()."
             )
         start = {n: s.clone() for n, s in zip(self._names, self._start, strict=True)}
-        return {"format": STATE_FORMAT, "local_steps": self.local_steps, "outer_steps":
-                self.outer_steps, "round_step": self._round.steps, "start": start,
-                "outer_optimizer": self.outer_optimizer.state_dict()}  # fmt: skip
+        return {
+            "format": STATE_FORMAT,
+            "local_steps": self.local_steps,
+            "outer_steps": self.outer_steps,
+            "round_step": self._round.steps,
+            "start": start,
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,18 +342,26 @@ class LocalAccumulation:
             ValueError: the snapshot is of another format, another ``local_steps`` or model.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a LocalAccumulation state of format {STATE_FORMAT}: pass "
-                             "what LocalAccumulation.state_dict() returned.")  # fmt: skip
+            raise ValueError(
+                f"not a LocalAccumulation state of format {STATE_FORMAT}: pass "
+                "what LocalAccumulation.state_dict() returned."
+            )
         saved = {n: tuple(t.shape) for n, t in state["start"].items()}
         mine = {n: tuple(s.shape) for n, s in zip(self._names, self._start, strict=True)}
         for wrong, message in (
-            (state["local_steps"] != self.local_steps, f"the snapshot was taken with local_steps="
-             f"{state['local_steps']} and this LocalAccumulation has local_steps="
-             f"{self.local_steps}: resume with the same value."),
-            (saved != mine, "the snapshot's parameters do not match this model's (e.g. "
-             f"{sorted(set(saved.items()) ^ set(mine.items()))[:3]}): resume with the model the "
-             "snapshot was taken from."),
-        ):  # fmt: skip
+            (
+                state["local_steps"] != self.local_steps,
+                f"the snapshot was taken with local_steps="
+                f"{state['local_steps']} and this LocalAccumulation has local_steps="
+                f"{self.local_steps}: resume with the same value.",
+            ),
+            (
+                saved != mine,
+                "the snapshot's parameters do not match this model's (e.g. "
+                f"{sorted(set(saved.items()) ^ set(mine.items()))[:3]}): resume with the model the "
+                "snapshot was taken from.",
+            ),
+        ):
             if wrong:
                 raise ValueError(message)
         for name, s in zip(self._names, self._start, strict=True):
@@ -342,9 +373,13 @@ class LocalAccumulation:
 
 # ---------------------------------------------------------------------- checks
 def _check(
-    accumulator: Accumulator, local_steps: int, outer_lr: Any, outer_momentum: Any, nesterov: Any,
+    accumulator: Accumulator,
+    local_steps: int,
+    outer_lr: Any,
+    outer_momentum: Any,
+    nesterov: Any,
     group: Any,
-) -> int:  # fmt: skip
+) -> int:
     """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
     refused and why: docs/local_accumulation.md); returns the number of ranks."""
     for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
@@ -357,27 +392,57 @@ def _check(
     foreign = len(held - {id(p) for p in accumulator.model.parameters()})
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     for wrong, error, message in (
-        (type(local_steps) is not int or local_steps < 1, ValueError, f"local_steps="
-         f"{local_steps!r} is not allowed: use a whole number >= 1, the inner optimizer steps per "
-         "all-reduce (1: the exact data-parallel step with SGD)."),
-        (not 0 < outer_lr < math.inf, ValueError, f"outer_lr={outer_lr!r} is not allowed: use a "
-         "positive finite number (1.0: Δ as is)."),
-        (not 0 <= outer_momentum < 1, ValueError, f"outer_momentum={outer_momentum!r} is not "
-         "allowed: use a number in [0, 1) (0: the plain rule; 0.9, nesterov=True: DiLoCo's)."),
-        (nesterov and outer_momentum == 0, ValueError, "nesterov=True needs momentum: pass "
-         "outer_momentum > 0 (e.g. 0.9), or nesterov=False."),
-        (kind == "ddp", TypeError, "LocalAccumulation needs the plain module, not a "
-         "DistributedDataParallel, whose every backward all-reduces (the inner steps would not be "
-         "local). Pass ddp.module: LocalAccumulation averages the updates itself."),
-        (kind == "fsdp", TypeError, "LocalAccumulation does not support FSDP: a sharded model "
-         "all-gathers in every forward and cannot step alone. Pass the plain module if it fits on "
-         "one device, else use Accumulator on the FSDP model (one reduce-scatter a step)."),
-        (foreign > 0, ValueError, f"the inner optimizer holds {foreign} tensor(s) that are not "
-         "parameters of the model: build it over model.parameters() (not a copy's)."),
-        (world == 1, RuntimeError, f"LocalAccumulation(local_steps={local_steps}) needs several "
-         "ranks and this is one process (nothing to average): use bigbatch.Accumulator, or "
-         "launch with `torchrun --nproc_per_node N`."),
-    ):  # fmt: skip
+        (
+            type(local_steps) is not int or local_steps < 1,
+            ValueError,
+            f"local_steps="
+            f"{local_steps!r} is not allowed: use a whole number >= 1, the inner optimizer steps per "
+            "all-reduce (1: the exact data-parallel step with SGD).",
+        ),
+        (
+            not 0 < outer_lr < math.inf,
+            ValueError,
+            f"outer_lr={outer_lr!r} is not allowed: use a positive finite number (1.0: Δ as is).",
+        ),
+        (
+            not 0 <= outer_momentum < 1,
+            ValueError,
+            f"outer_momentum={outer_momentum!r} is not "
+            "allowed: use a number in [0, 1) (0: the plain rule; 0.9, nesterov=True: DiLoCo's).",
+        ),
+        (
+            nesterov and outer_momentum == 0,
+            ValueError,
+            "nesterov=True needs momentum: pass outer_momentum > 0 (e.g. 0.9), or nesterov=False.",
+        ),
+        (
+            kind == "ddp",
+            TypeError,
+            "LocalAccumulation needs the plain module, not a "
+            "DistributedDataParallel, whose every backward all-reduces (the inner steps would not be "
+            "local). Pass ddp.module: LocalAccumulation averages the updates itself.",
+        ),
+        (
+            kind == "fsdp",
+            TypeError,
+            "LocalAccumulation does not support FSDP: a sharded model "
+            "all-gathers in every forward and cannot step alone. Pass the plain module if it fits on "
+            "one device, else use Accumulator on the FSDP model (one reduce-scatter a step).",
+        ),
+        (
+            foreign > 0,
+            ValueError,
+            f"the inner optimizer holds {foreign} tensor(s) that are not "
+            "parameters of the model: build it over model.parameters() (not a copy's).",
+        ),
+        (
+            world == 1,
+            RuntimeError,
+            f"LocalAccumulation(local_steps={local_steps}) needs several "
+            "ranks and this is one process (nothing to average): use bigbatch.Accumulator, or "
+            "launch with `torchrun --nproc_per_node N`.",
+        ),
+    ):
         if wrong:
             raise error(message)
     return world

@@ -288,8 +288,12 @@ def window_mean(out: Any, rows: int) -> torch.Tensor:
 def gradients(model: torch.nn.Module) -> Grads:
     """Every trainable parameter's gradient by name (zeros where there is none), detached."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return {n: torch.zeros(p.shape, dtype=p.dtype, device=p.device) if p.grad is None
-            else _whole(p.grad.detach()).clone() for n, p in named}  # fmt: skip
+    return {
+        n: torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        if p.grad is None
+        else _whole(p.grad.detach()).clone()
+        for n, p in named
+    }
 
 
 def _whole(grad: torch.Tensor) -> torch.Tensor:
@@ -298,9 +302,15 @@ def _whole(grad: torch.Tensor) -> torch.Tensor:
 
 
 def check(
-    log: Audit, window: Window, model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-    own: Own, average: bool, scope: Callable[[], Any], replay: Callable[[], None],
-) -> None:  # fmt: skip
+    log: Audit,
+    window: Window,
+    model: torch.nn.Module,
+    loss: Callable[[], torch.Tensor],
+    own: Own,
+    average: bool,
+    scope: Callable[[], Any],
+    replay: Callable[[], None],
+) -> None:
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
     loss on the joined batch (within the context manager ``scope()``), and add the
     ``AuditResult`` to ``log``.
@@ -358,9 +368,14 @@ def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
     ``dropout_p``, ``layerdrop``: what transformers' attention passes its kernel in training;
     NEFTune's ``neftune_noise_alpha``). Yields whether there were any (Note [audit dropout])."""
     rates = [
-        (m, k, v) for m in model.modules() if m.training for k, v in vars(m).items()
-        if type(v) is float and v > 0 and (_RATE.search(k) or isinstance(m, _DropoutNd) and k == "p")
-    ]  # fmt: skip
+        (m, k, v)
+        for m in model.modules()
+        if m.training
+        for k, v in vars(m).items()
+        if type(v) is float
+        and v > 0
+        and (_RATE.search(k) or isinstance(m, _DropoutNd) and k == "p")
+    ]
     for m, k, _ in rates:
         setattr(m, k, 0.0)
     try:
@@ -371,9 +386,14 @@ def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
 
 
 def judge(
-    window: Window, acc: Grads, grads: Grads, loss: float, dtype: torch.dtype, own: Own,
+    window: Window,
+    acc: Grads,
+    grads: Grads,
+    loss: float,
+    dtype: torch.dtype,
+    own: Own,
     again: Callable[[], torch.Tensor],
-) -> AuditResult:  # fmt: skip
+) -> AuditResult:
     """Compare the accumulated gradients ``acc`` with the one-batch gradients ``grads`` (of
     ``loss``, computed down to ``dtype``); diagnose a difference (Note [audit diagnosis]), or
     leave it undecided where ``again()``, the same loss on the random numbers drawn next, is
@@ -392,10 +412,14 @@ def judge(
         torch.distributed.all_reduce(totals)  # the loss ratio of the whole window
         returned, whole = totals.tolist()
     result = AuditResult(
-        window.step, worst <= tolerance, _norm(acc) / max(_norm(grads), 1e-300),
-        returned / whole if whole else math.nan, worst, tolerance,
+        window.step,
+        worst <= tolerance,
+        _norm(acc) / max(_norm(grads), 1e-300),
+        returned / whole if whole else math.nan,
+        worst,
+        tolerance,
         rounding=f"{str(dtype).removeprefix('torch.')} rounding over {items:,} items",
-    )  # fmt: skip
+    )
     if not result.exact:
         with torch.no_grad():  # another loss from other random numbers: they may be the cause
             drawn = abs(float(again()) - loss) > tolerance * abs(loss)

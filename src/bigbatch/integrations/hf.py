@@ -93,8 +93,12 @@ __all__ = ["Trainer", "audit", "exact"]
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
 SETTINGS = (
-    "micro_batch_size", "micro_batch_tokens", "memory_budget", "pad_to_multiple_of", "pad_values"
-)  # fmt: skip
+    "micro_batch_size",
+    "micro_batch_tokens",
+    "memory_budget",
+    "pad_to_multiple_of",
+    "pad_values",
+)
 """How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
 _transformers = _audit.need("transformers", "hf")
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
@@ -154,11 +158,17 @@ def exact(trainer_class: type) -> type:
         bigbatch = True
 
         def __init__(  # the trainer's arguments, and how bigbatch cuts its windows
-            self, *args: Any, micro_batch_size: int | str | None = None,
-            micro_batch_tokens: int | str | None = None, memory_budget: int | str | None = None,
-            pad_to_multiple_of: int | None = None, pad_values: Mapping[str, Any] | None = None,
-            loss_fn: Any = None, chunked_head: bool = False, **kwargs: Any,
-        ) -> None:  # fmt: skip
+            self,
+            *args: Any,
+            micro_batch_size: int | str | None = None,
+            micro_batch_tokens: int | str | None = None,
+            memory_budget: int | str | None = None,
+            pad_to_multiple_of: int | None = None,
+            pad_values: Mapping[str, Any] | None = None,
+            loss_fn: Any = None,
+            chunked_head: bool = False,
+            **kwargs: Any,
+        ) -> None:
             settings = {k: v for k, v in locals().items() if k in SETTINGS}  # the Accumulator's
             make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of, None, pad_values)
             parse_bytes(memory_budget)  # both refuse early, before the trainer is built
@@ -200,8 +210,10 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         with deferred_head(model):
             logits = model(**inputs).logits
         if not isinstance(logits, HeadLogits):
-            raise TypeError(f"chunked_head=True: {type(trainer.model).__name__}'s logits do not "
-                            "come from its get_output_embeddings() layer.")  # fmt: skip
+            raise TypeError(
+                f"chunked_head=True: {type(trainer.model).__name__}'s logits do not "
+                "come from its get_output_embeddings() layer."
+            )
         loss_sum, count = logits.cross_entropy(
             batch["labels"], shift=True, label_smoothing=smoothing
         )
@@ -493,8 +505,10 @@ class _Watch:
         self.window: _audit.Window | None = None  # size: its batches
         self.wrapped = trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step
         trainer.get_batch_samples, trainer._prepare_inputs, trainer.training_step = (
-            self.get_batch_samples, self.prepare_inputs, self.training_step
-        )  # fmt: skip
+            self.get_batch_samples,
+            self.prepare_inputs,
+            self.training_step,
+        )
         self.train_fn, trainer.train = trainer.train, self.train
         self.seen: list[tuple[Any, Any]] = []  # bigbatch's micro-batches and their losses
         if (window := getattr(trainer, "bigbatch_window", None)) is not None:

@@ -75,23 +75,31 @@ __all__ = ["Accumulation", "StepInfo", "accumulate"]
 
 def _import_keras() -> Any:
     """Keras 3 on the torch backend, or an ImportError saying in one line what to do."""
-    setting = (f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch before "
-               "keras is first imported")  # fmt: skip
+    setting = (
+        f"KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}: set KERAS_BACKEND=torch before "
+        "keras is first imported"
+    )
     try:
         import keras
     except ModuleNotFoundError as exc:
         if exc.name == "keras":
-            raise ImportError('bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
-                              "KERAS_BACKEND=torch.") from None  # fmt: skip
+            raise ImportError(
+                'bigbatch.keras needs Keras 3: pip install "bigbatch[keras]" and set '
+                "KERAS_BACKEND=torch."
+            ) from None
         raise ImportError(  # Keras is there; the backend it was asked for is not
             f"bigbatch.keras needs Keras' torch backend, which failed to start ({exc}; {setting})."
         ) from exc
     for wrong, needs in (
-        (not keras.__version__.startswith("3."), f"Keras 3, found {keras.__version__}: pip "
-         'install "bigbatch[keras]".'),
-        (keras.backend.backend() != "torch", "Keras' torch backend, but Keras runs on "
-         f"{keras.backend.backend()!r} ({setting})."),
-    ):  # fmt: skip
+        (
+            not keras.__version__.startswith("3."),
+            f'Keras 3, found {keras.__version__}: pip install "bigbatch[keras]".',
+        ),
+        (
+            keras.backend.backend() != "torch",
+            f"Keras' torch backend, but Keras runs on {keras.backend.backend()!r} ({setting}).",
+        ),
+    ):
         if wrong:
             raise ImportError(f"bigbatch.keras needs {needs}")
     return keras
@@ -187,9 +195,12 @@ class Accumulation:
                 trackers[k].total.assign_add(value * self._samples)
         model._loss_tracker.update_state(result.loss, sample_weight=self._samples)
         self.last = StepInfo(
-            self._samples, result.micro_batches, int(result.micro_batch_size or 0),
-            result.oom_retries, self._counted,
-        )  # fmt: skip
+            self._samples,
+            result.micro_batches,
+            int(result.micro_batch_size or 0),
+            result.oom_retries,
+            self._counted,
+        )
         return model.get_metrics_result()  # type: ignore[no-any-return]
 
     def _build(self) -> Accumulator:
@@ -291,15 +302,26 @@ def _check_compiled(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     for wrong, error, message in (
-        (optimizer is None, RuntimeError, "the model has no optimizer: call "
-         "model.compile(optimizer=..., loss=...) before fit."),
-        (bool(steps), ValueError, f"the optimizer has gradient_accumulation_steps={steps}; "
-         "bigbatch.keras.accumulate already makes each fit step one step over the whole batch: "
-         "compile without gradient_accumulation_steps; pass the whole batch as fit's batch_size."),
-        (getattr(model, "jit_compile", False) is True, ValueError, "jit_compile=True is not "
-         "supported with bigbatch.keras.accumulate (the step loops over micro-batches in Python): "
-         "model.compile(..., jit_compile=False)."),
-    ):  # fmt: skip
+        (
+            optimizer is None,
+            RuntimeError,
+            "the model has no optimizer: call model.compile(optimizer=..., loss=...) before fit.",
+        ),
+        (
+            bool(steps),
+            ValueError,
+            f"the optimizer has gradient_accumulation_steps={steps}; "
+            "bigbatch.keras.accumulate already makes each fit step one step over the whole batch: "
+            "compile without gradient_accumulation_steps; pass the whole batch as fit's batch_size.",
+        ),
+        (
+            getattr(model, "jit_compile", False) is True,
+            ValueError,
+            "jit_compile=True is not "
+            "supported with bigbatch.keras.accumulate (the step loops over micro-batches in Python): "
+            "model.compile(..., jit_compile=False).",
+        ),
+    ):
         if wrong:
             raise error(message)
 

@@ -155,9 +155,12 @@ class CachedLoss:
         return self._loss(reps, batch, n)
 
     def prepare(
-        self, model: nn.Module, batch: Batch, pieces: list[Batch],
+        self,
+        model: nn.Module,
+        batch: Batch,
+        pieces: list[Batch],
         rows: list[torch.Tensor] | None = None,
-    ) -> LossFn:  # fmt: skip
+    ) -> LossFn:
         """Pass 1 and the batch loss for one window; returns the ``loss_fn`` of its pieces.
 
         Args:
@@ -196,8 +199,17 @@ class CachedLoss:
         grads = _gradients(loss_sum, reps, scalars, offset, sum(sizes), order)
         counts = [count * (n / len(reps[0])) for n in sizes]
         paths = [path for path, _ in encoded + per_batch]
-        return _PieceLoss(self.encode_fn, pieces, paths, sizes, states, *grads,
-                          loss_sum.detach() / count, counts, 1.0 / ranks.size)  # fmt: skip
+        return _PieceLoss(
+            self.encode_fn,
+            pieces,
+            paths,
+            sizes,
+            states,
+            *grads,
+            loss_sum.detach() / count,
+            counts,
+            1.0 / ranks.size,
+        )
 
     def _loss(self, reps: Any, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor | float]:
         """``batch_loss_fn``'s output as ``(loss_sum, count)``; a mean covers the ``n`` samples.
@@ -270,9 +282,12 @@ def _encode(
 
 
 def _split_leaves(
-    reps: Any, n: int, where: str, paths: list[str] | None = None,
+    reps: Any,
+    n: int,
+    where: str,
+    paths: list[str] | None = None,
     needs: Callable[[torch.Tensor], bool] | None = None,
-) -> tuple[Leaves, Leaves]:  # fmt: skip
+) -> tuple[Leaves, Leaves]:
     """``(per-sample, per-batch)`` tensors of ``reps``, checked: one row per sample each, the
     ``paths`` of micro-batch 0, and what the pass ``needs`` of each per-sample tensor."""
     leaves = list(tensor_leaves(reps, "reps"))
@@ -281,22 +296,43 @@ def _split_leaves(
     listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
     bad = next(((p, tuple(t.shape)) for p, t in rows if needs and not needs(t)), None)
     for wrong, error, message in (
-        (column is not None, TypeError, f"encode_fn returned per-sample values that are not "
-         f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
-         "tensors; take ids or strings from batch_loss_fn's batch (it sees the whole batch)."),
-        (not rows, TypeError, f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
-         f"for {where}: return a tensor, or a tuple / dict of tensors, one row per sample."),
-        (any(t.shape[0] != n for _, t in rows), ValueError, "encode_fn's outputs disagree on the "
-         f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
-         "one row per sample. Return one value for the batch (e.g. a temperature) as 0-dim."),
-        (paths is not None and names != paths, ValueError, f"encode_fn returned {names} for "
-         f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch."),
-        (bad is not None, ValueError, "encode_fn's {} (shape {}) does not require grad, so no "
-         "gradient reaches the model through it: compute every per-sample representation from "
-         "trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, not "
-         "an input passed through); take labels and such from batch_loss_fn's batch."
-         .format(*(bad or ("", ())))),
-    ):  # fmt: skip
+        (
+            column is not None,
+            TypeError,
+            f"encode_fn returned per-sample values that are not "
+            f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
+            "tensors; take ids or strings from batch_loss_fn's batch (it sees the whole batch).",
+        ),
+        (
+            not rows,
+            TypeError,
+            f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
+            f"for {where}: return a tensor, or a tuple / dict of tensors, one row per sample.",
+        ),
+        (
+            any(t.shape[0] != n for _, t in rows),
+            ValueError,
+            "encode_fn's outputs disagree on the "
+            f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
+            "one row per sample. Return one value for the batch (e.g. a temperature) as 0-dim.",
+        ),
+        (
+            paths is not None and names != paths,
+            ValueError,
+            f"encode_fn returned {names} for "
+            f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch.",
+        ),
+        (
+            bad is not None,
+            ValueError,
+            "encode_fn's {} (shape {}) does not require grad, so no "
+            "gradient reaches the model through it: compute every per-sample representation from "
+            "trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, not "
+            "an input passed through); take labels and such from batch_loss_fn's batch.".format(
+                *(bad or ("", ()))
+            ),
+        ),
+    ):
         if wrong:
             raise error(message)
     return rows, per_batch
@@ -313,9 +349,13 @@ def _column_in(tree: Any, n: int, path: str = "reps") -> str | None:
 
 
 def _gradients(
-    loss_sum: torch.Tensor, reps: list[torch.Tensor], scalars: list[torch.Tensor], offset: int,
-    rows: int, order: torch.Tensor | None,
-) -> tuple[Grads, Grads, list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
+    loss_sum: torch.Tensor,
+    reps: list[torch.Tensor],
+    scalars: list[torch.Tensor],
+    offset: int,
+    rows: int,
+    order: torch.Tensor | None,
+) -> tuple[Grads, Grads, list[tuple[torch.Tensor, torch.Tensor]]]:
     """``∂S/∂r`` of our ``rows`` samples from ``offset`` on (this rank's; in the pieces' ``order``
     when the cut reordered them), ``∂S/∂(0-dim outputs)`` and ``∂S/∂p`` for parameters the loss
     uses directly."""

@@ -42,9 +42,15 @@ Terms = dict[str, Term]
 
 
 def token_nll(
-    logits: torch.Tensor, labels: torch.Tensor, *, name: str = "nll", weight: float = 1.0,
-    shift: bool = True, label_smoothing: float = 0.0, ignore_index: int = -100,
-) -> Terms:  # fmt: skip
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    name: str = "nll",
+    weight: float = 1.0,
+    shift: bool = True,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> Terms:
     """Cross-entropy per labelled token (``labels != ignore_index``), summed; counted in tokens."""
     flat, target, kept = flat_tokens(logits, labels, shift, ignore_index)
     total = F.cross_entropy(
@@ -54,9 +60,14 @@ def token_nll(
 
 
 def z_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, weight: float = 1e-4, name: str = "z_loss",
-    shift: bool = True, ignore_index: int = -100,
-) -> Terms:  # fmt: skip
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    weight: float = 1e-4,
+    name: str = "z_loss",
+    shift: bool = True,
+    ignore_index: int = -100,
+) -> Terms:
     """``logsumexp(logits)²`` per labelled token (keeps the softmax normaliser near 1)."""
     flat, _, kept = flat_tokens(logits, labels, shift, ignore_index)
     return {name: Term((flat.logsumexp(-1)[kept] ** 2).sum(), kept.sum(), weight)}
@@ -73,9 +84,15 @@ def sequence_logps(
 
 
 def dpo(
-    chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor, *, beta: float = 0.1, name: str = "dpo", weight: float = 1.0,
-) -> Terms:  # fmt: skip
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    name: str = "dpo",
+    weight: float = 1.0,
+) -> Terms:
     """DPO per pair: ``-log σ(β ((π_c − ref_c) − (π_r − ref_r)))`` from sequence log-probs."""
     margin = (chosen - ref_chosen) - (rejected - ref_rejected)
     losses = -F.logsigmoid(beta * margin)
@@ -83,10 +100,17 @@ def dpo(
 
 
 def policy_gradient(
-    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    *, unit: str = "token", clip: float = 0.2, max_len: int | None = None, name: str = "pg",
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    unit: str = "token",
+    clip: float = 0.2,
+    max_len: int | None = None,
+    name: str = "pg",
     weight: float = 1.0,
-) -> Terms:  # fmt: skip
+) -> Terms:
     """Clipped policy gradient (PPO / GRPO) per token, normalised in ``unit``.
 
     Args:
@@ -122,9 +146,13 @@ def load_balance_stats(router_probs: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def load_balance(
-    router_probs: torch.Tensor, mask: torch.Tensor, stats: dict[str, Any], *,
-    weight: float = 0.01, name: str = "balance",
-) -> Terms:  # fmt: skip
+    router_probs: torch.Tensor,
+    mask: torch.Tensor,
+    stats: dict[str, Any],
+    *,
+    weight: float = 0.01,
+    name: str = "balance",
+) -> Terms:
     """The global-batch balance ``E Σ_e f_e P_e``: ``f`` (held constant) from the window's totals
     of ``load_balance_stats``, ``P`` the mean router probability, differentiated."""
     kept = mask[..., None].to(router_probs.dtype)
@@ -139,9 +167,14 @@ def kto_stats(logratios: torch.Tensor) -> dict[str, Any]:
 
 
 def kto(
-    logratios: torch.Tensor, desirable: torch.Tensor, stats: dict[str, Any], *, beta: float = 0.1,
-    name: str = "kto", weight: float = 1.0,
-) -> Terms:  # fmt: skip
+    logratios: torch.Tensor,
+    desirable: torch.Tensor,
+    stats: dict[str, Any],
+    *,
+    beta: float = 0.1,
+    name: str = "kto",
+    weight: float = 1.0,
+) -> Terms:
     """KTO per sample: ``1 − σ(β (r − z))`` desirable, ``1 − σ(β (z − r))`` undesirable, with
     ``r`` the sample's log-ratio and ``z = max(0, batch mean of r)`` from ``kto_stats``."""
     z = (stats["sum"] / stats["n"]).clamp_min(0)

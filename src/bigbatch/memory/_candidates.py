@@ -37,8 +37,12 @@ TIE_COST = 0.05  # Note [ties and headroom]: at most 5% of speed is given up for
 SAME_PEAK = 0.02  # peaks within 2% are equal, for ties and for what checkpointing saved
 Option = tuple[str, float]  # (policy, fraction of the blocks)
 # How ``describe`` says a policy; {} is the blocks.
-_HOW = {"none": "without checkpointing", "selective": "with selective checkpointing of {}",
-        "full": "with {} checkpointed", "offload": "with {} offloaded to host memory"}  # fmt: skip
+_HOW = {
+    "none": "without checkpointing",
+    "selective": "with selective checkpointing of {}",
+    "full": "with {} checkpointed",
+    "offload": "with {} offloaded to host memory",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,9 +92,11 @@ class Candidate:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES or (self.policy == "none") != (self.checkpointing == 0):
-            raise ValueError(f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: "
-                             "use policy='none' with checkpointing=0, else 'selective', 'full' or "
-                             "'offload' with a fraction in (0, 1].")  # fmt: skip
+            raise ValueError(
+                f"policy={self.policy!r} with checkpointing={self.checkpointing!r}: "
+                "use policy='none' with checkpointing=0, else 'selective', 'full' or "
+                "'offload' with a fraction in (0, 1]."
+            )
 
     @property
     def saves_nothing(self) -> bool:
@@ -135,10 +141,20 @@ def timed(
     scale, out = statistics.median(rounds), []
     for c, times in zip(fitting, seconds, strict=True):
         relative = [t / level * scale for t, level in zip(times, rounds, strict=False)]
-        q1, t, q3 = statistics.quantiles(relative, n=4, method="inclusive") if len(times) > 1 \
-            else relative * 3  # fmt: skip
-        out.append(dataclasses.replace(c, seconds_per_step=t, samples_per_s=samples / t,
-                                       spread_seconds=(q1, q3), step_seconds=tuple(times)))  # fmt: skip
+        q1, t, q3 = (
+            statistics.quantiles(relative, n=4, method="inclusive")
+            if len(times) > 1
+            else relative * 3
+        )
+        out.append(
+            dataclasses.replace(
+                c,
+                seconds_per_step=t,
+                samples_per_s=samples / t,
+                spread_seconds=(q1, q3),
+                step_seconds=tuple(times),
+            )
+        )
     return out
 
 
@@ -222,9 +238,12 @@ def ran(c: Candidate) -> bool:
 def with_savings(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Each checkpointed measurement with the bytes it saved against none at its micro-batch."""
     plain = {c.size: c.peak_bytes for c in candidates if c.policy == "none" and ran(c)}
-    return [dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
-            if c.policy != "none" and ran(c) and c.size in plain else c
-            for c in candidates]  # fmt: skip
+    return [
+        dataclasses.replace(c, saved_bytes=plain[c.size] - c.peak_bytes)
+        if c.policy != "none" and ran(c) and c.size in plain
+        else c
+        for c in candidates
+    ]
 
 
 def ranked(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -267,10 +286,12 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
     out, checkpointing that saves nothing, and the speed-up over ``naive``."""
     choice, runner_up, tied = decide(candidates)
     verdict = "is the fastest" if choice is tied[0] else "ties with the fastest"
-    parts = [f"{choice.describe().capitalize()} {verdict} that fits"
-             f"{'' if choice is tied[0] else ' and has the most headroom'}: "
-             f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} "
-             f"usable ({format_bytes(budget)} less the {margin:.0%} safety margin)."]  # fmt: skip
+    parts = [
+        f"{choice.describe().capitalize()} {verdict} that fits"
+        f"{'' if choice is tied[0] else ' and has the most headroom'}: "
+        f"{format_bytes(choice.peak_bytes)} of the {format_bytes(usable(budget, margin))} "
+        f"usable ({format_bytes(budget)} less the {margin:.0%} safety margin)."
+    ]
     if runner_up is not None:
         parts.append(_why_it_lost(choice, runner_up, any(c is runner_up for c in tied)))
     parts += _what_did_not_fit(candidates, choice, budget) + _saves_nothing(candidates)
@@ -282,8 +303,10 @@ def explain(candidates: Sequence[Candidate], naive: Candidate, budget: int, marg
 
 def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     gap = _seconds(runner_up) / _seconds(choice) - 1
-    head = (f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
-            f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})")  # fmt: skip
+    head = (
+        f"Runner-up: {runner_up.describe()} ({format_bytes(runner_up.peak_bytes)}, "
+        f"{abs(gap):.1%} {'faster' if gap < 0 else 'slower'})"
+    )
     if not tied:
         apart = not _overlap(runner_up, choice)
         why = "the spreads do not overlap" if apart else f"more than {TIE_COST:.0%} slower"
@@ -292,14 +315,24 @@ def _why_it_lost(choice: Candidate, runner_up: Candidate, tied: bool) -> str:
     tie = f"{head}: the spreads overlap and it is within {TIE_COST:.0%}"
     if more > SAME_PEAK * choice.peak_bytes:
         return f"{tie}, a tie, and it needs {format_bytes(more)} more, so it lost on headroom."
-    return (f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
-            "configuration (less checkpointing, fewer micro-batches).")  # fmt: skip
+    return (
+        f"{tie} and within 2% of its peak, a tie on both, so it lost to the simpler "
+        "configuration (less checkpointing, fewer micro-batches)."
+    )
 
 
 def _what_did_not_fit(candidates: Sequence[Candidate], choice: Candidate, budget: int) -> list[str]:
     """The next larger size of the chosen option, when memory ruled it out."""
-    b = next((c for c in candidates if c.label == choice.label and c.size[0] == choice.size[0]
-              and c.size[1] > choice.size[1]), None)  # fmt: skip
+    b = next(
+        (
+            c
+            for c in candidates
+            if c.label == choice.label
+            and c.size[0] == choice.size[0]
+            and c.size[1] > choice.size[1]
+        ),
+        None,
+    )
     if b is None or b.fits:
         return []
     if b.out_of_memory:
@@ -319,9 +352,11 @@ def _saves_nothing(candidates: Sequence[Candidate]) -> list[str]:
     shown = "; ".join(_against(c, plain[c.size]) for c in useless)
     if len(useless) < len(by_option):
         return [f"Some checkpointing saves nothing measurable here ({shown})."]
-    return [f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
-            "blocks' activations but the parameters, gradients and optimizer state (or "
-            "activations outside the blocks), which checkpointing does not reduce."]  # fmt: skip
+    return [
+        f"Checkpointing saves nothing measurable on this model ({shown}): its peak is not the "
+        "blocks' activations but the parameters, gradients and optimizer state (or "
+        "activations outside the blocks), which checkpointing does not reduce."
+    ]
 
 
 def _against(c: Candidate, plain: Candidate) -> str:
@@ -335,10 +370,15 @@ def _against(c: Candidate, plain: Candidate) -> str:
 def nothing_fits(candidates: Sequence[Candidate], budget: int, margin: float) -> str:
     """The message of the planner's ``MemoryBudgetExceeded`` when no configuration fits."""
     smallest = min(filter(ran, candidates), key=lambda c: c.peak_bytes, default=None)
-    lowest = f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})" if smallest \
-        else "none (all ran out of memory)"  # fmt: skip
-    return (f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
-            f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured "
-            f"was {lowest}. Raise memory_budget, lower margin (--margin), try smaller "
-            "micro_batch_sizes (down to 1), checkpointing=('full',), a lower precision, or a "
-            "smaller model or sequence length.")  # fmt: skip
+    lowest = (
+        f"{format_bytes(smallest.peak_bytes)} ({smallest.describe()})"
+        if smallest
+        else "none (all ran out of memory)"
+    )
+    return (
+        f"no configuration fits memory_budget={format_bytes(budget)} less the {margin:.0%} "
+        f"safety margin ({format_bytes(usable(budget, margin))}): the smallest peak measured "
+        f"was {lowest}. Raise memory_budget, lower margin (--margin), try smaller "
+        "micro_batch_sizes (down to 1), checkpointing=('full',), a lower precision, or a "
+        "smaller model or sequence length."
+    )

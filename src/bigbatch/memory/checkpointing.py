@@ -116,9 +116,12 @@ class _CheckpointedForward:
             return forward(*args, **kwargs)
         args = tuple(_without_cache(self.module, a) for a in args)
         kwargs = {k: _without_cache(self.module, v) for k, v in kwargs.items()}
-        stats: _Stats = [(sub, name, b, b.clone()) for sub in self.module.modules()
-                         for name, b in sub.named_buffers(recurse=False)
-                         if name in _RUNNING_STATS]  # fmt: skip
+        stats: _Stats = [
+            (sub, name, b, b.clone())
+            for sub in self.module.modules()
+            for name, b in sub.named_buffers(recurse=False)
+            if name in _RUNNING_STATS
+        ]
         saved, ran = _Saved(), list[bool]()  # ran: the first call is the forward, later recompute
 
         def run(*inputs: Any) -> Any:
@@ -210,10 +213,12 @@ def _draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 def _refuse_changed(module: nn.Module, saved: _Saved) -> None:
     changed = next((func for func, t, version in saved if t._version != version), None)
     if changed is not None:
-        raise ValueError(f"policy='selective': the output of {changed} in a checkpointed "
-                         f"{type(module).__name__} is changed in place after it ran (nn.ReLU("
-                         "inplace=True), `h += x` after a Linear), so the recompute cannot reuse "
-                         "it: use inplace=False, h = h + x, or policy='full'.")  # fmt: skip
+        raise ValueError(
+            f"policy='selective': the output of {changed} in a checkpointed "
+            f"{type(module).__name__} is changed in place after it ran (nn.ReLU("
+            "inplace=True), `h += x` after a Linear), so the recompute cannot reuse "
+            "it: use inplace=False, h = h + x, or policy='full'."
+        )
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -230,10 +235,12 @@ def _without_cache(module: nn.Module, value: Any) -> Any:
         return value
     layers = (getattr(m, "layer_idx", None) for m in module.modules())
     if held := value.get_seq_length(next((i for i in layers if isinstance(i, int)), 0)):
-        raise ValueError(f"a checkpointed {type(module).__name__} got a key/value cache that "
-                         f"already holds {held} positions: its recompute would add these keys "
-                         "and values again. While training, call the model with use_cache=False "
-                         "and no past_key_values, or disable_checkpointing(model).")  # fmt: skip
+        raise ValueError(
+            f"a checkpointed {type(module).__name__} got a key/value cache that "
+            f"already holds {held} positions: its recompute would add these keys "
+            "and values again. While training, call the model with use_cache=False "
+            "and no past_key_values, or disable_checkpointing(model)."
+        )
     return None
 
 
@@ -243,9 +250,11 @@ def _offloaded(
     """Run the block once, its saved tensors kept in pinned host memory (Note [offloading])."""
     first = next((t for _, t in tensor_leaves((args, kwargs))), None)
     if first is not None and first.device.type != "cuda":
-        raise ValueError(f"policy='offload': the input of {type(module).__name__} is on "
-                         f"{first.device}, and offloading frees GPU memory only: move the model "
-                         "and the batch to CUDA, or use policy='selective' or 'full'.")  # fmt: skip
+        raise ValueError(
+            f"policy='offload': the input of {type(module).__name__} is on "
+            f"{first.device}, and offloading frees GPU memory only: move the model "
+            "and the batch to CUDA, or use policy='selective' or 'full'."
+        )
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         return forward(*args, **kwargs)
 
@@ -316,22 +325,30 @@ def enable_checkpointing(
 
 def _check_arguments(fraction: float, policy: str) -> None:
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-        raise ValueError(f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. "
-                         "fraction=0.5 for the first half of the blocks, 1 for all.")  # fmt: skip
+        raise ValueError(
+            f"fraction={fraction!r} is not allowed: use a number in (0, 1], e.g. "
+            "fraction=0.5 for the first half of the blocks, 1 for all."
+        )
     if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is not allowed: use 'full' (recompute whole blocks), "
-                         "'selective' (save matmul/attention/convolution outputs, recompute the "
-                         "rest) or 'offload' (to host memory, CUDA only).")  # fmt: skip
+        raise ValueError(
+            f"policy={policy!r} is not allowed: use 'full' (recompute whole blocks), "
+            "'selective' (save matmul/attention/convolution outputs, recompute the "
+            "rest) or 'offload' (to host memory, CUDA only)."
+        )
     if policy == "selective" and not hasattr(
         torch_checkpoint, "create_selective_checkpoint_contexts"
     ):
-        raise ValueError(f"policy='selective' needs torch >= 2.4 (selective activation "
-                         f"checkpointing); this is torch {torch.__version__}: pip install "
-                         "'torch>=2.4', or use policy='full'.")  # fmt: skip
+        raise ValueError(
+            f"policy='selective' needs torch >= 2.4 (selective activation "
+            f"checkpointing); this is torch {torch.__version__}: pip install "
+            "'torch>=2.4', or use policy='full'."
+        )
     if policy == "offload" and not torch.cuda.is_available():
-        raise ValueError("policy='offload' moves activations from GPU memory to host memory, and "
-                         "CUDA is not available here (on the CPU it would free nothing): use "
-                         "policy='selective' or 'full'.")  # fmt: skip
+        raise ValueError(
+            "policy='offload' moves activations from GPU memory to host memory, and "
+            "CUDA is not available here (on the CPU it would free nothing): use "
+            "policy='selective' or 'full'."
+        )
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:
@@ -368,13 +385,17 @@ def find_blocks(
     if blocks is None:
         return _repeated_blocks(model)
     if isinstance(blocks, (str, type)) or not all(isinstance(b, (str, type)) for b in blocks):
-        raise ValueError(f"blocks={blocks!r} is not allowed: use None, a list of module classes "
-                         "(blocks=[MyBlock]) or names (blocks=['layers.0']).")  # fmt: skip
+        raise ValueError(
+            f"blocks={blocks!r} is not allowed: use None, a list of module classes "
+            "(blocks=[MyBlock]) or names (blocks=['layers.0'])."
+        )
     names = dict(model.named_modules())
     if unknown := [b for b in blocks if isinstance(b, str) and b not in names]:
         some = ", ".join(repr(n) for n in list(names)[1:8])
-        raise ValueError(f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; "
-                         f"names are those of model.named_modules(), e.g. {some}.")  # fmt: skip
+        raise ValueError(
+            f"blocks={list(blocks)!r}: no module named {unknown[0]!r} in the model; "
+            f"names are those of model.named_modules(), e.g. {some}."
+        )
     classes = tuple(b for b in blocks if isinstance(b, type))
     if absent := [c.__name__ for c in classes if not any(isinstance(m, c) for m in names.values())]:
         raise ValueError(f"blocks={list(blocks)!r}: no module of class {absent[0]} in the model.")
@@ -384,13 +405,17 @@ def find_blocks(
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    groups = [[(f"{name}.{n}" if name else n, c) for n, c in container.named_children()]
-              for name, container in model.named_modules()
-              if isinstance(container, (nn.ModuleList, nn.Sequential))]  # fmt: skip
+    groups = [
+        [(f"{name}.{n}" if name else n, c) for n, c in container.named_children()]
+        for name, container in model.named_modules()
+        if isinstance(container, (nn.ModuleList, nn.Sequential))
+    ]
     if not (repeated := [g for g in groups if len(g) >= 2 and len({type(c) for _, c in g}) == 1]):
-        raise ValueError(f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
-                         "ModuleList or Sequential whose children share one type). Name them: "
-                         "enable_checkpointing(model, blocks=[MyBlock] or ['enc.0']).")  # fmt: skip
+        raise ValueError(
+            f"blocks=None: found no repeated blocks in {type(model).__name__} (no "
+            "ModuleList or Sequential whose children share one type). Name them: "
+            "enable_checkpointing(model, blocks=[MyBlock] or ['enc.0'])."
+        )
     return max(repeated, key=len)  # the first of the largest
 
 

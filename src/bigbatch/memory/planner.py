@@ -178,10 +178,15 @@ class _Setup:
             computed = sum(p.padded_tokens or 0 for p in (pieces if tokens else trimmed))
             padding = 1 - sum(p.tokens or 0 for p in pieces) / (computed or whole)
             rows, steps = (max(p.samples for p in pieces), len(pieces)) if tokens else (m, steps)
-        return Candidate(micro_batch_size=rows, gradient_accumulation_steps=steps,
-                         checkpointing=option[1], policy=option[0], padding=padding,
-                         micro_batch_tokens=m if tokens else None,
-                         peak_bytes=rules.usable(self.budget, self.margin) + 1)  # fmt: skip
+        return Candidate(
+            micro_batch_size=rows,
+            gradient_accumulation_steps=steps,
+            checkpointing=option[1],
+            policy=option[0],
+            padding=padding,
+            micro_batch_tokens=m if tokens else None,
+            peak_bytes=rules.usable(self.budget, self.margin) + 1,
+        )
 
     def step(self, acc: Accumulator) -> float:
         """Seconds of one optimizer step of the effective batch."""
@@ -287,8 +292,19 @@ def plan(
     budget = parse_bytes(memory_budget) or default_budget(device)
     cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
     budgets = _distinct(cut, full, _check_tokens(micro_batch_tokens, cut, full, n))
-    setup = _Setup(model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut,
-                   *([progress] if progress else []))  # fmt: skip
+    setup = _Setup(
+        model,
+        optimizer,
+        full,
+        n,
+        loss_fn,
+        steps,
+        budget,
+        margin,
+        device,
+        cut,
+        *([progress] if progress else []),
+    )
     cpu = device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
         _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
@@ -303,19 +319,32 @@ def plan(
 
 def _choose(setup: _Setup, candidates: list[Candidate], fits: tuple, skipped: tuple) -> Plan:
     choice, runner_up, _ = rules.decide(candidates)
-    naive = min(filter(rules.ran, candidates), key=lambda c: (
-        c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"))  # fmt: skip
+    naive = min(
+        filter(rules.ran, candidates),
+        key=lambda c: (c.size[0], c.micro_batch_size, -c.checkpointing, c.policy != "full"),
+    )
     return Plan(
-        choice=choice, naive=naive, candidates=tuple(candidates), fits=fits,
-        memory_budget=setup.budget, batch_size=setup.n, device=str(setup.device),
-        reason=rules.explain(candidates, naive, setup.budget, setup.margin), margin=setup.margin,
-        runner_up=runner_up, skipped=skipped,
-    )  # fmt: skip
+        choice=choice,
+        naive=naive,
+        candidates=tuple(candidates),
+        fits=fits,
+        memory_budget=setup.budget,
+        batch_size=setup.n,
+        device=str(setup.device),
+        reason=rules.explain(candidates, naive, setup.budget, setup.margin),
+        margin=setup.margin,
+        runner_up=runner_up,
+        skipped=skipped,
+    )
 
 
-def _measure_peaks(setup: _Setup, options: Sequence[Option], sizes: Sequence[int],
-                   budgets: Sequence[int], bound: bool = False,
-                   ) -> tuple[list[Candidate], list[MemoryFit]]:  # fmt: skip
+def _measure_peaks(
+    setup: _Setup,
+    options: Sequence[Option],
+    sizes: Sequence[int],
+    budgets: Sequence[int],
+    bound: bool = False,
+) -> tuple[list[Candidate], list[MemoryFit]]:
     """Every option at every size, then every token budget, smallest first, until one does not
     fit (the larger ones are predicted); then the fits. ``bound``: checkpointing only at the
     sizes that do not fit without it (Note [what the planner measures])."""
@@ -330,7 +359,9 @@ def _measure_peaks(setup: _Setup, options: Sequence[Option], sizes: Sequence[int
         while larger and (not measured or measured[-1].fits):
             measured.append(c := _peak(setup, larger.pop(0)))
             what = "out of memory" if c.out_of_memory else rules.format_bytes(c.peak_bytes)
-            setup.progress(f"peak of {c.describe()}: {what}", len(candidates) + len(measured), total)  # fmt: skip
+            setup.progress(
+                f"peak of {c.describe()}: {what}", len(candidates) + len(measured), total
+            )
         plain |= {c.size for c in measured if c.fits and bound and option[0] == "none"}
         fit = fit_memory([c for c in measured if not c.out_of_memory])
         fits += [fit] if fit else []
@@ -435,8 +466,10 @@ def _full_batch(batch: Batch | Callable[[int], Batch], batch_size: int | None) -
     if batch_size is not None and batch_size != n:
         got = f"batch_fn({batch_size}) returned" if callable(batch) else "the batch has"
         fewer = " (do the data hold fewer samples than the batch?)" if n < batch_size else ""
-        raise ValueError(f"batch_size={batch_size} but {got} {n} samples{fewer}: pass batch_size "
-                         "samples (one effective batch), or batch_fn(n) giving n.")  # fmt: skip
+        raise ValueError(
+            f"batch_size={batch_size} but {got} {n} samples{fewer}: pass batch_size "
+            "samples (one effective batch), or batch_fn(n) giving n."
+        )
     return full, n
 
 
@@ -472,8 +505,10 @@ def _check_tokens(spec: Any, cut: TokenCut | None, batch: Batch, n: int) -> list
     longest, whole = cut.floor(batch), cut.units(batch)
     if spec == "auto":
         return sorted({m * longest for m in _check_sizes(None, n)})
-    allowed = (f"'auto' or integers from the longest sample's {longest} tokens to the whole "
-               f"batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]")  # fmt: skip
+    allowed = (
+        f"'auto' or integers from the longest sample's {longest} tokens to the whole "
+        f"batch's {whole}, e.g. micro_batch_tokens=[{longest}, {whole}]"
+    )
     return _ints("micro_batch_tokens", spec, longest, whole, allowed)
 
 
@@ -481,8 +516,10 @@ def _check_steps_and_margin(steps: int, margin: float) -> None:
     if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps={steps!r} is not allowed: use a positive integer, e.g. steps=5.")
     if isinstance(margin, bool) or not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-        raise ValueError(f"margin={margin!r} is not allowed: use the fraction of the budget to "
-                         "keep free, in [0, 1), e.g. margin=0.1 (10%).")  # fmt: skip
+        raise ValueError(
+            f"margin={margin!r} is not allowed: use the fraction of the budget to "
+            "keep free, in [0, 1), e.g. margin=0.1 (10%)."
+        )
 
 
 def _check_options(
@@ -495,11 +532,13 @@ def _check_options(
     if spec is not None:
         parsed = [rules.parse_option(o) for o in ([] if isinstance(spec, str) else spec)]
         if not parsed or None in parsed:
-            raise ValueError(f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is "
-                             "not allowed: use fractions of the blocks in [0, 1] (recomputed "
-                             "whole) or policy names 'none', 'selective', 'full', 'offload', "
-                             "optionally with a fraction ('selective:0.5'), e.g. "
-                             "checkpointing=(0, 'selective', 0.5, 1).")  # fmt: skip
+            raise ValueError(
+                f"checkpointing={spec if isinstance(spec, str) else list(spec)!r} is "
+                "not allowed: use fractions of the blocks in [0, 1] (recomputed "
+                "whole) or policy names 'none', 'selective', 'full', 'offload', "
+                "optionally with a fraction ('selective:0.5'), e.g. "
+                "checkpointing=(0, 'selective', 0.5, 1)."
+            )
         order = lambda o: (rules.POLICIES.index(o[0]), o[1])  # noqa: E731
         return sorted(set(filter(None, parsed)), key=order), []
     try:

@@ -104,13 +104,19 @@ class CheckReport:
             verdict += " (dropout off)" + ("; with dropout on, equal in distribution" * self.exact)
         dtype = str(self.compute_dtype).removeprefix("torch.")
         notes = [  # (shown, line)
-            (self.dropout_off, f"dropout off in {_by_class(self.dropout_off)} (dropout_off names "
-             "them): micro-batches draw other masks, from the same distribution"),
-            (dtype != "float64", f"tolerance {self.tolerance:.0e}: the float64 copy computes "
-             f"partly in {dtype} (in {_by_class(self.low_precision_in)}: low_precision_in names "
-             f"them), so differences up to {dtype} rounding are not counted"),
+            (
+                self.dropout_off,
+                f"dropout off in {_by_class(self.dropout_off)} (dropout_off names "
+                "them): micro-batches draw other masks, from the same distribution",
+            ),
+            (
+                dtype != "float64",
+                f"tolerance {self.tolerance:.0e}: the float64 copy computes "
+                f"partly in {dtype} (in {_by_class(self.low_precision_in)}: low_precision_in names "
+                f"them), so differences up to {dtype} rounding are not counted",
+            ),
             *((True, f"{d.kind}: {d.message}") for d in self.diagnoses),
-        ]  # fmt: skip
+        ]
         head = f"{verdict}: max relative difference {self.max_difference:.2e} (batch "
         head += f"{self.batch_size}, micro-batches of {self.micro_batch_size})"
         return "\n".join([head, *(f"- {line}" for shown, line in notes if shown)])
@@ -189,9 +195,17 @@ def check(
     if checkpointed_blocks(model) and found is None:
         diagnoses += checkpointing(case, full.grads, tolerance)
     report = CheckReport(  # the fields in order
-        within and not diagnoses, diffs, n, size, tolerance, diagnoses, full.observed.dtype,
-        _labels(model, full.observed.where), _labels(model, full.observed.dropout), terms,
-    )  # fmt: skip
+        within and not diagnoses,
+        diffs,
+        n,
+        size,
+        tolerance,
+        diagnoses,
+        full.observed.dtype,
+        _labels(model, full.observed.where),
+        _labels(model, full.observed.dropout),
+        terms,
+    )
     if raise_on_failure and not report.exact:
         raise NotExactError(report)
     return report
@@ -292,9 +306,12 @@ def diagnose(
         return [_naming("randomness", case.model, [])]  # no probe can compare other draws
     work, rtol = copy_float64(case.model), max(1e-9, tolerance)
     coupled, unprobed = _runs.probe_coupling(
-        work, lambda: case.loss_fn(work, case.batch), batch_size(case.batch),
-        lambda: _runs.seeded(case.seed), rtol,
-    )  # fmt: skip
+        work,
+        lambda: case.loss_fn(work, case.batch),
+        batch_size(case.batch),
+        lambda: _runs.seeded(case.seed),
+        rtol,
+    )
     found += [_naming("batch-statistics", case.model, coupled)] * bool(coupled)
     differ = [k for k, d in terms.items() if not d <= tolerance] if terms else None
     found += _loss_diagnoses(case, rtol, bool(coupled or unprobed), differ)

@@ -235,8 +235,10 @@ def _replay(
         return None
 
     def row_0(first: torch.Tensor) -> torch.Tensor | None:
-        call = {k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
-                for k, v in {**recorded, where: first}.items()}  # fmt: skip
+        call = {
+            k: v.clone() if isinstance(v, torch.Tensor) else None if is_kv_cache(v) else v
+            for k, v in {**recorded, where: first}.items()
+        }
         args = [call.pop(i) for i in range(len(call)) if i in call]
         with seeded(), torch.no_grad():
             out = module(*args, **call)
