@@ -114,6 +114,7 @@ from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._tree import map_tensors
 from bigbatch.core._units import format_bytes
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.cut import Cut
 from bigbatch.core.engine import Accumulator, StepResult
 from bigbatch.core.head import with_chunked_head
 from bigbatch.core.loss import as_sum_and_count
@@ -294,20 +295,24 @@ def _prepare(task: Task, config: TrainConfig, ranks: distributed.Ranks) -> _Run:
     lr = cfg.checked_lr(config, batch_size, model)
     optimizer = (task.optimizer or torch.optim.AdamW)(model.parameters(), lr=lr)
     schedule = task.scheduler or functools.partial(cfg.schedule, config)
+    cut = Cut(
+        cfg.resolve_batch(config)[1],
+        config.micro_batch_tokens,
+        config.pad_to_multiple_of,
+        task.lengths,
+        task.pad_values,
+        config.trim_padding,
+        config.memory_budget,
+    )
+    scheduler = schedule(optimizer, total_steps)
     acc = Accumulator(
         model,
         optimizer,
-        cfg.resolve_batch(config)[1],
-        schedule(optimizer, total_steps),
+        cut,
+        scheduler,
         config.max_grad_norm,
         config.precision,
-        config.memory_budget,
         nonfinite=config.nonfinite,
-        micro_batch_tokens=config.micro_batch_tokens,
-        lengths=task.lengths,
-        pad_to_multiple_of=config.pad_to_multiple_of,
-        trim_padding=config.trim_padding,
-        pad_values=task.pad_values,
     )
     local = (
         None

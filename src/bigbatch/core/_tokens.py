@@ -66,7 +66,6 @@ from typing import Any
 
 import torch
 
-from bigbatch.core._sizing import Sizing
 from bigbatch.core._tree import map_tensors, take, tensor_leaves
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core._window import Piece, SampleCut
@@ -103,53 +102,6 @@ def check_pad_rows(terms: Mapping[str, Any]) -> None:
             "would count the pad rows too: return counts computed from the labels or mask as "
             "tensors (a pad row's labels are -100, its mask 0), or drop pad_to_multiple_of."
         )
-
-
-def make_cut(
-    micro_batch_size: int | str | None,
-    micro_batch_tokens: int | str | None,
-    pad_to_multiple_of: int | None = None,
-    lengths: Callable[[Any], Any] | None = None,
-    pad_values: Mapping[str, float | None] | None = None,
-    trim_padding: bool = True,
-) -> tuple[Sizing, SampleCut]:
-    """The ``Accumulator``'s sizing policy and cut: by samples (each micro-batch trimmed to its
-    longest sample unless ``trim_padding=False``: Note [per-token tensors]), or by tokens with
-    ``micro_batch_tokens`` (``micro_batch_size`` is then an optional row cap).
-
-    Raises:
-        TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
-    """
-    if not isinstance(trim_padding, bool):
-        raise TypeError(f"trim_padding={trim_padding!r} is not allowed: use True or False.")
-    if micro_batch_tokens is None:
-        if pad_to_multiple_of is not None or lengths is not None:
-            raise ValueError(
-                "pad_to_multiple_of and lengths shape token windows: give micro_batch_tokens "
-                "too (e.g. micro_batch_tokens=4096)."
-            )
-        cut = TrimmedSampleCut(pad_values) if trim_padding else SampleCut()
-        return Sizing(32 if micro_batch_size is None else micro_batch_size), cut
-    if micro_batch_size == "auto":
-        raise ValueError(
-            'micro_batch_size="auto" with micro_batch_tokens: the token budget is what auto '
-            'sizes; use micro_batch_tokens="auto" and micro_batch_size=None or a row cap.'
-        )
-    if not trim_padding:
-        raise ValueError(
-            "trim_padding=False with micro_batch_tokens: token windows trim every micro-batch "
-            "by design; cut by samples (micro_batch_size) to keep the batch's padded width."
-        )
-    sizing = Sizing(micro_batch_tokens, "micro_batch_tokens")
-    cut = TokenCut(micro_batch_size, pad_to_multiple_of, lengths, pad_values)  # type: ignore[arg-type]  # not "auto"
-    if isinstance(micro_batch_tokens, int) and (cut.multiple or 0) > micro_batch_tokens:
-        raise ValueError(
-            f"pad_to_multiple_of={cut.multiple} is larger than micro_batch_tokens="
-            f"{micro_batch_tokens}: every micro-batch would be padded to at least {cut.multiple} "
-            f"tokens, over the budget. Use pad_to_multiple_of={min(64, micro_batch_tokens)} (at "
-            f"most {micro_batch_tokens}), or a larger micro_batch_tokens."
-        )
-    return sizing, cut
 
 
 class TokenCut(SampleCut):

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,11 +38,15 @@ from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
-from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, make_cut
+from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
+from bigbatch.core.cut import Cut, CutSettings
 from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Accumulator", "CountFn", "StatsFn", "StepResult"]
 
@@ -63,35 +67,26 @@ class Accumulator:
     Args:
         model: the module to train (plain, ``DistributedDataParallel`` or FSDP).
         optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model.
-        micro_batch_size: samples per micro-batch, or ``"auto"`` for the largest that fits;
-            an out-of-memory error then shrinks it and redoes the window. ``None``: 32, or no
-            row cap with ``micro_batch_tokens``.
+        cut: how each window is cut into micro-batches and sized: a ``bigbatch.core.cut.Cut``,
+            or a micro-batch size (``8``, ``"auto"``) standing for ``micro_batch_size``; or give
+            the cut's settings by name (``**settings``). ``None``: 32 samples per micro-batch.
         scheduler: an LR scheduler of ``optimizer``, stepped once per optimizer step (not per
             micro-batch); ``ReduceLROnPlateau`` is stepped with the window's mean loss.
         max_grad_norm: clip the normalised gradient to this 2-norm; ``None`` to not clip.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + grad scaler); an
             integration passes its own object with ``Precision``'s methods (Keras' loss scaling).
-        memory_budget: cap on the memory a step may use above what was in use before it
-            (``"6GiB"``, bytes): a window that goes over is redone smaller in auto mode.
         nonfinite: a window whose loss or gradient norm is NaN / infinite: ``"raise"``
             ``NonFiniteError`` before the optimizer steps (default), ``"skip"`` it, or ``"apply"``
             it anyway. In fp16 every non-finite window is the loss scaler's to skip (and lower
             its scale), as in a plain fp16 loop: ``StepResult.skipped`` and ``.nonfinite``.
-        micro_batch_tokens: cut windows of variable-length text by tokens instead (Note [token
-            windows] in ``bigbatch.core._tokens``): at most this many padded tokens per
-            micro-batch, or ``"auto"`` (with ``memory_budget``: the largest budget that fits).
-        pad_to_multiple_of: with ``micro_batch_tokens``: round each micro-batch's length up to
-            a multiple of this and pad its rows to the bucket's row count, so a compiled model
-            sees one shape per bucket (Note [compile buckets]).
-        lengths: with ``micro_batch_tokens``: ``lengths(batch)`` -> each sample's tokens;
-            default ``attention_mask.sum(-1)`` of a mapping batch.
-        pad_values: the per-token keys of a mapping batch beyond transformers' and their pad
-            value (``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100, ...), ``None`` for a
-            key that is not per-token (Note [per-token tensors] in ``bigbatch.core._tokens``).
-        trim_padding: cut by samples, trim each micro-batch of right-padded text (a mapping
-            batch with an ``attention_mask``) to its longest sample (Note [per-token tensors] in
-            ``bigbatch.core._tokens``); ``False`` keeps the batch's padded width, for a model or
-            loss that reads the padding (e.g. mean pooling without the mask).
+        **settings: the cut's settings by name (``Cut``'s fields): ``micro_batch_size``
+            (samples per micro-batch, or ``"auto"`` for the largest that fits: an out-of-memory
+            error then shrinks it and redoes the window), ``micro_batch_tokens`` (cut windows of
+            variable-length text by tokens instead: Note [token windows] in
+            ``bigbatch.core._tokens``), ``pad_to_multiple_of`` (Note [compile buckets]),
+            ``lengths``, ``pad_values`` (Note [per-token tensors]), ``trim_padding`` and
+            ``memory_budget`` (a cap on the memory a window may use above what was in use before
+            it, ``"6GiB"``: a window that goes over is redone smaller in auto mode).
 
     Raises:
         TypeError, ValueError: a bad argument, named with what is allowed.
@@ -110,36 +105,25 @@ class Accumulator:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        micro_batch_size: int | str | None = None,
+        cut: Cut | int | str | None = None,
         scheduler: Any = None,
         max_grad_norm: float | None = None,
         precision: str | Precision = "fp32",
-        memory_budget: int | str | None = None,
         *,
         nonfinite: str = "raise",
-        micro_batch_tokens: int | str | None = None,
-        pad_to_multiple_of: int | None = None,
-        lengths: Callable[[Any], Any] | None = None,
-        pad_values: Mapping[str, float | None] | None = None,
-        trim_padding: bool = True,
+        **settings: Unpack[CutSettings],
     ) -> None:
-        sizing, cut = make_cut(
-            micro_batch_size,
-            micro_batch_tokens,
-            pad_to_multiple_of,
-            lengths,
-            pad_values,
-            trim_padding,
-        )
-        settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
-        self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
-        self.scheduler, self.max_grad_norm, self.nonfinite = settings
+        self.cut = Cut.of(cut, **settings)
+        sizing, cutter = self.cut.build()
+        stepping = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.max_grad_norm, self.nonfinite = stepping
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._precision = make_precision(precision, self.device)
         self._sync = make_sync(model, auto=sizing.retries)
-        self._stepper = Stepper(optimizer, *settings, self._precision, self._sync)
-        meter = WindowMeter(self.device, memory_budget, sizing.retries, optimizer)
-        self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
+        self._stepper = Stepper(optimizer, *stepping, self._precision, self._sync)
+        meter = WindowMeter(self.device, self.cut.memory_budget, sizing.retries, optimizer)
+        self._runner = Runner(model, sizing, self._sync, meter, self.device, cutter)
         self._window = Window()
         self._last: bool | None = None  # inside micro_batch(): whether it is the window's last
         self._count_pass = False  # the loss has several terms: count them before each window
@@ -150,6 +134,11 @@ class Accumulator:
     def precision(self) -> str:
         """``"fp32"``, ``"bf16"`` or ``"fp16"``."""
         return self._precision.name
+
+    @property
+    def micro_batch_size(self) -> int | str | None:
+        """The ``micro_batch_size`` setting of the cut (``None``, a size or ``"auto"``)."""
+        return self.cut.micro_batch_size
 
     @property
     def current_micro_batch_size(self) -> int | None:

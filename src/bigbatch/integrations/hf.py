@@ -74,14 +74,9 @@ import torch
 
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision
-from bigbatch.core._tokens import (
-    fit_columns,
-    make_cut,
-    padded_length,
-    right_padded,
-)
+from bigbatch.core._tokens import fit_columns, padded_length, right_padded
 from bigbatch.core._tree import map_tensors, take
-from bigbatch.core._units import parse_bytes
+from bigbatch.core.cut import Cut
 from bigbatch.core.engine import Accumulator
 from bigbatch.core.head import HeadLogits, deferred_head, output_layer
 from bigbatch.core.loss import LossFn, WindowLoss
@@ -92,14 +87,6 @@ __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
-SETTINGS = (
-    "micro_batch_size",
-    "micro_batch_tokens",
-    "memory_budget",
-    "pad_to_multiple_of",
-    "pad_values",
-)
-"""How ``exact``'s trainers cut their windows: ``Accumulator`` arguments they take."""
 _transformers = _audit.need("transformers", "hf")
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
 """Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
@@ -169,16 +156,20 @@ def exact(trainer_class: type) -> type:
             chunked_head: bool = False,
             **kwargs: Any,
         ) -> None:
-            settings = {k: v for k, v in locals().items() if k in SETTINGS}  # the Accumulator's
-            make_cut(micro_batch_size, micro_batch_tokens, pad_to_multiple_of, None, pad_values)
-            parse_bytes(memory_budget)  # both refuse early, before the trainer is built
+            cut = Cut(  # refused early, before the trainer is built
+                micro_batch_size,
+                micro_batch_tokens,
+                pad_to_multiple_of,
+                pad_values=pad_values,
+                memory_budget=memory_budget,
+            )
             super().__init__(*args, **kwargs)
             refuse_deepspeed(self, f"bigbatch.hf.exact({trainer_class.__name__})")
             if chunked_head:  # Note [chunked head in a trainer]
                 loss_fn = chunked_loss(self, loss_fn)
             if micro_batch_size is None and micro_batch_tokens is None:
-                settings["micro_batch_size"] = self.args.per_device_train_batch_size
-            self.bigbatch_window = TrainerWindow(self, settings, loss_fn)
+                cut = cut.replace(micro_batch_size=self.args.per_device_train_batch_size)
+            self.bigbatch_window = TrainerWindow(self, cut, loss_fn)
 
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             if self.optimizer is None or not hasattr(self, "current_gradient_accumulation_steps"):
@@ -251,9 +242,8 @@ def chunked_refusal(trainer: Any, loss_fn: Any) -> str | None:
 class TrainerWindow:
     """The state ``exact`` adds to a trainer: the window's batches and the ``Accumulator``."""
 
-    def __init__(self, trainer: Any, settings: dict[str, Any], loss_fn: Any) -> None:
-        self.trainer, self.loss_fn, self.reader = trainer, loss_fn, Reader(trainer)
-        self.settings = {**settings, "nonfinite": "apply"}  # the Trainer's scaler and step decide
+    def __init__(self, trainer: Any, cut: Cut, loss_fn: Any) -> None:
+        self.trainer, self.cut, self.loss_fn, self.reader = trainer, cut, loss_fn, Reader(trainer)
         self.pending: list[Any] = []  # the window's batches so far
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
@@ -282,7 +272,8 @@ class TrainerWindow:
             held.step = held.zero_grad = lambda *args, **kwargs: None
             precision = Precision("fp32", torch.device(t.args.device).type)
             precision.backward = t.accelerator.backward  # type: ignore[method-assign]
-            self.acc = Accumulator(model, held, precision=precision, **self.settings)
+            # nonfinite="apply": the Trainer's scaler and step decide
+            self.acc = Accumulator(model, held, self.cut, precision=precision, nonfinite="apply")
         return self.acc
 
     def window_loss(self, model: Any, batch: Any, given: bool) -> tuple[Any, Any]:
