@@ -349,12 +349,16 @@ def _loss_diagnoses(
     if isinstance(case.loss_fn, WindowLoss):
         return []
     work, n = copy_float64(case.model).eval(), batch_size(case.batch)  # the loss alone
-    half = (n + 1) // 2
     per_sample = [torch.ones(n), *labelled_tokens(case.batch)]
-    weights = [[float(k.sum()) for k in split(items, half)] for items in per_sample]
-    whole, parts, found = case.sums(work, n)[0], case.sums(work, half), []
+    whole, found = case.sums(work, n)[0], []
     for name in whole if terms is None else terms:
-        kind = loss_kind(whole[name], [p[name] for p in parts], weights, rtol)
+        # halves, then the cut checked: halves of equal tokens hide a token mean
+        for size in dict.fromkeys([(n + 1) // 2, case.size]):
+            weights = [[float(k.sum()) for k in split(items, size)] for items in per_sample]
+            parts = case.sums(work, size)
+            kind = loss_kind(whole[name], [p[name] for p in parts], weights, rtol)
+            if kind is not None:
+                break
         if kind is None or (suspect and kind == "batch-coupled-loss"):
             continue
         if terms is not None:  # a named term: name it
