@@ -28,7 +28,9 @@ def pytest_ignore_collect(collection_path, config):
     """Under ``--doctest-modules`` only the package's modules and the test files are collected:
     the helpers and child scripts in tests/ (models.py, oom_child.py, ...) are not imported (the
     package's modules that need an extra: ../conftest.py)."""
-    if collection_path.suffix != ".py" or collection_path.name == "conftest.py":
+    if collection_path.name == "conftest.py":  # a plugin, loaded as such; not a doctest module
+        return True  # (two of them would both be imported as the module "conftest")
+    if collection_path.suffix != ".py":
         return None
     try:
         parts = collection_path.relative_to(config.rootpath).parts

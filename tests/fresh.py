@@ -17,13 +17,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def in_a_fresh_process(module: str, call: str, out: Path, forked: bool = False) -> object:
-    """Evaluate ``<module>.<call>`` (e.g. ``"train_under(123)"``) in a new process with
-    ``tests/memory`` and ``src`` on its path; return what it returned (through ``out``).
+def in_a_fresh_process(module: Path, call: str, out: Path, forked: bool = False) -> object:
+    """Evaluate ``<module>.<call>`` (e.g. ``"train_under(123)"``) of the test module at path
+    ``module`` in a new process with its folder, ``tests`` and ``src`` on its path; return what it
+    returned (through ``out``).
     ``forked``: for what reads no peaks (timings, choices), a child of the suite's fork server
     (``forks``), which has imported torch already (~4 s less per child)."""
-    code = f"import torch, {module} as m; torch.save(m.{call}, {str(out)!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE)])}
+    code = f"import torch, {module.stem} as m; torch.save(m.{call}, {str(out)!r})"
+    path = [str(HERE.parent / "src"), str(HERE), str(module.resolve().parent)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     if forked:
         import forks
 

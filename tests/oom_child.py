@@ -19,14 +19,13 @@ The model has three parts so that each scenario can put the failure where it wan
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
 import json
-import resource
 import sys
 
 import torch
 import torch.nn.functional as F
+from limits import limit_data
 from reference import full_batch_step, max_relative_error
 from torch import nn
 
@@ -76,14 +75,6 @@ def ce(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-def _data_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmData in /proc/self/status")
-
-
 def _limit(margin_mib: float | None, device: torch.device) -> None:
     """Allow ``margin_mib`` more than is in use now (``None``: lift the limit)."""
     gc.collect()
@@ -94,9 +85,7 @@ def _limit(margin_mib: float | None, device: torch.device) -> None:
         fraction = 1.0 if margin_mib is None else (used + margin_mib * MiB) / total
         torch.cuda.set_per_process_memory_fraction(fraction, device)
         return
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    soft = resource.RLIM_INFINITY if margin_mib is None else int(_data_bytes() + margin_mib * MiB)
-    resource.setrlimit(resource.RLIMIT_DATA, (soft, resource.RLIM_INFINITY))
+    limit_data(margin_mib)
 
 
 def _record_events(acc: bigbatch.Accumulator, events: list) -> None:

@@ -9,7 +9,7 @@ under Inductor; and one host synchronisation per window (``set_sync_debug_mode``
 
 Run on a machine with a GPU:
 
-    python -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda.py tests/memory
+    python -m pytest -m gpu -q -p no:cacheprovider tests/test_cuda.py tests/core tests/memory
 
 ``BIGBATCH_GPU_TIER=cpu`` runs this file's tests on the CPU instead (the CUDA-only ones skip):
 a check of the tests themselves where no GPU is at hand.

@@ -1,7 +1,7 @@
 """Write docs/cli.md, the command line's reference, from the parser itself (so it cannot drift).
 
 Every subcommand, every flag with its default and help, as ``bigbatch COMMAND --help`` has them;
-``train``'s flags come from ``TrainConfig``'s settings. tests/test_cli.py fails when the
+``train``'s flags come from ``TrainConfig``'s settings. tests/app/test_cli.py fails when the
 committed file differs from what this prints.
 
 Run: python tools/cli_docs.py          rewrite docs/cli.md

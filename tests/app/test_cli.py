@@ -12,7 +12,7 @@ import pytest
 from bigbatch.app.cli import main
 from bigbatch.app.folder import FORMAT
 
-TASKS = os.path.join(os.path.dirname(__file__), "train", "tasks.py")
+TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
 
 
 def run(capsys, *argv):
@@ -306,7 +306,7 @@ def test_the_last_frame_on_a_terminal_is_printed_whole(capsys, tmp_path, monkeyp
 
 def test_cli_reference_is_generated_from_the_parser():
     """docs/cli.md is what tools/cli_docs.py writes (run it after changing a flag)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.join(root, "tools"))
     import cli_docs
 
@@ -322,7 +322,9 @@ def test_cli_reference_is_generated_from_the_parser():
 @pytest.mark.slow  # a real process: the exit code and stderr a shell sees
 @pytest.mark.needs("rich")
 def test_a_real_process_exits_2_with_one_line(tmp_path):
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:classify", "--epoch", "2"],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src}, timeout=120,

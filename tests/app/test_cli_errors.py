@@ -18,6 +18,7 @@ from pathlib import Path
 import forks
 import pytest
 import torch
+from limits import data_bytes
 from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
@@ -25,7 +26,7 @@ from bigbatch.app.folder import read_snapshot
 from bigbatch.app.report import read_csv
 
 TESTS = Path(__file__).resolve().parent
-TASKS = TESTS / "train" / "tasks.py"
+TASKS = TESTS / "tasks.py"
 RUN = ["--batch-size", "10", "--micro-batch-size", "4", "--epochs", "2", "--save-every", "3",
        "--seed", "3", "--quiet"]  # fmt: skip
 
@@ -252,7 +253,7 @@ def test_auto_down_to_one_sample_names_the_flags(tmp_path):
     out = tmp_path / "r"
     argv = ["-m", "bigbatch", "train", f"{TASKS}:hungry", "--batch-size", "8",
             "--micro-batch-size", "auto", "--memory-budget", "1MiB", "--quiet", "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS / "train")])}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parents[1] / "src"), str(TESTS)])}  # fmt: skip
     done = forks.run(argv, env=env, fresh=True)
     assert done.returncode == 2, done.stderr[-3000:]
     assert one_line(done.stderr) == (
@@ -279,12 +280,12 @@ def test_a_real_out_of_memory_error_in_train(tmp_path, micro):
     # malloc arena: a second one, opened when another thread (the event writer) meets the main
     # arena locked, depends on timing and took the headroom once under load (auto down to 1)
     env = {**os.environ, "STOP_AT": "1", "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS / "train")])}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parents[1] / "src"), str(TESTS)])}  # fmt: skip
     with open(err, "w") as stderr:
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     _, status = os.waitpid(child.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), err.read_text()
-    data = _vm_data_bytes(child.pid)
+    data = data_bytes(child.pid)
     resource.prlimit(child.pid, resource.RLIMIT_DATA, (data + 12 * 2**20, resource.RLIM_INFINITY))
     os.kill(child.pid, signal.SIGCONT)
     code = child.wait(timeout=300)
@@ -302,14 +303,6 @@ def test_a_real_out_of_memory_error_in_train(tmp_path, micro):
         "--gradient-checkpointing, or a larger --memory-budget."
     ), line
     assert not (out / "model.pt").exists()
-
-
-def _vm_data_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmData")
 
 
 # ----------------------------------------------------------------------------- the task
@@ -460,7 +453,7 @@ def test_warnings_are_one_line_each(tmp_path):
     (out / "metrics.csv").write_text("step,loss,samples,count\n")  # killed before a snapshot
     argv = [sys.executable, "-m", "bigbatch", "train", f"{TASKS}:bn_cnn", "--batch-size", "12",
             "--micro-batch-size", "5", "--steps", "1", "--quiet", "--out", str(out), "--resume"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parents[1] / "src")}
     done = forks.run(argv, env)  # a real child, forked (forks.py)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [

@@ -14,7 +14,9 @@ import pytest
 from bigbatch.app.cli import main
 from bigbatch.app.demo import EXACT
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "src")
+SRC = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"
+)
 
 
 # Each run is a fresh process: resident-set readings in a process that earlier tests fragmented

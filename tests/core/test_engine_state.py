@@ -9,6 +9,7 @@ import pytest
 import torch
 from models import classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
+from refusals import assert_refused
 
 import bigbatch
 from bigbatch.core._sizing import Sizing
@@ -122,8 +123,8 @@ def test_accumulate_grads_refuses_what_does_not_match(gen):
     with pytest.raises(ValueError, match=r"got 1 gradients for the optimizer's 6 parameters"):
         acc.accumulate_grads([torch.zeros(1)], 3)
     first = next(model.parameters())
-    with pytest.raises(
-        ValueError, match=r"a gradient of shape \(2,\) for a parameter of shape \(16, 6\)"
+    with assert_refused(
+        model, ValueError, match=r"a gradient of shape \(2,\) for a parameter of shape \(16, 6\)"
     ):
         acc.accumulate_grads({first: torch.zeros(2)}, 3)
     for wrong, kind in [(5, "int"), (first, "Parameter")]:
@@ -132,7 +133,6 @@ def test_accumulate_grads_refuses_what_does_not_match(gen):
             match=rf"accumulate_grads\(\) got grads of type {kind}: pass \{{parameter: gradient\}}",
         ):
             acc.accumulate_grads(wrong, 3)
-    assert all(p.grad is None for p in model.parameters())  # checked before anything changed
 
 
 def test_reduce_lr_on_plateau_is_stepped_with_the_window_loss(gen):

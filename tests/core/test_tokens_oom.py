@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # a child process under a memory limit
 
 
 def test_auto_token_budget_recovers_from_a_real_allocator_failure():
-    config = {"seed": seed_for("tests/memory/test_tokens_oom.py"), "margin_mib": 160}
+    config = {"seed": seed_for("tests/core/test_tokens_oom.py"), "margin_mib": 160}
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]),

@@ -15,7 +15,7 @@ import json
 import sys
 
 import torch
-from oom_child import _limit
+from limits import limit_data
 from reference import full_batch_step, max_relative_error
 from torch import nn
 
@@ -61,9 +61,9 @@ def main(config: dict) -> dict:
         bigbatch.Accumulator(m, opt, micro_batch_tokens=2).train_step(warm, loss)
     full_batch_step(copies[1], opts[1], loss, batch)  # before the limit: the whole window
     acc = bigbatch.Accumulator(model, opts[0], micro_batch_tokens="auto")
-    _limit(config["margin_mib"], torch.device("cpu"))
+    limit_data(config["margin_mib"])
     result = acc.train_step(batch, loss)
-    _limit(None, torch.device("cpu"))
+    limit_data(None)
     fixed = bigbatch.Accumulator(copies[2], opts[2], micro_batch_tokens=result.micro_batch_size)
     fixed.train_step(batch, loss)
     return {

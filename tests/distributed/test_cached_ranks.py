@@ -17,7 +17,7 @@ reference is one plain full-batch step on the concatenation (rank 0's samples fi
 * tensors of the batch that differ past the sample dimension: both ranks raise, naming it.
 
 Dropout is off here: each rank draws from its own generator, which a one-process reference
-cannot replay (tests/test_cached.py covers dropout on one process).
+cannot replay (tests/losses/test_cached.py covers dropout on one process).
 """
 
 from __future__ import annotations

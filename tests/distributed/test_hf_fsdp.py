@@ -18,8 +18,6 @@ accelerate's FSDP2 preparation (``fsdp2_prepare_model``) exactly as on GPUs.
 from __future__ import annotations
 
 import copy
-import os
-import warnings
 
 import pytest
 from ranks import run_ranks
@@ -27,15 +25,13 @@ from ranks import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from hf_ranks import trainer_runs  # noqa: E402
 from integrations.hf_models import (  # noqa: E402
     Wrapper,
-    arguments,
-    collate,
     distance,
     gpt2,
     loaded,
     sgd,
-    texts,
     wrapper_loss,
 )
 from integrations.test_hf import counted, plain  # noqa: E402
@@ -55,16 +51,19 @@ def _fsdp2_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
-def _rank(rank: int, world: int, tmp: str) -> dict:
-    import torch
-    import transformers
+def _sharded(trainer) -> None:
     from torch.distributed.tensor import DTensor
+
+    assert type(trainer.model).__name__.startswith("FSDP")  # sharded by fully_shard
+    shards = [p for p in trainer.model.parameters() if isinstance(p, DTensor)]
+    assert shards and all(p.to_local().numel() < p.numel() for p in shards[:3])
+
+
+def _rank(rank: int, world: int, tmp: str) -> dict:
+    import transformers
 
     import bigbatch.hf
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29501")
-    warnings.simplefilter("ignore")
     runs = {
         "stock": (transformers.Trainer, gpt2),
         "stock wrapper": (transformers.Trainer, lambda: Wrapper(gpt2())),
@@ -72,27 +71,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
         "bigbatch": (bigbatch.hf.Trainer, gpt2),
         "bigbatch wrapper": (bigbatch.hf.Trainer, lambda: Wrapper(gpt2())),
     }
-    out = {}
-    for name, (cls, make) in runs.items():
-        model = make()
-        trainer = cls(
-            model=model, args=arguments(f"{tmp}/{name}", 2, 3, ddp_backend="gloo", **FSDP),
-            train_dataset=texts(12), data_collator=collate, optimizers=sgd(model),
-        )  # fmt: skip
-        _fsdp2_on_cpu(trainer)
-        report = bigbatch.hf.audit(trainer, steps=(1, 2)) if "not audited" not in name else None
-        trainer.train()
-        assert type(trainer.model).__name__.startswith("FSDP")  # sharded by fully_shard
-        shards = [p for p in trainer.model.parameters() if isinstance(p, DTensor)]
-        assert shards and all(p.to_local().numel() < p.numel() for p in shards[:3])
-        state = {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in trainer.model.state_dict().items()
-        }
-        out[name] = (state, report.results if report is not None else [])
-        del trainer
-        torch.distributed.barrier()
-    return out
+    return trainer_runs(rank, world, tmp, runs, 29501, _fsdp2_on_cpu, _sharded, **FSDP)
 
 
 @pytest.fixture(scope="module")

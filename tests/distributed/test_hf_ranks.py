@@ -17,8 +17,6 @@ loss kwargs) equals one process on the union.
 from __future__ import annotations
 
 import copy
-import os
-import warnings
 
 import pytest
 from ranks import run_ranks
@@ -26,15 +24,13 @@ from ranks import run_ranks
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from hf_ranks import trainer_runs  # noqa: E402
 from integrations.hf_models import (  # noqa: E402
     Wrapper,
-    arguments,
-    collate,
     distance,
     gpt2,
     loaded,
     sgd,
-    texts,
     wrapper_loss,
 )
 from integrations.test_hf import counted, plain  # noqa: E402
@@ -58,9 +54,6 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
 
     import bigbatch.hf
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    warnings.simplefilter("ignore")
     runs = {
         "stock": (transformers.Trainer, gpt2),
         "never syncs": (_never_syncs(transformers.Trainer), gpt2),
@@ -71,18 +64,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
         "stock wrapper dropout": (transformers.Trainer, lambda: Wrapper(gpt2(dropout=True))),
         "bigbatch dropout": (bigbatch.hf.Trainer, lambda: gpt2(dropout=True)),
     }
-    out = {}
-    for name, (cls, make) in runs.items():
-        model = make()
-        trainer = cls(
-            model=model, args=arguments(f"{tmp}/{name}", 2, 3, ddp_backend="gloo"),
-            train_dataset=texts(12), data_collator=collate, optimizers=sgd(model),
-        )  # fmt: skip
-        assert trainer.accelerator.num_processes == world  # really distributed
-        report = bigbatch.hf.audit(trainer, steps=(1, 2))
-        trainer.train()
-        out[name] = (model.state_dict(), report.results)
-    return out
+    return trainer_runs(rank, world, tmp, runs, 29500)
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,7 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch):
 @pytest.mark.parametrize("case", ["WORLD_SIZE not a number", "RANK past the ranks", "WORLD_SIZE 0"])
 def test_the_command_line_says_it_in_one_line(case, tmp_path):
     variables, message = BAD[case]
-    task = f"{HERE.parent / 'train' / 'tasks.py'}:classify"
+    task = f"{HERE.parent / 'app' / 'tasks.py'}:classify"
     done = forks.run(  # a real child, forked (forks.py)
         ["-m", "bigbatch", "train", task, "--out", str(tmp_path / "run")], {**env(), **variables}
     )

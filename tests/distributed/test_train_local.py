@@ -7,7 +7,7 @@ of the normalised updates and the outer rule by hand), float64, to ~1e-10, with 
 counted (two all-reduces per round, none per inner step). A run killed mid-round
 (SIGKILL) or signalled mid-round (SIGTERM) resumes bitwise equal to an uninterrupted one. The
 errors: a sharded (FSDP) task model; one process and local_steps < 1 are in
-tests/train/test_rounds.py.
+tests/app/test_rounds.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bigbatch.core import _rng
 
 pytestmark = pytest.mark.slow
 
-TASKS = HERE.parent / "train" / "tasks.py"
+TASKS = HERE.parent / "app" / "tasks.py"
 SEED, LR = 3, 0.01
 
 

@@ -30,7 +30,7 @@ from bigbatch.app.report import read_csv
 
 pytestmark = pytest.mark.slow  # real torchrun ranks
 
-TASK = f"{HERE.parent / 'train' / 'tasks.py'}:classify"  # float64 MLP, 50 samples, no dropout
+TASK = f"{HERE.parent / 'app' / 'tasks.py'}:classify"  # float64 MLP, 50 samples, no dropout
 
 
 def _train(launcher: list[str], out: Path, *flags: str) -> None:
@@ -86,7 +86,7 @@ def test_killed_mid_window_resumes_bitwise_equal(tmp_path):
     """Dropout, and ranks that draw different amounts of randomness (batch 9: shares of 5 and 4):
     rank 0 is killed mid-window, both workers SIGKILLed, and ``--resume`` under torchrun ends
     bitwise equal to the uninterrupted two-rank run (each rank gets its own random state back)."""
-    task = f"{HERE.parent / 'train' / 'tasks.py'}:killable"
+    task = f"{HERE.parent / 'app' / 'tasks.py'}:killable"
     flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
              "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3"]  # fmt: skip
     whole, run = tmp_path / "whole", tmp_path / "run"
@@ -117,7 +117,7 @@ def test_sigterm_to_the_launcher_and_every_rank_snapshots_and_resumes(tmp_path):
     at micro-batch 7 (step 4's first: 4 + 1 per step), the sender's SIGTERM reaches both ranks,
     rank 0 runs on to micro-batch 8 and stops there, the launcher gets SIGTERM and forwards it,
     then rank 0 continues and handles the copy."""
-    task = f"{HERE.parent / 'train' / 'tasks.py'}:killable"
+    task = f"{HERE.parent / 'app' / 'tasks.py'}:killable"
     flags = ["train", task, "--quiet", "--seed", "3", "--batch-size", "9", "--micro-batch-size",
              "4", "--epochs", "2", "--lr", "0.05", "--save-every", "3", "--out", str(tmp_path)]  # fmt: skip
     err = tmp_path / "stderr"

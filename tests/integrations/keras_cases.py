@@ -1,6 +1,6 @@
 """Keras models, data and a recording callback shared by the Keras tests and the OOM child.
 
-Import it after KERAS_BACKEND=torch is set (tests/test_keras.py does).
+Import it after KERAS_BACKEND=torch is set (tests/integrations/test_keras.py does).
 """
 
 from __future__ import annotations

@@ -11,11 +11,8 @@ used and the largest relative difference to the full-batch run.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
-import resource
 import sys
 
 os.environ["KERAS_BACKEND"] = "torch"
@@ -23,6 +20,7 @@ os.environ["KERAS_BACKEND"] = "torch"
 import keras  # noqa: E402
 import torch  # noqa: E402
 from keras.src.backend.common import dtypes  # noqa: E402
+from limits import limit_data  # noqa: E402 (tests/ is on the path)
 
 import bigbatch.keras  # noqa: E402
 
@@ -62,21 +60,6 @@ class Steps(keras.callbacks.Callback):
         self.calls += 1
 
 
-def _data_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmData in /proc/self/status")
-
-
-def _limit(margin_mib: float | None) -> None:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    soft = resource.RLIM_INFINITY if margin_mib is None else int(_data_bytes() + margin_mib * MiB)
-    resource.setrlimit(resource.RLIMIT_DATA, (soft, resource.RLIM_INFINITY))
-
-
 def main(margin_mib: float) -> dict:
     torch.set_num_threads(1)
     dtypes.BIT64_TO_BIT32_DTYPE["float64"] = "float64"  # float64 throughout (see test_keras.py)
@@ -88,13 +71,13 @@ def main(margin_mib: float) -> dict:
     full.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Steps()])  # no limit
     handle = bigbatch.keras.accumulate(acc, "auto")
     steps = Steps()
-    _limit(margin_mib)
+    limit_data(margin_mib)
     try:
         acc.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[steps])
     except BaseException as exc:
-        _limit(None)
+        limit_data(None)
         return {"raised": f"{type(exc).__name__}: {exc}"[:300]}
-    _limit(None)
+    limit_data(None)
     state = handle.auto_state
     worst = max(
         float(abs(a - b).max() / max(abs(a).max(), 1e-30))

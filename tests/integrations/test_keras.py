@@ -302,7 +302,12 @@ def test_the_count_pass_moves_no_keras_state(gen) -> None:
 @pytest.mark.slow
 def test_auto_survives_a_real_allocator_failure() -> None:
     """A child under RLIMIT_DATA: the whole batch cannot be allocated (keras_oom_child.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS.parents[1] / "src"), str(TESTS.parent), str(TESTS)]
+        ),
+    }
     done = subprocess.run(
         [sys.executable, str(TESTS / "keras_oom_child.py"), "56"],  # MiB above what is in use
         env=env,
@@ -449,7 +454,7 @@ def test_import_with_another_backend_names_the_setting(monkeypatch) -> None:
 @pytest.mark.parametrize("backend", ["numpy", None])  # None: Keras' default, TensorFlow
 def test_import_under_another_backend_says_what_to_set(backend: str | None, tmp_path) -> None:
     """A real other backend, in a fresh process (whether or not jax / tensorflow is installed)."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src"), "KERAS_HOME": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parents[1] / "src"), "KERAS_HOME": str(tmp_path)}
     env.pop("KERAS_BACKEND")
     env.update({"KERAS_BACKEND": backend} if backend else {})
     done = subprocess.run(
@@ -548,7 +553,7 @@ def test_check_on_a_float32_keras_model_needs_a_float32_tolerance(gen) -> None:
 
 @pytest.mark.slow
 def test_the_example_runs() -> None:
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src"), "OMP_NUM_THREADS": "1"}
-    done = forks.run([str(TESTS.parent / "examples" / "keras_fit.py")], env, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    done = forks.run([str(TESTS.parents[1] / "examples" / "keras_fit.py")], env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "equal to the full batch" in done.stdout

@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oom_child import _limit
+from limits import limit_data
 from reference import max_relative_error
 
 import bigbatch
@@ -97,11 +97,11 @@ def main(config: dict) -> dict:
             raise
 
     acc._backward = traced_backward  # type: ignore[method-assign]
-    _limit(config["margin_mib"], torch.device("cpu"))
+    limit_data(config["margin_mib"])
     try:
         result = acc.train_step(batch, loss_fn)
     finally:
-        _limit(None, torch.device("cpu"))
+        limit_data(None)
     return {
         "oom_retries": result.oom_retries,
         "micro_batch_size": result.micro_batch_size,

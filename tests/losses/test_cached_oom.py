@@ -29,11 +29,11 @@ SRC = TESTS.parent / "src"
 
 
 def _run_child(margin_mib: int) -> dict:
-    seed = seed_for("tests/memory/test_cached_oom.py")
+    seed = seed_for("tests/losses/test_cached_oom.py")
     print(f"cached oom child seed={seed}")
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS), str(TESTS / "memory")]),
+        "PYTHONPATH": os.pathsep.join([str(SRC), str(TESTS)]),
         "MALLOC_ARENA_MAX": "2",
         "MALLOC_MMAP_THRESHOLD_": "65536",  # see the module docstring
     }

@@ -60,7 +60,7 @@ def square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def in_a_fresh_process(function: str, out: Path, forked: bool = False) -> object:
     """Run ``test_planner.<function>()`` in a new Python process and read back its result: a
     fresh process reads peaks as a user's would (``fresh``; ``forked`` for what reads none)."""
-    return fresh.in_a_fresh_process("test_planner", f"{function}()", out, forked)
+    return fresh.in_a_fresh_process(Path(__file__), f"{function}()", out, forked)
 
 
 # ---------------------------------------------------------------------------- the setting
@@ -224,7 +224,8 @@ def test_ctrl_c_during_the_timing_stops_plan_and_the_process_exits_cleanly():
     a backward when the interpreter finalised, the process died of SIGABRT ("terminate called
     without an active exception")."""
     code = INTERRUPTED.format(here=str(Path(__file__).parent))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    paths = [Path(__file__).parents[2] / "src", Path(__file__).parents[1]]  # src, tests
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
     assert child.stdout.readline() == "timing\n"
