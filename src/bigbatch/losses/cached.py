@@ -38,16 +38,17 @@ Note [surrogate loss]
     syncs), each weighted ``1/W`` when ``W`` ranks computed the same gathered loss (DDP
     averages, the engine multiplies by ``W``).
 
-Note [across ranks]
+Note [cached loss across ranks]
     With ``gather=True`` and a process group of ``W > 1`` ranks (the DDP model's, else the
     default one), every rank's representations (and, when ``batch_loss_fn`` takes it, every
     tensor of its batch) are all-gathered along the sample dimension, in rank order, padded to the
     largest share so that shares may differ. Every rank computes the same batch loss and
-    back-propagates only its own rows. Before gathering, the ranks agree on pass 1's outcome (Note
-    [passes before the window] in ``bigbatch.core._window``): when one failed (out of memory,
-    say) the others raise too, so ``micro_batch_size="auto"`` redoes the window on every rank
-    instead of leaving them waiting in the gather. Called as a plain ``loss_fn(model, batch)`` (evaluation,
-    ``bigbatch.verifier._check``) it never gathers: it computes the loss over the batch it is given.
+    back-propagates only its own rows. Before gathering, the ranks agree on pass 1's outcome
+    (Note [passes before the window] in ``bigbatch.core._window``): when one failed (out of
+    memory, say) the others raise too, so ``micro_batch_size="auto"`` redoes the window on every
+    rank instead of leaving them waiting in the gather. Called as a plain ``loss_fn(model,
+    batch)`` (evaluation, ``bigbatch.verifier._check``) it never gathers: it computes the loss
+    over the batch it is given.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def cached_loss(encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool = 
     through per-sample representations: contrastive losses with in-batch negatives (CLIP,
     SimCLR, InfoNCE, sentence embeddings). Pass the result to ``Accumulator.train_step`` (or as a
     ``Task``'s ``loss_fn``) like any ``loss_fn``: the step equals the full-batch step (float64: to
-    rounding), dropout included, for about one extra forward per micro-batch (Note
-    [representation caching]). Called as ``loss_fn(model, batch)`` it computes the plain loss
+    rounding), dropout included, for about one extra forward per micro-batch
+    (Note [representation caching]). Called as ``loss_fn(model, batch)`` it computes the plain loss
     over ``batch`` in one piece.
 
     Args:
@@ -417,7 +418,8 @@ def _ranks(model: nn.Module, gather: bool) -> _Ranks:
 def _gather(
     ranks: _Ranks, rows: Leaves, batch: Batch | None
 ) -> tuple[list[torch.Tensor], Batch, int]:
-    """Every rank's representations (and batch), concatenated in rank order, and our offset."""
+    """Every rank's representations (and batch), concatenated in rank order, and our offset
+    (Note [cached loss across ranks])."""
     leaves = rows + list(tensor_leaves(batch))  # the batch's tensors too, when gathered
     shapes = [(path, str(t.dtype), list(t.shape[1:])) for path, t in leaves]
     everyone: list[Any] = [None] * ranks.size  # every rank's rows and shapes, before the gather

@@ -317,7 +317,7 @@ def _measure(
     (Note [honest CPU peaks]); refused when no configuration fits the budget less the margin."""
     cpu = setup.device.type == "cpu"
     with small_mmap_threshold() if cpu else contextlib.nullcontext():
-        _warm_up(setup, sizes[0], options)
+        _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
         candidates, fits = _measure_peaks(setup, options, sizes, budgets, bound)
     if not any(c.fits for c in candidates):
         raise MemoryBudgetExceeded(rules.nothing_fits(candidates, setup.budget, setup.margin))
