@@ -3,8 +3,8 @@
 Each subcommand is one ``_run_<name>(args)`` function, whose docstring is its ``--help``
 description, and a row of ``_COMMANDS`` (its one-line help and its flags). ``bigbatch train``'s
 flags are made from the fields of ``TrainConfig`` (one list of settings; docs/design-settings.md
-says why by hand on argparse). ``main`` is the one error boundary (Note
-[error boundary]); docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
+says why by hand on argparse). ``main`` is the one error boundary (Note [error boundary]);
+docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
 
 Note [error boundary]
     Every error a user can cause ends in one line on stderr and exit code 2, never a traceback

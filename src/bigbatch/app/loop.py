@@ -6,13 +6,14 @@ the data (``_batches``: the order is a pure function of ``seed`` and the epoch, 
 run finds its place by the step number alone), the log (``RunLog.step``, once per optimizer
 step) and the snapshot (``_save``, at step boundaries only: a run killed mid-window redoes that
 window from the same data and random state). The run folder is locked for the run's life
-(Note [one writer] in ``app.folder``); SIGINT / SIGTERM stop it cleanly (``StopSignals``, Note
-[clean stop]); a step with NaN or inf stops it before anything is written (Note [non-finite
-runs]). Why a run stopped is one line each (NaN / inf, no memory left, a signal), naming the
-step, what is kept on disk and what to do next; ``fit`` raises them, the CLI prints them (Note
-[error boundary] in ``app.cli``). With ``local_steps > 1`` each rank takes local steps and the ranks
-exchange once per round; snapshots, evaluation and signals wait for a round's end (Note [local
-rounds]).
+(Note [one writer] in ``app.folder``); SIGINT / SIGTERM stop it cleanly
+(``StopSignals``, Note [clean stop]); a step with NaN or inf stops it before anything is written
+(Note [non-finite runs]). Why a run stopped is one line each (NaN / inf, no memory left, a
+signal), naming the step, what is kept on disk and what to do next; ``fit`` raises them, the CLI
+prints them (Note [error boundary] in ``app.cli``). With ``local_steps > 1`` each rank takes local
+steps and the ranks exchange once per round; snapshots, evaluation and signals wait for a round's
+end (Note [local rounds]); with ``local_steps=1`` (the default) none of it runs and the trainer
+takes the exact data-parallel step on a DDP model.
 
 Note [non-finite runs]
     With ``nonfinite="raise"`` (the default) the engine refuses a window whose loss or gradient
@@ -46,20 +47,16 @@ Note [clean stop]
     finishes the round in flight, up to λ - 1 more steps, before its snapshot (Note [local
     rounds]); that all-reduce also carries the round's own sums.
 
-Note [local rounds]); with
-``local_steps=1`` (the default) none of it runs and the trainer takes the exact data-parallel
-step on a DDP model.
-
 Note [local rounds]
     With λ > 1 the trainer keeps the PLAIN module on each rank (no DDP) and wraps its
-    ``Accumulator`` in ``bigbatch.distributed.local.LocalAccumulation``: each rank takes λ exact optimizer
-    steps on its own share of each global batch with no communication, then ONE all-reduce
-    averages the ranks' updates normalised by λ and the outer rule (``outer_lr``,
-    ``outer_momentum``, ``outer_nesterov``) applies them to the round's start θ_start (Note
-    [accumulated gradient normalisation] in ``bigbatch.distributed.local``). Rounds are counted from the
-    run's first step: one ends after every λ-th step and at the run's last step (a short last
-    round, normalised by its own length), so at the end every rank holds the same model. Only
-    between rounds do the ranks hold the same model, so:
+    ``Accumulator`` in ``bigbatch.distributed.local.LocalAccumulation``: each rank takes λ exact
+    optimizer steps on its own share of each global batch with no communication, then ONE
+    all-reduce averages the ranks' updates normalised by λ and the outer rule (``outer_lr``,
+    ``outer_momentum``, ``outer_nesterov``) applies them to the round's start θ_start
+    (Note [accumulated gradient normalisation] in ``bigbatch.distributed.local``). Rounds are
+    counted from the run's first step: one ends after every λ-th step and at the run's last step
+    (a short last round, normalised by its own length), so at the end every rank holds the same
+    model. Only between rounds do the ranks hold the same model, so:
 
     * the log (rank 0): a step's ``loss``, ``grad_norm``, ``count`` and ``tokens_per_s`` are
       rank 0's own share (a global figure every step would cost an all-reduce per step, the
@@ -181,8 +178,8 @@ def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settin
     Raises:
         ValueError, TypeError: a bad or contradictory setting, or a run folder that belongs to
             another run. TaskError: the task cannot be used. RunFolderBusy: another run is
-            writing the folder. NonFiniteRun: a step's loss or gradient was NaN / inf (Note
-            [non-finite runs]). Stopped: SIGINT / SIGTERM, after a snapshot.
+            writing the folder. NonFiniteRun: a step's loss or gradient was NaN / inf
+            (Note [non-finite runs]). Stopped: SIGINT / SIGTERM, after a snapshot.
 
     Example:
         >>> summary = bigbatch.fit(task, batch_size=256, micro_batch_size=32, epochs=3)  # doctest: +SKIP
@@ -373,8 +370,8 @@ def _start(run: _Run) -> _Progress:
 
 
 def _restore(run: _Run, snapshot: folder.Snapshot, path: str) -> None:
-    """Every part of the run from ``snapshot``; a field that does not fit is named (Note
-    [snapshot fields] in ``app.folder``)."""
+    """Every part of the run from ``snapshot``; a field that does not fit is named
+    (Note [snapshot fields] in ``app.folder``)."""
     folder.check_same_run(snapshot.identity, run.identity, run.config.out)
     if snapshot.total_steps != run.total_steps:
         raise folder.crafted(

@@ -368,13 +368,18 @@ def summarize(
         compiled_graphs=_whole(col("graphs")[-1:]),
         micro_batch_tokens=_whole(col("micro_batch_tokens")[-1:]),
     )
-    if write:  # NaN and inf as null: summary.json stays JSON
-        plain = {
-            k: v if not isinstance(v, float) or math.isfinite(v) else None
-            for k, v in asdict(summary).items()
-        }
-        replace_file(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
+    if write:
+        _write_summary(out, summary)
     return summary
+
+
+def _write_summary(out: str, summary: Summary) -> None:
+    """Write ``out/summary.json``, NaN and inf as null: it stays JSON."""
+    plain = {
+        k: v if not isinstance(v, float) or math.isfinite(v) else None
+        for k, v in asdict(summary).items()
+    }
+    replace_file(os.path.join(out, SUMMARY_JSON), json.dumps(plain, indent=2).encode())
 
 
 def report(out: str, png: str | None = None) -> tuple[Summary, str | None, str]:

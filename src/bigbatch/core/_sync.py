@@ -88,7 +88,8 @@ class GradSync:
     world_size = 1
     defers_sync = False  # train_step never syncs in a backward: step() calls reduce_grads
     can_defer = False  # reduce_grads is possible (Note [several forwards])
-    equal_micro_batches = False  # every rank must run as many forwards (Note [micro-batches ...])
+    # True: every rank must run as many forwards (Note [micro-batches per rank])
+    equal_micro_batches = False
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -120,7 +121,8 @@ class _RankSync(GradSync):
     def __init__(self, model: torch.nn.Module, group: object | None, auto: bool) -> None:
         self.model, self.group = model, group
         self.world_size = dist.get_world_size(group)  # type: ignore[arg-type]  # None: the world
-        self.auto = self.defers_sync = auto and self.world_size > 1  # Note [... across ranks]
+        # Note [auto micro-batch across ranks]: nothing syncs before every rank's window ended
+        self.auto = self.defers_sync = auto and self.world_size > 1
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         values = values.to(next(self.model.parameters()).device, torch.float64, copy=True)

@@ -199,8 +199,9 @@ class Window:
 
 # ---------------------------------------------------------------------------- what a window changes
 class Backup:
-    """The random generators and the tensors a window may change, as they were before it (Note
-    [window buffers]), and the model's BatchNorm layers, found in the same walk over the modules.
+    """The random generators and the tensors a window may change, as they were before it
+    (Note [window buffers]), and the model's BatchNorm layers, found in the same walk over the
+    modules.
 
     Args:
         model: the module.
@@ -292,7 +293,8 @@ class Runner:
             failure = self._try(pieces, size, attempt, discard, backup)
             if failure is None:  # a restart: the same size again
                 continue
-            failed, measured = self.sync.agree_on_oom(*failure)  # Note [auto micro-batch ...]
+            # every rank learns of any rank's out-of-memory (Note [auto micro-batch across ranks])
+            failed, measured = self.sync.agree_on_oom(*failure)
             if failed is None:
                 break
             # Retried outside the except block: the live exception would keep its tensors alive.

@@ -208,8 +208,8 @@ class Accumulator:
                 The step is exact without it.
             stats_fn: optional ``stats_fn(model, micro_batch)`` returning additive statistics (a
                 tensor or a dict of tensors) computed without gradient in a pass before the
-                window; ``loss_fn`` then gets their totals over the window and every rank (Note
-                [passes before the window]): a whole-batch statistic (MoE routing fractions, a
+                window; ``loss_fn`` then gets their totals over the window and every rank
+                (Note [passes before the window]): a whole-batch statistic (MoE routing fractions, a
                 KTO reference point, batch-normalised advantages) with micro-batch memory. Both
                 passes draw the same dropout masks; BatchNorm statistics move once.
 
@@ -393,8 +393,8 @@ class Accumulator:
 
     def _backward(self, terms: dict[str, Term]) -> None:
         w = self._window
-        if self._last is None and w.pending_forwards:  # of a forward run earlier (Note [several
-            w.pending_forwards -= 1  # forwards])
+        if self._last is None and w.pending_forwards:  # Note [several forwards]
+            w.pending_forwards -= 1  # the backward of a forward run earlier
         elif self._last is None and self._precision.autocast_dtype is not None:
             raise RuntimeError(
                 f"precision={self.precision!r} needs the forward under autocast: run it inside "

@@ -78,8 +78,8 @@ def head_cross_entropy(
     """Token cross-entropy of a linear head on ``hidden``, in chunks, as ``(loss_sum, count)``.
 
     Equal to ``token_cross_entropy(head(hidden), labels, shift=shift)`` (with ``label_smoothing``:
-    ``F.cross_entropy``'s) without ever holding the whole ``tokens × vocabulary`` logits (Note
-    [chunked head]). Use it in a ``loss_fn`` with the hidden states before a language model's
+    ``F.cross_entropy``'s) without ever holding the whole ``tokens × vocabulary`` logits
+    (Note [chunked head]). Use it in a ``loss_fn`` with the hidden states before a language model's
     head: the memory of a micro-batch is then bounded by the model, not its vocabulary.
 
     Args:

@@ -191,8 +191,8 @@ def small_mmap_threshold() -> Iterator[None]:
 
 
 def fix_mmap_threshold() -> None:
-    """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB (Note
-    [honest CPU peaks]); a no-op where the C library is not glibc."""
+    """Turn glibc's dynamic mmap threshold off for the process, at its initial 128 KiB
+    (Note [honest CPU peaks]); a no-op where the C library is not glibc."""
     _libc_call("mallopt", -3, 128 * 1024)  # -3: glibc's M_MMAP_THRESHOLD
 
 

@@ -382,67 +382,69 @@ def _check(
 ) -> int:
     """Refuse what ``LocalAccumulation`` cannot run, one error naming the argument (what is
     refused and why: docs/local_accumulation.md); returns the number of ranks."""
+    _check_round(local_steps, outer_lr, outer_momentum, nesterov)
+    _check_model(accumulator)
+    return _world_size(local_steps, group)
+
+
+def _check_round(local_steps: Any, outer_lr: Any, outer_momentum: Any, nesterov: Any) -> None:
+    """The round's length and the outer rule: their types first, then their ranges."""
     for name, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name}={value!r} is not allowed: use a number.")
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov={nesterov!r} is not allowed: use True or False.")
+    if type(local_steps) is not int or local_steps < 1:
+        raise ValueError(
+            f"local_steps={local_steps!r} is not allowed: use a whole number >= 1, the inner "
+            "optimizer steps per all-reduce (1: the exact data-parallel step with SGD)."
+        )
+    if not 0 < outer_lr < math.inf:
+        raise ValueError(
+            f"outer_lr={outer_lr!r} is not allowed: use a positive finite number (1.0: Δ as is)."
+        )
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(
+            f"outer_momentum={outer_momentum!r} is not allowed: use a number in [0, 1) (0: the "
+            "plain rule; 0.9, nesterov=True: DiLoCo's)."
+        )
+    if nesterov and outer_momentum == 0:
+        raise ValueError(
+            "nesterov=True needs momentum: pass outer_momentum > 0 (e.g. 0.9), or nesterov=False."
+        )
+
+
+def _check_model(accumulator: Accumulator) -> None:
+    """A plain module (no DDP, no FSDP), and an optimizer over its parameters only."""
     kind = wrapper_kind(accumulator.model)
+    if kind == "ddp":
+        raise TypeError(
+            "LocalAccumulation needs the plain module, not a DistributedDataParallel, whose every "
+            "backward all-reduces (the inner steps would not be local). Pass ddp.module: "
+            "LocalAccumulation averages the updates itself."
+        )
+    if kind == "fsdp":
+        raise TypeError(
+            "LocalAccumulation does not support FSDP: a sharded model all-gathers in every forward "
+            "and cannot step alone. Pass the plain module if it fits on one device, else use "
+            "Accumulator on the FSDP model (one reduce-scatter a step)."
+        )
     held = {id(p) for g in accumulator.optimizer.param_groups for p in g["params"]}
     foreign = len(held - {id(p) for p in accumulator.model.parameters()})
+    if foreign > 0:
+        raise ValueError(
+            f"the inner optimizer holds {foreign} tensor(s) that are not parameters of the "
+            "model: build it over model.parameters() (not a copy's)."
+        )
+
+
+def _world_size(local_steps: int, group: Any) -> int:
+    """The ranks of ``group``; one process is refused (nothing to average)."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    for wrong, error, message in (
-        (
-            type(local_steps) is not int or local_steps < 1,
-            ValueError,
-            f"local_steps="
-            f"{local_steps!r} is not allowed: use a whole number >= 1, the inner optimizer steps per "
-            "all-reduce (1: the exact data-parallel step with SGD).",
-        ),
-        (
-            not 0 < outer_lr < math.inf,
-            ValueError,
-            f"outer_lr={outer_lr!r} is not allowed: use a positive finite number (1.0: Δ as is).",
-        ),
-        (
-            not 0 <= outer_momentum < 1,
-            ValueError,
-            f"outer_momentum={outer_momentum!r} is not "
-            "allowed: use a number in [0, 1) (0: the plain rule; 0.9, nesterov=True: DiLoCo's).",
-        ),
-        (
-            nesterov and outer_momentum == 0,
-            ValueError,
-            "nesterov=True needs momentum: pass outer_momentum > 0 (e.g. 0.9), or nesterov=False.",
-        ),
-        (
-            kind == "ddp",
-            TypeError,
-            "LocalAccumulation needs the plain module, not a "
-            "DistributedDataParallel, whose every backward all-reduces (the inner steps would not be "
-            "local). Pass ddp.module: LocalAccumulation averages the updates itself.",
-        ),
-        (
-            kind == "fsdp",
-            TypeError,
-            "LocalAccumulation does not support FSDP: a sharded model "
-            "all-gathers in every forward and cannot step alone. Pass the plain module if it fits on "
-            "one device, else use Accumulator on the FSDP model (one reduce-scatter a step).",
-        ),
-        (
-            foreign > 0,
-            ValueError,
-            f"the inner optimizer holds {foreign} tensor(s) that are not "
-            "parameters of the model: build it over model.parameters() (not a copy's).",
-        ),
-        (
-            world == 1,
-            RuntimeError,
-            f"LocalAccumulation(local_steps={local_steps}) needs several "
-            "ranks and this is one process (nothing to average): use bigbatch.Accumulator, or "
-            "launch with `torchrun --nproc_per_node N`.",
-        ),
-    ):
-        if wrong:
-            raise error(message)
+    if world == 1:
+        raise RuntimeError(
+            f"LocalAccumulation(local_steps={local_steps}) needs several ranks and this is one "
+            "process (nothing to average): use bigbatch.Accumulator, or launch with "
+            "`torchrun --nproc_per_node N`."
+        )
     return world

@@ -8,42 +8,12 @@ Note [audit]
     the trainer's scaling). After the window's last backward, before clipping and the optimizer
     step, the audit keeps the accumulated gradients aside, restores that random state, runs the
     trainer's own loss on the joined batch once with gradients (the one extra forward and
-    backward; dropout off: Note [audit dropout]
-    Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
-    joined batch would: with dropout on, the two gradients differ whatever the accumulation does
-    (GPT-2's default 0.1 gave a false alarm with a wrong cause). So the audit computes both sides
-    with dropout off. ``dropout_off`` sets every dropout rate of the modules in training to 0
-    for the audit's runs: each dropout's ``p`` and each float attribute named for dropout
-    (``attention_dropout``, ``dropout_p``, ``layerdrop``: transformers' attention passes these to
-    its kernel, ``dropout_p=0.0 if not self.training else ...``), so the rates stay 0 when a
-    gradient checkpoint recomputes its block in backward and whatever ``model.train()`` the
-    trainer calls; ``observe``'s function mode (Note [dropout in check] in
-    ``bigbatch.verifier._runs``) also turns off dropout called as a function with a constant
-    rate, in forward. Where either found dropout on, the accumulated side is computed again: the
-    trainer's own window replayed from the same weights (``replay``: its ``training_step`` over
-    the recorded batches, with its accumulation steps, its scaling and its backward; on
-    bigbatch's trainers, its engine), whose gradients are compared and whose returns the
-    diagnosis reads (its own losses with dropout off too). The replay runs the trainer's
-    normalisation, so a wrong one is found with dropout on as without, and the step taken is the
-    one the trainer computed with its masks: the gradients, buffers, random state, rates and the
-    trainer's counters (TRL's ``_step``, its token count) are put back. It costs one more
-    forward and backward of the window, where dropout is on. Rejected: the same masks on both
-    sides (drawn per call for tensors of other shapes: possible only where shapes and call order
-    match, not in general); the audited window itself run with dropout off (training would
-    change at that step); ``eval()`` (BatchNorm would use its running statistics, and
-    transformers' layers stop checkpointing); the function mode alone (a checkpoint's recompute
-    runs outside it: with dropout back on there, the audit crashed ``SFTTrainer``, whose default
-    is gradient checkpointing). Noise rates are set to 0 too (float attributes named for noise:
-    NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). Other random numbers
-    (noise drawn in ``forward`` at a constant scale) stay: where the gradients differ and the
-    same loss computed again, on the numbers drawn next, differs by more than the tolerance, the
-    result is no verdict but ``exact=None``, "not checked", saying why (they may differ for that
-    alone).
-
-Note [audit tolerance]). On several ranks every rank compares and
-    all agree on the verdict (one all-reduce); a loss given as ``(sum, count)`` or named terms is
-    read over every rank's count (``window_mean``), as the window normalises it.
-    The joined batch is computed at once, so the audited step holds the whole window's
+    backward; dropout off: Note [audit dropout]), compares, and puts the gradients, the buffers
+    and the random state back: training goes on as if nothing had happened. The tolerance is the
+    rounding that forward and backward can make (Note [audit tolerance]). On several ranks every
+    rank compares and all agree on the verdict (one all-reduce); a loss given as ``(sum, count)``
+    or named terms is read over every rank's count (``window_mean``), as the window normalises
+    it. The joined batch is computed at once, so the audited step holds the whole window's
     activations (about k times a micro-batch's). Recomputing it micro-batch by micro-batch in the
     big batch's normalisation would not be a one-batch reference: it is what accumulation does,
     so it would miss what the audit is for, a loss or module coupling the samples across
@@ -52,23 +22,34 @@ Note [audit tolerance]). On several ranks every rank compares and
 
 Note [audit dropout]
     Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
-    joined batch would: with dropout on the two gradients differ whatever the accumulation does
-    (GPT-2's default 0.1: a false alarm, with a wrong cause). The one-batch run computes with
-    dropout off (``observe``: Note [dropout in check] in ``bigbatch.verifier._runs``, ``nn.Dropout``,
-    ``F.dropout``, attention's ``dropout_p``), and where it turned some off, the accumulated side
-    is computed again with dropout off too: the trainer's own window replayed from the same
-    weights (``replay``: its ``training_step`` over the recorded batches, with its accumulation
-    steps, its scaling and its backward; on bigbatch's trainers, its engine), whose gradients
-    are compared and whose returns the diagnosis reads (its own losses with dropout off too).
-    The replay runs the trainer's normalisation, so a wrong one is found with dropout on as
-    without, and the step taken is the one the trainer computed with its masks (the gradients,
-    buffers and random state are put back). It costs one more forward and backward of the
-    window, where dropout is on. Rejected: the same masks on both sides (drawn per call for
-    tensors of other shapes: possible only where the shapes and call order match, not in
-    general); the audited window itself run with dropout off (training would change at that
-    step). Random numbers besides dropout (noise in ``forward``, NEFTune's) stay: where the
-    one-batch loss draws some and the gradients differ, the result is no verdict but
-    ``exact=None``, "not checked", naming why (they may differ for that alone).
+    joined batch would: with dropout on, the two gradients differ whatever the accumulation does
+    (GPT-2's default 0.1 gave a false alarm with a wrong cause). So the audit computes both sides
+    with dropout off. ``dropout_off`` sets every dropout rate of the modules in training to 0
+    for the audit's runs: each dropout's ``p`` and each float attribute named for dropout
+    (``attention_dropout``, ``dropout_p``, ``layerdrop``: transformers' attention passes these to
+    its kernel, ``dropout_p=0.0 if not self.training else ...``), so the rates stay 0 when a
+    gradient checkpoint recomputes its block in backward and whatever ``model.train()`` the
+    trainer calls. Noise rates are set to 0 the same way (float attributes named for noise:
+    NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). ``observe``'s function
+    mode (Note [dropout in check] in ``bigbatch.verifier._runs``) also turns off dropout called
+    as a function with a constant rate, in forward. Where either turned a rate off, the
+    accumulated side is computed again: the trainer's own window replayed from the same weights
+    (``replay``: its ``training_step`` over the recorded batches, with its accumulation steps,
+    its scaling and its backward; on bigbatch's trainers, its engine), whose gradients are
+    compared and whose returns the diagnosis reads (its own losses with dropout off too). The
+    replay runs the trainer's normalisation, so a wrong one is found with dropout on as without,
+    and the step taken is the one the trainer computed with its masks: the gradients, buffers,
+    random state, rates and the trainer's counters (TRL's ``_step``, its token count) are put
+    back. It costs one more forward and backward of the window, where dropout is on. Rejected:
+    the same masks on both sides (drawn per call for tensors of other shapes: possible only where
+    shapes and call order match, not in general); the audited window itself run with dropout off
+    (training would change at that step); ``eval()`` (BatchNorm would use its running
+    statistics, and transformers' layers stop checkpointing); the function mode alone (a
+    checkpoint's recompute runs outside it: with dropout back on there, the audit crashed
+    ``SFTTrainer``, whose default is gradient checkpointing). Other random numbers (noise drawn
+    in ``forward`` at a constant scale) stay: where the gradients differ and the same loss
+    computed again, on the numbers drawn next, differs by more than the tolerance, the result is
+    no verdict but ``exact=None``, "not checked", saying why (they may differ for that alone).
 
 Note [audit tolerance]
     The accumulated and the one-batch gradient differ by rounding alone when the step is exact:

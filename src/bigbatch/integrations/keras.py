@@ -34,8 +34,8 @@ Note [keras loss terms]
     (weight and activity regularisers, ``add_loss``, a ``compute_loss`` of the user's), which
     Keras keeps as per-sample means or constants.
 
-    Micro-batch ``i`` (``n_i`` of the window's ``N`` samples) gives the engine named terms (Note
-    [named terms] in ``bigbatch.core.loss``), which it totals over the window before dividing:
+    Micro-batch ``i`` (``n_i`` of the window's ``N`` samples) gives the engine named terms
+    (Note [named terms] in ``bigbatch.core.loss``), which it totals over the window before dividing:
 
     * a term whose divisor grows with the samples (no mask, and no ``"mean_with_sample_weight"``
       with sample weights: ``D_{k,i} = q_k n_i``, ``q_k`` the items per sample, the same in every
@@ -187,8 +187,8 @@ class Accumulation:
         result = self.accumulator.train_step(batch, self._loss)
         # Keras updated its per-output loss trackers on every micro-batch with what each term
         # returned, weighted by its samples: right for the terms left in its total, 0 for the
-        # data-dependent ones, whose value Σ S / Σ D is known only after the window (Note [keras
-        # loss terms]): those get their window values here.
+        # data-dependent ones, whose value Σ S / Σ D is known only after the window
+        # (Note [keras loss terms]): those get their window values here.
         trackers = model._compile_loss.metrics  # one per compiled term when there are several
         for name, value in result.terms.items():
             if name != "loss" and len(trackers) > (k := int(name[len("loss_") :])):

@@ -38,16 +38,17 @@ Note [surrogate loss]
     syncs), each weighted ``1/W`` when ``W`` ranks computed the same gathered loss (DDP
     averages, the engine multiplies by ``W``).
 
-Note [across ranks]
+Note [cached loss across ranks]
     With ``gather=True`` and a process group of ``W > 1`` ranks (the DDP model's, else the
     default one), every rank's representations (and, when ``batch_loss_fn`` takes it, every
     tensor of its batch) are all-gathered along the sample dimension, in rank order, padded to the
     largest share so that shares may differ. Every rank computes the same batch loss and
-    back-propagates only its own rows. Before gathering, the ranks agree on pass 1's outcome (Note
-    [passes before the window] in ``bigbatch.core._window``): when one failed (out of memory,
-    say) the others raise too, so ``micro_batch_size="auto"`` redoes the window on every rank
-    instead of leaving them waiting in the gather. Called as a plain ``loss_fn(model, batch)`` (evaluation,
-    ``bigbatch.verifier._check``) it never gathers: it computes the loss over the batch it is given.
+    back-propagates only its own rows. Before gathering, the ranks agree on pass 1's outcome
+    (Note [passes before the window] in ``bigbatch.core._window``): when one failed (out of
+    memory, say) the others raise too, so ``micro_batch_size="auto"`` redoes the window on every
+    rank instead of leaving them waiting in the gather. Called as a plain ``loss_fn(model,
+    batch)`` (evaluation, ``bigbatch.verifier._check``) it never gathers: it computes the loss
+    over the batch it is given.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def cached_loss(encode_fn: EncodeFn, batch_loss_fn: BatchLossFn, gather: bool = 
     through per-sample representations: contrastive losses with in-batch negatives (CLIP,
     SimCLR, InfoNCE, sentence embeddings). Pass the result to ``Accumulator.train_step`` (or as a
     ``Task``'s ``loss_fn``) like any ``loss_fn``: the step equals the full-batch step (float64: to
-    rounding), dropout included, for about one extra forward per micro-batch (Note
-    [representation caching]). Called as ``loss_fn(model, batch)`` it computes the plain loss
+    rounding), dropout included, for about one extra forward per micro-batch
+    (Note [representation caching]). Called as ``loss_fn(model, batch)`` it computes the plain loss
     over ``batch`` in one piece.
 
     Args:
@@ -292,50 +293,56 @@ def _split_leaves(
     ``paths`` of micro-batch 0, and what the pass ``needs`` of each per-sample tensor."""
     leaves = list(tensor_leaves(reps, "reps"))
     rows, per_batch = [x for x in leaves if x[1].dim()], [x for x in leaves if not x[1].dim()]
-    names, column = [p for p, _ in rows + per_batch], _column_in(reps, n)
-    listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
-    bad = next(((p, tuple(t.shape)) for p, t in rows if needs and not needs(t)), None)
-    for wrong, error, message in (
-        (
-            column is not None,
-            TypeError,
-            f"encode_fn returned per-sample values that are not "
-            f"tensors ({column}) for {where}: the batch loss would see one micro-batch's only. Return "
-            "tensors; take ids or strings from batch_loss_fn's batch (it sees the whole batch).",
-        ),
-        (
-            not rows,
-            TypeError,
-            f"encode_fn returned {type(reps).__name__} with no per-sample tensor "
-            f"for {where}: return a tensor, or a tuple / dict of tensors, one row per sample.",
-        ),
-        (
-            any(t.shape[0] != n for _, t in rows),
-            ValueError,
-            "encode_fn's outputs disagree on the "
-            f"sample dimension for {where} of {n} samples ({listing}): every representation needs "
-            "one row per sample. Return one value for the batch (e.g. a temperature) as 0-dim.",
-        ),
-        (
-            paths is not None and names != paths,
-            ValueError,
-            f"encode_fn returned {names} for "
-            f"{where} but {paths} for micro-batch 0: return the same structure for every micro-batch.",
-        ),
-        (
-            bad is not None,
-            ValueError,
-            "encode_fn's {} (shape {}) does not require grad, so no "
-            "gradient reaches the model through it: compute every per-sample representation from "
-            "trainable parameters with gradients on (not under torch.no_grad(), not .detach()ed, not "
-            "an input passed through); take labels and such from batch_loss_fn's batch.".format(
-                *(bad or ("", ()))
-            ),
-        ),
-    ):
-        if wrong:
-            raise error(message)
+    _check_rows(reps, rows, n, where)
+    _check_pass(rows, [p for p, _ in rows + per_batch], where, paths, needs)
     return rows, per_batch
+
+
+def _check_rows(reps: Any, rows: Leaves, n: int, where: str) -> None:
+    """Every per-sample value of ``reps`` is a tensor, and has one row per sample of ``n``."""
+    column = _column_in(reps, n)
+    if column is not None:
+        raise TypeError(
+            f"encode_fn returned per-sample values that are not tensors ({column}) for {where}: "
+            "the batch loss would see one micro-batch's only. Return tensors; take ids or "
+            "strings from batch_loss_fn's batch (it sees the whole batch)."
+        )
+    if not rows:
+        raise TypeError(
+            f"encode_fn returned {type(reps).__name__} with no per-sample tensor for {where}: "
+            "return a tensor, or a tuple / dict of tensors, one row per sample."
+        )
+    if any(t.shape[0] != n for _, t in rows):
+        listing = ", ".join(f"{p} has {t.shape[0]} row{'s' * (t.shape[0] != 1)}" for p, t in rows)
+        raise ValueError(
+            f"encode_fn's outputs disagree on the sample dimension for {where} of {n} samples "
+            f"({listing}): every representation needs one row per sample. Return one value for "
+            "the batch (e.g. a temperature) as 0-dim."
+        )
+
+
+def _check_pass(
+    rows: Leaves,
+    names: list[str],
+    where: str,
+    paths: list[str] | None,
+    needs: Callable[[torch.Tensor], bool] | None,
+) -> None:
+    """The representations are named as micro-batch 0's ``paths``, and each per-sample tensor
+    is what the pass ``needs`` (pass 1: floating; pass 2: requiring grad)."""
+    if paths is not None and names != paths:
+        raise ValueError(
+            f"encode_fn returned {names} for {where} but {paths} for micro-batch 0: return the "
+            "same structure for every micro-batch."
+        )
+    bad = next(((p, tuple(t.shape)) for p, t in rows if needs and not needs(t)), None)
+    if bad is not None:
+        raise ValueError(
+            f"encode_fn's {bad[0]} (shape {bad[1]}) does not require grad, so no gradient reaches "
+            "the model through it: compute every per-sample representation from trainable "
+            "parameters with gradients on (not under torch.no_grad(), not .detach()ed, not an "
+            "input passed through); take labels and such from batch_loss_fn's batch."
+        )
 
 
 def _column_in(tree: Any, n: int, path: str = "reps") -> str | None:
@@ -411,7 +418,8 @@ def _ranks(model: nn.Module, gather: bool) -> _Ranks:
 def _gather(
     ranks: _Ranks, rows: Leaves, batch: Batch | None
 ) -> tuple[list[torch.Tensor], Batch, int]:
-    """Every rank's representations (and batch), concatenated in rank order, and our offset."""
+    """Every rank's representations (and batch), concatenated in rank order, and our offset
+    (Note [cached loss across ranks])."""
     leaves = rows + list(tensor_leaves(batch))  # the batch's tensors too, when gathered
     shapes = [(path, str(t.dtype), list(t.shape[1:])) for path, t in leaves]
     everyone: list[Any] = [None] * ranks.size  # every rank's rows and shapes, before the gather

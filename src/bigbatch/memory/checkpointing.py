@@ -5,8 +5,8 @@ Three policies, chosen per call of ``enable_checkpointing`` for the blocks it wr
 * ``"full"``: the block keeps only its inputs and recomputes everything in backward;
 * ``"selective"``: the block keeps the outputs of its expensive ops (matrix products, attention
   kernels, convolutions) and recomputes the cheap rest (Note [selective checkpointing]);
-* ``"offload"``: nothing is recomputed; what the block keeps goes to host memory (Note
-  [offloading]).
+* ``"offload"``: nothing is recomputed; what the block keeps goes to host memory
+  (Note [offloading]).
 
 Note [checkpointing in place]
     A chosen block keeps its class, its parameters and its ``state_dict`` keys: only its

@@ -135,6 +135,10 @@ class Plan:
         return self.memory_budget - self.choice.peak_bytes
 
 
+def _quiet(line: str, done: int, total: int) -> None:
+    """The ``Progress`` of a plan nobody watches: it hears nothing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setup:
     """What every measurement of one plan shares."""
@@ -149,7 +153,7 @@ class _Setup:
     margin: float
     device: torch.device
     cut: TokenCut | None  # with the lengths, when the batch is text (padding, token budgets)
-    progress: Progress = lambda line, done, total: None
+    progress: Progress = _quiet
 
     def copy(self, option: Option = ("none", 0.0)) -> tuple[torch.nn.Module, Any]:
         """A copy of the model (checkpointed as ``option`` says) and of its optimizer."""
@@ -293,28 +297,31 @@ def plan(
     cut = TokenCut(lengths=lengths) if (micro_batch_tokens, lengths) != (None, None) else None
     budgets = _distinct(cut, full, _check_tokens(micro_batch_tokens, cut, full, n))
     setup = _Setup(
-        model,
-        optimizer,
-        full,
-        n,
-        loss_fn,
-        steps,
-        budget,
-        margin,
-        device,
-        cut,
-        *([progress] if progress else []),
+        model, optimizer, full, n, loss_fn, steps, budget, margin, device, cut, progress or _quiet
     )
-    cpu = device.type == "cpu"
-    with small_mmap_threshold() if cpu else contextlib.nullcontext():
-        _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
-        candidates, fits = _measure_peaks(setup, options, sizes, budgets, checkpointing is None)
-    if not any(c.fits for c in candidates):
-        raise MemoryBudgetExceeded(rules.nothing_fits(candidates, budget, margin))
+    candidates, fits = _measure(setup, options, sizes, budgets, checkpointing is None)
     if len(options) > 1 and all(c.policy == "none" for c in candidates):
         skipped.append("checkpointing: every micro-batch fits without it (it only adds time)")
-    candidates = (_on_own_thread if cpu else _time)(setup, candidates)
-    return _choose(setup, candidates, tuple(fits), tuple(skipped))
+    timed = _on_own_thread if device.type == "cpu" else _time
+    return _choose(setup, timed(setup, candidates), tuple(fits), tuple(skipped))
+
+
+def _measure(
+    setup: _Setup,
+    options: Sequence[Option],
+    sizes: Sequence[int],
+    budgets: Sequence[int],
+    bound: bool,
+) -> tuple[list[Candidate], list[MemoryFit]]:
+    """The peaks of ``_measure_peaks`` (``bound``: as it says), read where they are honest
+    (Note [honest CPU peaks]); refused when no configuration fits the budget less the margin."""
+    cpu = setup.device.type == "cpu"
+    with small_mmap_threshold() if cpu else contextlib.nullcontext():
+        _warm_up(setup, sizes[0], options)  # Note [honest CPU peaks]
+        candidates, fits = _measure_peaks(setup, options, sizes, budgets, bound)
+    if not any(c.fits for c in candidates):
+        raise MemoryBudgetExceeded(rules.nothing_fits(candidates, setup.budget, setup.margin))
+    return candidates, fits
 
 
 def _choose(setup: _Setup, candidates: list[Candidate], fits: tuple, skipped: tuple) -> Plan:

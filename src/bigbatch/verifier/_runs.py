@@ -399,8 +399,8 @@ def differences(got: Grads, want: Grads) -> dict[str, float]:
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """Fork the global RNG (CPU and initialised CUDA devices), seed it, turn dropout off (Note
-    [dropout in check]); restore the RNG afterwards.
+    """Fork the global RNG (CPU and initialised CUDA devices), seed it, turn dropout off
+    (Note [dropout in check]); restore the RNG afterwards.
 
     Only the generators forked are seeded: ``torch.manual_seed`` would also queue a lazy seed for
     every uninitialised device type, recording a stack trace each time (a third of check's time
