@@ -320,3 +320,22 @@ def test_kto_reference_point_and_batch_normalised_advantages(case, gen):
         full_batch_step(ref, ref_opt, plain, batch)
         acc.train_step(batch, loss, stats_fn=stats_fn)
     assert max_relative_error(ref, model) < 1e-10
+
+
+@pytest.mark.parametrize("sizes", [(3, 1, 1), (4, 4, 2)], ids=["broadcast", "raw size error"])
+def test_statistics_of_another_shape_per_micro_batch_are_refused(sizes, gen):
+    """Issue 37: shapes [3], [1], [1] (a value per sample) broadcast silently; [4], [4], [2] gave
+    torch's raw size error. A statistic is additive only with one shape in every micro-batch."""
+    model = TinyMoE().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    calls = iter(sizes)
+
+    def per_sample(m, mb):
+        return {**routing(m, mb), "x": torch.ones(next(calls), dtype=torch.float64)}
+
+    i = next(i for i, n in enumerate(sizes) if n != sizes[0])
+    shape = rf"\[{sizes[i]}\] for micro-batch {i + 1} and \[{sizes[0]}\] for the first"
+    with assert_refused(
+        model, ValueError, match=rf"^stats_fn returned stats\['x'\] of shape {shape}"
+    ):
+        acc.train_step(text(10, gen), moe_loss, stats_fn=per_sample)

@@ -408,6 +408,13 @@ def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:
                 f"stats_fn returned {', '.join(keys)} for micro-batch {i + 1} and "
                 f"{', '.join(leaves[0])} for the first: return the same keys for every micro-batch."
             )
+        shapes = {k: (list(t.shape), list(leaves[0][k].shape)) for k, t in keys.items()}
+        if k := next((k for k, (a, b) in shapes.items() if a != b), None):
+            raise ValueError(
+                f"stats_fn returned {k} of shape {shapes[k][0]} for micro-batch {i + 1} and "
+                f"{shapes[k][1]} for the first: an additive statistic has one shape in every "
+                "micro-batch (a value per sample is not additive: sum it over the micro-batch)."
+            )
     sums = [sum((f[k] for f in leaves[1:]), first.detach()) for k, first in leaves[0].items()]
     if sync.world_size > 1:
         flat = sync.all_reduce(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
