@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from models import classification_batch, mean_ce, mlp
+from models import TinyCausalLM, classification_batch, mean_ce, mlp
 from reference import full_batch_step, max_relative_error
 from refusals import assert_refused
 
@@ -154,3 +154,29 @@ def test_current_micro_batch_size(gen):
     acc.train_step(classification_batch(10, torch.float64, gen), _failing_above(3))
     assert acc.current_micro_batch_size == 2
     assert copy.copy(acc).precision == "fp32"
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [
+        ({"micro_batch_tokens": "auto"}, {"micro_batch_size": "auto"}),
+        ({"micro_batch_size": "auto"}, {"micro_batch_tokens": "auto"}),
+        ({"micro_batch_tokens": 120}, {"micro_batch_size": 120}),
+    ],
+    ids=["tokens into samples", "samples into tokens", "fixed"],
+)
+def test_a_state_of_another_sizing_is_refused_naming_both(saved, loaded, gen):
+    """Issue 37: a micro_batch_tokens="auto" state loaded into micro_batch_size="auto" silently
+    (its next window cut at 120 samples, the token budget), and the reverse."""
+    model = TinyCausalLM().double()
+    batch = {"input_ids": torch.randint(1, 17, (6, 8), generator=gen)}
+    batch.update(attention_mask=torch.ones_like(batch["input_ids"]), labels=batch["input_ids"])
+    loss = lambda m, b: bigbatch.token_cross_entropy(m(b["input_ids"]), b["labels"], shift=True)  # noqa: E731
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **saved)
+    acc.train_step(batch, loss)
+    other = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **loaded)
+    (name, value), (mine, _) = next(iter(saved.items())), next(iter(loaded.items()))
+    shown = '"auto"' if value == "auto" else value
+    with pytest.raises(ValueError, match=rf"saved with {name}={shown} .* sizes {mine}: build it"):
+        other.load_state_dict(acc.state_dict())
+    assert other.current_micro_batch_size is None or other.current_micro_batch_size == value

@@ -161,8 +161,8 @@ class Sizing:
 
     def state_dict(self) -> dict[str, Any]:
         """What must be saved to take the same decisions after a restart."""
-        fixed = {"policy": "fixed", "size": self.state.size}
-        return {"policy": "auto", **asdict(self.state)} if self.retries else fixed
+        fixed = {"policy": "fixed", "name": self.name, "size": self.state.size}
+        return {"policy": "auto", "name": self.name, **asdict(self.state)} if self.retries else fixed
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``'s result.
@@ -171,6 +171,14 @@ class Sizing:
             ValueError: saved with the other policy, or with another fixed size.
         """
         found, policy = state.get("policy"), "auto" if self.retries else "fixed"
+        name = state.get("name", self.name)  # (states saved before the name was kept: as ours)
+        if name != self.name:
+            size = '"auto"' if found == "auto" else state.get("size")
+            raise ValueError(
+                f"the state was saved with {name}={size} (the window cut by "
+                f"{'tokens' if name == 'micro_batch_tokens' else 'samples'}), this Accumulator "
+                f"sizes {self.name}: build it with {name}={size} to load it."
+            )
         if found != policy:
             size = '"auto"' if found == "auto" else state.get("size")
             raise ValueError(
@@ -182,7 +190,7 @@ class Sizing:
                 f"the state holds {self.name}={state['size']}, this Accumulator uses "
                 f"{self.state.size}: build it with {self.name}={state['size']} to load it."
             )
-        self.state = AutoState(**{k: v for k, v in state.items() if k != "policy"})
+        self.state = AutoState(**{k: v for k, v in state.items() if k not in ("policy", "name")})
 
 
 class WindowMeter:
