@@ -538,3 +538,29 @@ def test_a_compiled_model_seeing_too_many_shapes_is_warned(gen, monkeypatch):
     with pytest.warns(bigbatch.BigBatchWarning, match="more than torch's recompile_limit"):
         for _ in range(4):
             acc.train_step(text_batch(10, gen), lm_loss)
+
+
+def test_lengths_describe_the_token_columns_of_a_tuple_batch(gen):
+    """Issue 37: a tuple (features[N, 5], ids[N, 12], labels[N, 12]) with lengths= took its width
+    from the features and called a correct lengths wrong ("a length of 12 for a batch of 5
+    columns"). The width is the tokens' (the first tensor wide enough); the features, of another
+    width, are then named as what bigbatch cannot classify."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               micro_batch_tokens=40, lengths=lambda b: b[2].ne(PAD).sum(-1))  # fmt: skip
+    batch = text_batch(4, gen)
+    features = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+    with assert_refused(
+        model, ValueError, match=r"^batch\[0\] has 5 columns where the tokens have 12"
+    ):
+        acc.train_step((features, batch["input_ids"], batch["labels"]), lm_loss)
+
+
+@pytest.mark.parametrize("cut", [{"micro_batch_tokens": 20}, {"micro_batch_size": 4}])
+def test_an_empty_batch_is_named(cut, gen):
+    """Issue 37: 0 rows with micro_batch_tokens gave ``max() arg is an empty sequence``."""
+    model = PerToken().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), **cut)
+    empty = {k: v[:0] for k, v in text_batch(4, gen).items()}
+    with assert_refused(model, ValueError, match=r"^batch: the batch is empty \(first dimension"):
+        acc.train_step(empty, lm_loss)

@@ -196,11 +196,13 @@ class TokenCut(SampleCut):
         self.shapes.add((len(index) + pad, length))
         tokens, padded = sum(lengths[i] for i in index), (len(index) + pad) * length
         order = torch.tensor(index, dtype=torch.long)  # long when empty too
-        fitted = fit_columns(rows, padded_length(batch), length, self.pad_values, pad)
+        width = padded_length(batch, max(lengths, default=0))
+        fitted = fit_columns(rows, width, length, self.pad_values, pad)
         return Piece(fitted, len(index), order, tokens, padded, pad)
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens), refused where a trim to it would drop a token."""
+        n = batch_size(batch)  # (an empty batch, or rows that disagree, refused here)
         if self.multiple and not isinstance(batch, Mapping):  # pads take their value by key
             raise ValueError(
                 f"pad_to_multiple_of={self.multiple} pads rows and columns with each key's pad value "
@@ -208,7 +210,7 @@ class TokenCut(SampleCut):
                 "mapping batch (a dict), or drop pad_to_multiple_of."
             )
         if self.lengths is not None:
-            given = self._given_lengths(batch, batch_size(batch))
+            given = self._given_lengths(batch, n)
             check_extent(batch, given, self.pad_values, "lengths(batch)")
             return given
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -254,8 +256,8 @@ class TokenCut(SampleCut):
                 f"lengths(batch) returned {what}: return one length per sample, a positive "
                 "integer (its tokens), as a list or a 1-D tensor."
             )
-        width = padded_length(batch)
-        if width and (longest := max(int(v) for v in values)) > width:
+        longest = max(int(v) for v in values)
+        if (width := padded_length(batch, longest)) and longest > width:
             raise ValueError(
                 f"lengths(batch) returned a length of {longest} for a batch of {width} columns: a "
                 "sample's length counts its tokens, at most its row's width."
@@ -361,11 +363,14 @@ def right_padded(
     return None if gapped else ([max(1, int(v)) for v in found], bool(labelled))
 
 
-def padded_length(batch: Any) -> int:
-    """The batch's padded length: the second dimension of its attention mask or first 2-D tensor."""
+def padded_length(batch: Any, longest: int = 0) -> int:
+    """The batch's padded length: the second dimension of its attention mask, else of its first
+    2-D tensor wide enough for the ``longest`` sample (the tokens ``lengths`` describes: a tuple's
+    features of 5 columns before its token ids of 12 are not its tokens)."""
     if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
         return int(batch["attention_mask"].shape[1])
-    return next((int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2), 0)
+    widths = [int(t.shape[1]) for _, t in tensor_leaves(batch) if t.dim() >= 2]
+    return next((w for w in widths if w >= longest), max(widths, default=0))
 
 
 def fit_columns(
