@@ -209,8 +209,34 @@ def _wrapper_errors() -> dict:
     return out
 
 
+def _nothing_counted(rank: int) -> dict:
+    """A round whose every inner step counts nothing on both ranks: zero-gradient steps (weight
+    decay still moves them), averaged with equal weights; before, ZeroDivisionError."""
+    import warnings
+
+    model = mlp(torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    local = LocalAccumulation(model, inner, 2, micro_batch_size=MICRO)
+    batch = classification_batch(6 + rank, torch.float64, torch.Generator().manual_seed(rank))
+    nothing = lambda m, b: (m(b[0]).sum() * 0, torch.zeros((), dtype=torch.float64))  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [local.train_step(batch, nothing) for _ in range(2)]
+    start = [p.detach().clone() for p in mlp(torch.float64).parameters()]
+    # each rank: θ_r = θ_start after 2 decay-only steps; the round applies (θ_r - θ_start) / λ
+    decayed = [p + (p * (1 - 0.1 * 0.5) ** 2 - p) / 2 for p in start]
+    return {
+        "outer": results[-1].outer,
+        "warned": [
+            str(w.message) for w in caught if "counted nothing on any rank" in str(w.message)
+        ],
+        "distance": max(_relative(a, b) for a, b in zip(decayed, model.parameters(), strict=True)),
+    }
+
+
 def _all_cases(rank: int, world_size: int, seed: int) -> dict:
     out = {
+        "nothing": _nothing_counted(rank),
         "dp_varying_sgd": _dp_equivalence(rank, "sgd", _steps(seed, 4)),
         "dp_constant_momentum": _dp_equivalence(rank, "sgd_momentum", _steps(seed, 4, [(10, 7)])),
         "bn": _simulated_case(rank, BN, _steps(seed + 1, BN[-1]), make=bn_mlp),
@@ -337,6 +363,16 @@ def test_one_all_reduce_per_round(ranks, case):
         assert [o.local_steps for o in rounds] == [lam] * (n // lam) + (
             [n % lam] if n % lam else []
         )
+
+
+@pytest.mark.slow
+def test_a_round_that_counted_nothing_averages_its_ranks_alike(ranks):
+    """Issue 37: ``outer_step`` raised ZeroDivisionError when a whole round counted nothing."""
+    for rank in ranks[1]:
+        found = rank["nothing"]
+        assert found["outer"].count == 0 and found["outer"].loss == 0.0, found["outer"]
+        assert len(found["warned"]) == 1, found["warned"]
+        assert found["distance"] < 1e-12
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +65,16 @@ import torch
 import torch.distributed as dist
 
 from bigbatch.core._sync import wrapper_kind
+from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import Accumulator, CountFn, StepResult
 from bigbatch.core.loss import LossFn
 from bigbatch.core.split import Batch
 
 STATE_FORMAT = 1
+NOTHING_COUNTED = (
+    "a round of {k} local step(s) counted nothing on any rank (every label ignored, every "
+    "sample masked): its zero-gradient steps are averaged with equal weights across ranks."
+)
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,13 @@ class LocalAccumulation:
         bucket, views = self._pack(self._round.count, self._round.loss_sum)
         dist.all_reduce(bucket, group=self.group)  # the one collective of the round
         c, loss_sum = bucket[-2:].tolist()  # summed over the ranks
-        update = bucket[: sum(p.numel() for p in self._params)].mul_(-1.0 / (c * k))  # −Δ
+        weight = c
+        if c == 0:  # no rank counted anything: the ranks' updates weigh alike (one more reduce)
+            warnings.warn(NOTHING_COUNTED.format(k=k), BigBatchWarning, stacklevel=2)
+            bucket, views = self._pack(1.0, 0.0)
+            dist.all_reduce(bucket, group=self.group)
+            weight = bucket[-2].item()  # the ranks
+        update = bucket[: sum(p.numel() for p in self._params)].mul_(-1.0 / (weight * k))  # −Δ
         update_norm = float(torch.linalg.vector_norm(update))
         for s, g in zip(self._start, views, strict=False):
             s.grad = g.view_as(s).to(s.dtype)
@@ -277,10 +289,10 @@ class LocalAccumulation:
         self.outer_optimizer.zero_grad(set_to_none=True)
         buffers = zip(self._buffers, views[len(self._params) : -1], strict=True)
         W = self.world_size  # Note [buffers at the outer step]: count-weighted means
-        means = [v / c if b.is_floating_point() else (v / W).round() for b, v in buffers]
+        means = [v / weight if b.is_floating_point() else (v / W).round() for b, v in buffers]
         self._unpack([*self._start, *means])
         self.outer_steps, self._round = self.outer_steps + 1, _Round()
-        return OuterStepResult(loss_sum / c, c, k, update_norm)
+        return OuterStepResult(loss_sum / c if c else 0.0, c, k, update_norm)
 
     @torch.no_grad()
     def _pack(
