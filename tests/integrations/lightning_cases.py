@@ -105,3 +105,39 @@ def regress(module, audit=True, epochs=1):
         warnings.simplefilter("ignore")
         trainer.fit(module, loader)
     return report and report.results, torch.get_rng_state()
+
+
+class Counted(L.LightningModule):
+    """A linear regression whose ``training_step`` returns ``(loss_sum, count(batch_idx))``, and
+    raises at the batches in ``fail_at`` (a fit that stops mid-window)."""
+
+    def __init__(self, count=None, fail_at=()):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.count, self.fail_at = torch.nn.Linear(3, 1).double(), count, fail_at
+
+    def training_step(self, batch, idx):
+        if idx in self.fail_at:
+            raise RuntimeError("stopped mid-window")
+        x, y = batch
+        loss_sum = (self.net(x) - y).pow(2).sum()
+        return loss_sum, len(x) if self.count is None else self.count(idx)
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+def fit_counted(module, callback, epochs=1):
+    """``module`` fitted with ``callback`` on 12 samples, 4 per batch, 3 batches per step."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, generator=g).double(), torch.randn(12, 1, generator=g).double()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer = L.Trainer(
+        max_epochs=epochs, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        callbacks=[callback],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader)
+    return [str(w.message) for w in caught], (x, y)

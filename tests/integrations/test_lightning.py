@@ -139,3 +139,47 @@ def test_exact_refuses_manual_optimization_and_a_loss_it_cannot_read(lc):
     bigbatch.lightning.Exact().setup(trainer, module, "fit")
     with pytest.raises(TypeError, match=r"training_step returned str: with bigbatch.lightning"):
         module.training_step(torch.zeros(2, 1), 0)
+
+
+def test_a_window_that_counts_nothing_takes_a_zero_step(lc):
+    """Issue 37: a window whose count is 0 gave NaN weights and fit ended normally; the engine,
+    fit, Keras and the Trainer take a zero-gradient step with one warning."""
+    module = lc.Counted(count=lambda idx: torch.zeros((), dtype=torch.float64))
+    before = copy.deepcopy(module.net.state_dict())
+    warned, _ = lc.fit_counted(module, bigbatch.lightning.Exact())
+    assert any("total count is 0" in w for w in warned), warned
+    for k, v in module.net.state_dict().items():
+        assert torch.equal(v, before[k]), k  # SGD (momentum, no decay) on a zero gradient
+
+
+@pytest.mark.parametrize(
+    "count, error, match",
+    [
+        (lambda idx: -1, ValueError, r"training_step's count=-1 is negative"),
+        (lambda idx: torch.tensor(-1.0), ValueError, r"a count that is negative or not finite"),
+        (lambda idx: torch.tensor(float("nan")), ValueError, r"negative or not finite"),
+        (lambda idx: "2", TypeError, r"training_step's count='2' is not a number"),
+    ],
+    ids=["int", "tensor", "nan", "str"],
+)
+def test_a_bad_count_is_refused_before_the_optimizer_steps(lc, count, error, match):
+    """Issue 37: a negative count stepped; a count "2" gave ``new(): invalid data type 'str'``."""
+    module = lc.Counted(count=count)
+    before = copy.deepcopy(module.net.state_dict())
+    with pytest.raises(error, match=match):
+        lc.fit_counted(module, bigbatch.lightning.Exact())
+    for k, v in module.net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_an_exact_reused_after_a_fit_that_raised_mid_window(lc):
+    """Issue 37: the callback kept the failed window's counts and scale: the next fit was
+    5.6e-2 off. Each fit starts from an empty window."""
+    exact = bigbatch.lightning.Exact()
+    with pytest.raises(RuntimeError, match="stopped mid-window"):
+        lc.fit_counted(lc.Counted(fail_at=(1,)), exact)
+    module, fresh = lc.Counted(), lc.Counted()
+    _, (x, y) = lc.fit_counted(module, exact)
+    lc.fit_counted(fresh, bigbatch.lightning.Exact())
+    for (k, a), b in zip(module.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k

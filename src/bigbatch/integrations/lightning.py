@@ -22,12 +22,15 @@ Note [lightning window]
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from bigbatch.core._stepping import params_of, scale_grads_
+from bigbatch.core._stepping import EMPTY_WINDOW, params_of, scale_grads_
+from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.loss import check_count
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit
 
@@ -40,7 +43,7 @@ def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch
     items (its samples)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if isinstance(loss, (tuple, list)) and len(loss) == 2:
-        return loss[0], loss[1]
+        return loss[0], check_count(loss[1], "training_step's count")
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"training_step returned {type(out).__name__}: with bigbatch.lightning return "
@@ -97,6 +100,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
                 "bigbatch.lightning.Exact needs automatic optimization; with manual "
                 "optimization accumulate with bigbatch.Accumulator in your training_step."
             )
+        self.seen, self.scale = [], None  # nothing from a fit that raised mid-window
         self.strategy = trainer.strategy
         _wrap_training_step(pl_module, self._record)
 
@@ -115,12 +119,23 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
         return {**rest, "loss": loss_sum * self.scale.to(loss_sum.dtype)}
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        mine = torch.stack(self.seen).sum(0).to(pl_module.device)
-        loss_sum, total = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
-        self.window_loss = loss_sum / total
-        factor = trainer.accumulate_grad_batches * trainer.world_size / (self.scale * total)
-        scale_grads_(params_of(optimizer), factor)
-        self.last, self.seen, self.scale = self.seen, [], None
+        (seen, scale), self.seen, self.scale = (self.seen, self.scale), [], None
+        pairs = torch.stack(seen).to(pl_module.device)
+        bad = (~(pairs[:, 1] >= 0) | ~pairs[:, 1].isfinite()).any().to(pairs.dtype)[None]
+        mine = torch.cat([pairs.sum(0), bad])  # the window's sums and its bad counts
+        loss_sum, total, wrong = trainer.strategy.reduce(mine, reduce_op="sum")  # every rank's
+        if wrong:
+            raise ValueError(
+                "training_step returned a count that is negative or not finite in this window: "
+                "a count is the number of items its loss_sum adds up (finite, >= 0). The "
+                "optimizer did not step."
+            )
+        if total == 0:  # Note [window checks] in bigbatch.core.engine: a zero-gradient step
+            warnings.warn(EMPTY_WINDOW, BigBatchWarning, stacklevel=2)
+        self.window_loss = loss_sum / total if total else loss_sum * 0
+        factor = trainer.accumulate_grad_batches * trainer.world_size / (scale * total)
+        scale_grads_(params_of(optimizer), factor if total else 0.0)
+        self.last = seen
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
