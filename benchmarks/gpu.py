@@ -464,6 +464,25 @@ def _cpu_since(before: Any) -> float:
     return now.ru_utime + now.ru_stime - before.ru_utime - before.ru_stime
 
 
+def refused(args: argparse.Namespace, device: str) -> str | None:
+    """Why the arguments cannot run, in one line (checked before anything runs), or ``None``."""
+    known = "".join(PARTS)
+    if not args.parts or set(args.parts) - set(known) or len(set(args.parts)) < len(args.parts):
+        return (
+            f"--parts {args.parts!r} is not allowed: give some of the letters {known}, once each."
+        )
+    if args.budget is not None and not 0 < args.budget < math.inf:
+        return f"--budget {args.budget:g} is not allowed: give the seconds the run may take (> 0)."
+    existing = next(p for p in (args.out, *args.out.parents) if p.exists())
+    if not existing.is_dir():
+        return f"--out {args.out}: {existing} is a file; give a folder (it is made if missing)."
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {args.out}: {existing} cannot be written here; give a writable folder."
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "no CUDA device here: run on a machine with a GPU, or check the run with --dry-run."
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for the tables (made)")
@@ -474,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     s = TOY if args.dry_run else GPU
     device = args.device or ("cpu" if args.dry_run else "cuda")
+    problem = refused(args, device)
+    if problem:
+        print(f"gpu.py: {problem}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (args.budget or s.budget)
     status, *_ = run_part("environment", s, device, args.out, 60)

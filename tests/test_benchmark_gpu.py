@@ -3,11 +3,13 @@ command prepared for the rare minutes a GPU is at hand still works when they com
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import forks
 import pytest
+from mounts import read_only, tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +61,37 @@ def _rows(path: Path) -> list[list[str]]:
     rule = [set("".join(c)) <= set("-: ") for c in cells]
     header = rule[1:] + [False]  # a header is the line above a rule
     return [c for c, r, h in zip(cells, rule, header, strict=True) if not (r or h)]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--parts", "xyz"], "--parts 'xyz' is not allowed: give some of the letters abcd"),
+        (["--parts", ""], "--parts '' is not allowed"),
+        (["--budget", "0"], "--budget 0 is not allowed: give the seconds the run may take"),
+        (["--budget", "-5"], "--budget -5 is not allowed"),
+        (["--out", "{file}"], "is a file; give a folder"),
+        (["--out", "{file}/sub"], "is a file; give a folder"),
+        (["--out", "{readonly}/gpu"], "cannot be written here; give a writable folder"),
+        ([], "no CUDA device here: run on a machine with a GPU, or check the run with --dry-run"),
+    ],
+)
+def test_bad_arguments_are_one_line_before_anything_runs(tmp_path, capsys, flags, line):
+    """Issue 37: these gave raw tracebacks, ran nothing and exited 1, or exited 0 having measured
+    nothing; without a GPU the clear line came inside a traceback."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    (tmp_path / "file").write_text("")
+    paths = {"file": tmp_path / "file", "readonly": tmp_path / "readonly"}
+    out = ["--out", str(tmp_path / "out")] if "--out" not in flags else []
+    argv = [f.format(**paths) for f in flags] + out + (["--dry-run"] if flags else [])
+    with tmpfs(paths["readonly"]) if "{readonly}" in " ".join(flags) else contextlib.nullcontext():
+        if "{readonly}" in " ".join(flags):
+            read_only(paths["readonly"])  # a real read-only filesystem (root writes past 0o500)
+        assert gpu.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu.py: ") and line in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
