@@ -692,3 +692,22 @@ def test_count_fn_counting_other_counts_than_the_loss_is_refused(gen):
         acc.train_step(_batch(gen), loss, count_fn=count_fn)
     after = acc.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    "second, shown",
+    [
+        (lambda out: {"logits": out, "hidden": out}, "a dict"),
+        (lambda out: out[:, None, :].expand(-1, 3, -1), r"a shape \[4, 3, 3\]"),
+    ],
+    ids=["(loss, outputs)", "(loss, logits)"],
+)
+def test_a_compute_loss_style_pair_is_named(second, shown, gen):
+    """Issue 37: (loss, outputs) printed the whole model output as the count; (loss, logits)
+    called the logits a count."""
+    model = mlp()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    loss = lambda m, b: (mean_ce(m, b), second(m(b[0])))  # noqa: E731
+    message = rf"^loss_fn returned \(loss, {shown}\): a pair is \(loss_sum, count\), count the "
+    with assert_refused(model, TypeError, match=message + r".*return the loss alone \(a mean\)\.$"):
+        acc.train_step(_batch(gen), loss)

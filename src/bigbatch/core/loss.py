@@ -101,6 +101,13 @@ def as_sum_and_count(
                 "must be the loss sum as a scalar tensor: return (loss_sum, count)."
             )
         check_scalar_loss(loss_sum, f"{what}'s loss_sum")
+        if isinstance(count, (Mapping, tuple, list)) or torch.is_tensor(count) and count.dim() > 1:
+            shown = f"shape {list(count.shape)}" if torch.is_tensor(count) else type(count).__name__
+            raise TypeError(
+                f"{what} returned (loss, a {shown}): a pair is (loss_sum, count), count the "
+                "number of items loss_sum adds up. For transformers' (loss, outputs) form (as "
+                "compute_loss(return_outputs=True) gives) return the loss alone (a mean)."
+            )
         return loss_sum, check_count(count, f"{what}'s count")
     raise TypeError(
         f"{what} returned {type(output).__name__}; return a scalar tensor (the mean over its "
