@@ -564,3 +564,20 @@ def test_an_empty_batch_is_named(cut, gen):
     empty = {k: v[:0] for k, v in text_batch(4, gen).items()}
     with assert_refused(model, ValueError, match=r"^batch: the batch is empty \(first dimension"):
         acc.train_step(empty, lm_loss)
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_loss_that_teaches_a_causal_lm_to_copy_its_input_is_warned_once(shift, gen):
+    """Issue 37: token_cross_entropy(logits, labels) defaults to shift=False; on a causal LM whose
+    labels are its inputs it trains the model to copy its input, silently (its loss falls)."""
+    model = TinyCausalLM().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+    loss = lambda m, b: token_cross_entropy(m(b["input_ids"]), b["labels"], shift=shift)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            acc.train_step(text_batch(10, gen), loss)
+    copying = [w for w in caught if "learns to copy its input" in str(w.message)]
+    assert len(copying) == (0 if shift else 1), [str(w.message) for w in caught]
+    if copying:
+        assert "token_cross_entropy(logits, labels, shift=True)" in str(copying[0].message)

@@ -162,7 +162,9 @@ class Sizing:
     def state_dict(self) -> dict[str, Any]:
         """What must be saved to take the same decisions after a restart."""
         fixed = {"policy": "fixed", "name": self.name, "size": self.state.size}
-        return {"policy": "auto", "name": self.name, **asdict(self.state)} if self.retries else fixed
+        return (
+            {"policy": "auto", "name": self.name, **asdict(self.state)} if self.retries else fixed
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``'s result.

@@ -92,6 +92,34 @@ PAD_ROWS_NEED_SUMS = (
 )
 
 
+COPIES_INPUT = (
+    "loss_fn counted every labelled token of a batch whose labels are its input_ids, as a loss "
+    "that does not shift them does: a causal LM then learns to copy its input, and its loss "
+    "falls. Shift in the loss, as transformers' causal LMs do: bigbatch.token_cross_entropy("
+    "logits, labels, shift=True) (the docs' recommendation), or shift the labels in the data. "
+    "Said once."
+)
+
+
+def warn_if_copying(batch: Any, out: Any) -> None:
+    """Warn once where ``out`` (a ``(loss_sum, count)`` pair) counts a causal LM's labels without
+    shifting them: ``labels`` equal to ``input_ids`` wherever labelled, a first token labelled,
+    and a count of every labelled token (a shifted loss counts all but the rows' first). One read
+    of the device, at the first micro-batch."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    pair = isinstance(out, tuple) and len(out) == 2 and torch.is_tensor(out[1])
+    if not (pair and torch.is_tensor(ids) and torch.is_tensor(labels) and ids.dim() == 2):
+        return
+    if labels.shape != ids.shape:
+        return
+    kept = labels != PAD_VALUES["labels"]
+    same = (labels == ids) | ~kept
+    found = torch.stack([same.all(), kept[:, 0].any(), out[1].reshape(()) == kept.sum()])
+    if all(found.tolist()):
+        warnings.warn(COPIES_INPUT, BigBatchWarning, stacklevel=5)
+
+
 def check_pad_rows(terms: Mapping[str, Any]) -> None:
     """Refuse counts that are numbers on a micro-batch with pad rows (Note [compile buckets]): a
     count of rows, or of sequences or pairs, would count the pad rows, and their terms add up."""

@@ -38,7 +38,7 @@ from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
-from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows
+from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, warn_if_copying
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.cut import Cut, CutSettings
@@ -129,6 +129,7 @@ class Accumulator:
         self._count_pass = False  # the loss has several terms: count them before each window
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
         self._warned = False  # about batch-coupled layers, once (bigbatch.core.batchnorm)
+        self._looked = False  # whether the loss copies its input (warn_if_copying), once
 
     @property
     def precision(self) -> str:
@@ -274,6 +275,9 @@ class Accumulator:
                 with self._sync.micro_batch(last):
                     with self._precision.autocast():
                         out = loss_fn(self.model, piece.batch)
+                    if not (self._looked or fns[1] or getattr(fns[0], "shifts_labels", 0)):
+                        warn_if_copying(piece.batch, out)  # one more read, once
+                    self._looked = True
                     self._backward_output(out, piece)
                 self._runner.meter.check(size)
         finally:

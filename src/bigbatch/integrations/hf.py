@@ -212,6 +212,7 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         # not know the model's loss_type (GPT-2's None), the shifted ones otherwise
         return loss_sum, (count if shifted else _audit.count_items(batch, False))
 
+    loss.shifts_labels = True  # type: ignore[attr-defined]  # (counted as transformers counts)
     return loss
 
 
@@ -282,6 +283,7 @@ class TrainerWindow:
         ignores ``num_items_in_batch`` is a mean, counted as one (Note [trainer window])."""
         if self.loss_fn is not None:  # a bigbatch loss_fn, cached_loss's window as it is
             wrapped = functools.partial(self.loss, self.loss_fn, None)
+            wrapped.shifts_labels = getattr(self.loss_fn, "shifts_labels", False)  # type: ignore[attr-defined]
             return (self.loss_fn if isinstance(self.loss_fn, WindowLoss) else wrapped), None
         if self.form is None:
             rows = take(batch, slice(0, 2), batch_size(batch))  # a pair: BatchNorm takes it
@@ -290,7 +292,9 @@ class TrainerWindow:
         n = self.window_count(batch) if sums else None
         counted = self.form in ("sum", "mean")  # the counts known before the window
         count_fn = functools.partial(self.reader.count, given=sums) if counted else None
-        return functools.partial(self.loss, None, n), count_fn
+        own = functools.partial(self.loss, None, n)
+        own.shifts_labels = True  # type: ignore[attr-defined]  # the model's own loss: it shifts
+        return own, count_fn
 
     def micro(self, batch: Any) -> Any:
         """A micro-batch as the trainer's loss takes it: pairs undone, trimmed."""

@@ -171,7 +171,7 @@ class Accumulation:
         if self.accumulator is None or self.micro_batch_size != "auto":
             return None
         sizing = self.accumulator.state_dict()["sizing"]
-        return AutoState(**{k: v for k, v in sizing.items() if k != "policy"})
+        return AutoState(**{k: v for k, v in sizing.items() if k not in ("policy", "name")})
 
     def __call__(self, data: Any) -> dict[str, Any]:
         """One ``fit`` step over the whole batch ``data`` (Note [keras train step])."""
