@@ -504,7 +504,8 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``model`` (or a model inside a wrapper) returns from ``get_output_embeddings``.
 
     Raises:
-        TypeError: no module has one, or it is not a linear layer (a ``weight`` matrix).
+        TypeError: no module has one, or it is not an ``nn.Linear`` (a layer whose forward is
+            ``nn.Linear``'s: a LoRA adapter or a quantised layer computes more than its weight).
     """
     owner: Any = next((m for m in model.modules() if hasattr(m, "get_output_embeddings")), None)
     head = owner.get_output_embeddings() if owner is not None else None
@@ -513,6 +514,13 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
             f"chunked_head needs the model's output layer: {type(model).__name__} has no "
             "get_output_embeddings() returning a linear layer (transformers' causal LMs have one; "
             "add the method to your model, or call bigbatch.head_cross_entropy in your loss)."
+        )
+    if type(head).forward is not torch.nn.Linear.forward:  # its weight is not all it computes
+        raise TypeError(
+            f"chunked_head computes a linear layer's logits: {type(model).__name__}'s output "
+            f"layer is a {type(head).__name__} with its own forward (a LoRA adapter, a quantised "
+            "weight), which it would leave out: merge it into an nn.Linear, or call "
+            "bigbatch.head_cross_entropy in your loss."
         )
     return head
 
