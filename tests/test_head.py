@@ -309,6 +309,20 @@ def test_deferred_logits_answer_what_keeps_them(gen):
         assert hasattr(logits, "dtype") and not hasattr(logits, "__array__")
 
 
+def test_an_output_layer_with_its_own_forward_is_refused():
+    """peft's LoRA layer has its base layer's ``weight`` and adds a low-rank product: the chunked
+    head would compute the weight's logits only (found by tests/fuzz/test_fuzz_head.py)."""
+
+    class LoRA(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + x.sum(-1, keepdim=True)
+
+    model = Scaled()
+    model.head = LoRA(DIM, VOCAB)
+    with pytest.raises(TypeError, match="Scaled's output layer is a LoRA with its own forward"):
+        with_chunked_head(lambda m, b: m(b), model)
+
+
 def test_a_model_without_an_output_layer_is_refused():
     with pytest.raises(TypeError, match="Sequential has no get_output_embeddings"):
         with_chunked_head(lambda m, b: m(b), nn.Sequential(nn.Linear(2, 2)))
