@@ -61,10 +61,11 @@ Note [head gradients]
     works on both paths: ``_Chunked`` recomputes from what it saved, and torch's op keeps its
     gradient buffers (``allow_retain_graph=True``), at the cost of one gradient-sized product
     per backward instead of scaling them in place (a 32K x 2,048 float32 head, 1,024 tokens:
-    the added peak 528 -> 792 MiB, one weight gradient more). Higher-order gradients (a backward with
-    ``create_graph=True``, e.g. a gradient penalty) are refused in one line when that backward
-    reaches the head: neither path's backward is differentiable, and torch's op would return
-    first-order gradients with no graph, leaving the penalty's second-order terms out silently.
+    the added peak 528 -> 792 MiB, one weight gradient more). Higher-order gradients (a
+    backward with ``create_graph=True``, e.g. a gradient penalty) are refused in one line when
+    that backward reaches the head: neither path's backward is differentiable, and torch's op
+    would return first-order gradients with no graph, leaving the penalty's second-order terms
+    out silently.
 """
 
 from __future__ import annotations
