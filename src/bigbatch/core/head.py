@@ -160,11 +160,8 @@ def head_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])[rows]  # (index_select's backward: 5-10x slower)
     y = _labels(flat[rows], matrix.shape[0], ignore_index)
     chunk = chunk_size(matrix.shape[0], chunk_tokens, chunk_memory)
-    cw = (
-        None
-        if weight is None
-        else weight.detach().to(torch.float32 if h.dtype in HALF else h.dtype)
-    )
+    acc = torch.float32 if h.dtype in HALF else h.dtype  # the sums' dtype (Note [chunked head])
+    cw = None if weight is None else weight.detach().to(acc)
     ce, z = _sums(h, (matrix, bias), y, cw, chunk, float(label_smoothing), softcap, bool(z_loss))
     count = kept.sum() if cw is None else cw[y].sum()
     if not z_loss:
@@ -254,9 +251,8 @@ def _check_options(shift: object, softcap: object, weight: object, vocab: int) -
             f"shift={shift!r} is not allowed: use True (predict token t+1 from position t) or "
             "False (labels already aligned)."
         )
-    if softcap is not None and not (
-        isinstance(softcap, (int, float)) and 0 < softcap < float("inf") and softcap is not True
-    ):
+    real = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+    if softcap is not None and not (real and 0 < softcap < math.inf):  # type: ignore[operator]
         raise ValueError(f"softcap={softcap!r} is not allowed: use a number > 0 (Gemma 2: 30.0).")
     if weight is not None and not (
         isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.shape == (vocab,)
@@ -326,8 +322,9 @@ class _Chunked(torch.autograd.Function):
                 d, tanh = _logits(hs, w, b, lse.dtype, ctx.cap)
                 d.sub_(top).exp_()  # the softmax
                 wy = g_ce * (1 - eps) * cw[ys]
+                # d log²Z / d logits = 2 log Z · softmax; the loss's: ε-smoothed, class-weighted
                 d.mul_((wy + g_ce * eps * cw.sum() / vocab)[:, None] + 2 * g_z * top)
-                d[rows[: len(d)], ys] -= wy  # d log²Z / d logits = 2 log Z · softmax
+                d[rows[: len(d)], ys] -= wy
                 if eps:
                     d.sub_(g_ce * eps / vocab * cw)
                 if tanh is not None:  # through cap · tanh(logits / cap)
