@@ -3,6 +3,8 @@ deferred head of ``--chunked-head`` (Note [deferred head])."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -118,6 +120,88 @@ def test_half_precision_states_sum_in_float32(path, dtype, gen):
     assert abs(float(loss_sum) - float(want)) < 1e-4 * float(want)  # the half products differ
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"softcap": 2.0}, {"softcap": 1.5, "label_smoothing": 0.2}, {"weight": True},
+     {"weight": True, "label_smoothing": 0.1}, {"weight": True, "softcap": 3.0}],
+    ids=["softcap", "softcap-smoothing", "weight", "weight-smoothing", "weight-softcap"],
+)  # fmt: skip
+def test_softcap_and_class_weights_equal_the_plain_head_float64(path, options, gen):
+    """``softcap``: Gemma 2's cap · tanh(logits / cap); ``weight``: F.cross_entropy's class
+    weights, whose mean is Σ w_y · loss / Σ w_y (smoothing included): the count is Σ w_y."""
+    head = nn.Linear(DIM, VOCAB).double()
+    hidden = torch.randn(4, 9, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels, cap = labelled(gen), options.get("softcap")
+    if options.get("weight"):
+        options = {**options, "weight": torch.rand(VOCAB, dtype=torch.float64, generator=gen)}
+    logits = head(hidden)[:, :-1] * 3  # large enough for the cap to bind
+    loss_sum, count = bigbatch.head_cross_entropy(
+        hidden, (head.weight * 3, head.bias * 3), labels, chunk_tokens=5, **options
+    )
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    want = F.cross_entropy(
+        logits.flatten(0, 1), labels[:, 1:].flatten(), weight=options.get("weight"),
+        label_smoothing=options.get("label_smoothing", 0.0),
+    )  # fmt: skip
+    params = (hidden, *head.parameters())
+    assert close(_detached([loss_sum / count]), _detached([want]))
+    assert close(grads(loss_sum / count, *params), grads(want, *params))
+
+
+def test_backward_twice_and_higher_order_gradients(path, gen):
+    """``retain_graph=True`` and torch's gradcheck work on both paths; a backward with
+    ``create_graph=True`` (a gradient penalty) is refused in one line (Note [head gradients])."""
+    head = nn.Linear(DIM, VOCAB).double()
+    hidden = torch.randn(3, 4, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = labelled(gen, (3, 4))
+    loss_sum, _ = bigbatch.head_cross_entropy(hidden, head, labels, chunk_tokens=5)
+    loss_sum.backward(retain_graph=True)
+    first = [p.grad.clone() for p in (hidden, *head.parameters())]
+    loss_sum.backward()
+    assert close([p.grad for p in (hidden, *head.parameters())], [2 * g for g in first])
+    loss = lambda h, w, b: bigbatch.head_cross_entropy(h, (w, b), labels, chunk_tokens=5)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(loss, (hidden, head.weight, head.bias))
+    with pytest.raises(RuntimeError, match="head_cross_entropy has no higher-order gradients"):
+        torch.autograd.grad(loss(hidden, head.weight, head.bias), hidden, create_graph=True)
+
+
+@pytest.mark.needs("transformers", "accelerate")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mixed_precision_as_accelerate_runs_the_model(dtype):
+    """A transformers LM under bf16 autocast, its forward wrapped by accelerate's
+    ``convert_outputs_to_fp32`` (which calls ``.float()`` on half-precision outputs): the
+    deferred head's loss equals the plain head's at bf16's rounding (its hidden states reach
+    the head in bf16, as autocast's linear takes them); a float64 model stays exact."""
+    from accelerate.utils import convert_outputs_to_fp32
+    from integrations.hf_models import collate, llama, texts
+
+    model, batch = llama().to(dtype), collate(texts(4))
+    model.forward = convert_outputs_to_fp32(model.forward)
+    params = list(model.parameters())
+
+    def run(deferred: bool, autocast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            with deferred_head(model) if deferred else contextlib.nullcontext():
+                logits = model(input_ids=batch["input_ids"]).logits
+                loss_sum, count = token_cross_entropy(logits, batch["labels"], shift=True)
+        grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss_sum / count, params)])
+        return loss_sum.detach(), grad
+
+    (got, grad), (want, want_grad), (fp32, _) = run(True), run(False), run(False, False)
+    error = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    if dtype == torch.float64:
+        assert error(got, want) < 1e-10 and error(grad, want_grad) < 1e-10
+    else:  # bf16 products, as the plain head's: not the float32 ones
+        assert error(got, want) < error(fp32, want) / 10 and error(grad, want_grad) < 1e-2
+    with torch.autocast("cpu", torch.bfloat16), deferred_head(model):
+        logits = model.get_output_embeddings()(torch.zeros(2, 3, 16, dtype=dtype))
+        if dtype == torch.float64:  # autocast leaves float64 alone
+            assert logits.dtype == torch.float64
+        else:
+            assert logits.dtype == torch.bfloat16 and logits.float().dtype == torch.float32
+
+
 def test_chunk_sizes():
     assert chunk_size(32768, None, None) == 512 and chunk_size(2**20, None, None) == 256
     assert chunk_size(32768, None, "16MiB") == 128 and chunk_size(10**9, None, "1KiB") == 1
@@ -134,6 +218,16 @@ def test_chunk_sizes():
         ({"z_loss": -1.0}, ValueError, r"z_loss=-1.0 is not allowed: use a weight >= 0"),
         ({"head": "lm_head"}, TypeError, r"head=str is not allowed: pass the output layer"),
         ({"labels": torch.zeros(2, 4, dtype=torch.long)}, ValueError, r"labels \(2, 4\) do not match"),
+        ({"labels": torch.zeros(2, 5)}, TypeError, r"labels of dtype torch.float32 are not allowed"),
+        ({"labels": torch.full((2, 5), VOCAB)}, ValueError, rf"labels hold {VOCAB}, which is not allowed"),
+        ({"labels": torch.full((2, 5), -100), "ignore_index": -1}, ValueError, r"labels hold -100.*ignore_index=-1"),
+        ({"shift": 2}, TypeError, r"shift=2 is not allowed: use True"),
+        ({"shift": None}, TypeError, r"shift=None is not allowed"),
+        ({"softcap": 0.0}, ValueError, r"softcap=0.0 is not allowed: use a number > 0"),
+        ({"softcap": float("inf")}, ValueError, r"softcap=inf is not allowed"),
+        ({"softcap": True}, ValueError, r"softcap=True is not allowed"),
+        ({"weight": torch.ones(VOCAB - 1)}, ValueError, rf"weight=\({VOCAB - 1},\) is not allowed: use a float tensor"),
+        ({"weight": [1.0] * VOCAB}, ValueError, r"weight=list is not allowed"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused(kwargs, error, message):
@@ -160,8 +254,10 @@ class Scaled(nn.Module):
         return torch.tanh(logits) * 30 if self.cap else logits
 
 
-def test_a_deferred_head_scales_exactly_and_refuses_the_rest(gen):
-    model = Scaled().double()
+@pytest.mark.parametrize("cap", [False, True])
+def test_a_deferred_head_scales_and_soft_caps_exactly(cap, gen):
+    """0.5 · (logits / 4), and then 30 · tanh(logits / 8) (Gemma 2's soft-capping)."""
+    model = Scaled(cap).double()
     ids = torch.randint(0, VOCAB, (3, 7), generator=gen)
     loss = lambda m, b: token_cross_entropy(m(b), b, shift=True)  # noqa: E731
     loss_sum, count = with_chunked_head(loss, model)(model, ids)
@@ -173,14 +269,58 @@ def test_a_deferred_head_scales_exactly_and_refuses_the_rest(gen):
     with deferred_head(model):
         logits = model(ids)
         assert isinstance(logits, HeadLogits) and logits.scale == 0.125
+        assert logits.cap == (30.0 if cap else None)
+    assert "forward" not in model.head.__dict__  # the layer computes logits again
+
+
+def test_deferred_logits_refuse_what_changes_them(gen):
+    model, ids = Scaled().double(), torch.randint(0, VOCAB, (3, 7), generator=gen)
+    nan, inf = float("nan"), float("inf")
+    with deferred_head(model):
+        logits = model(ids)
         for misuse, what in [(lambda: logits.argmax(-1), ".argmax"), (lambda: logits[0], "indexing"),
                              (lambda: F.softmax(logits, -1), "softmax"),
-                             (lambda: logits * torch.ones(1), "multiplying them by a Tensor")]:  # fmt: skip
-            with pytest.raises(TypeError, match=f"so {what} cannot be applied to them"):
+                             (lambda: logits * torch.ones(1), "multiplying them by a Tensor"),
+                             (lambda: logits * nan, r"multiplying them by nan \(a non-finite scale\)"),
+                             (lambda: inf * logits, r"multiplying them by inf \(a non-finite scale\)"),
+                             (lambda: logits / inf, r"dividing them by inf \(a non-finite scale\)"),
+                             (lambda: logits + torch.ones(1), r"the operator \+"),
+                             (lambda: 1 - logits, "the operator -"), (lambda: -logits, "the operator unary -"),
+                             (lambda: 2 / logits, r"the operator / \(dividing by them\)"),
+                             (lambda: logits**2, r"the operator \*\*"),
+                             (lambda: torch.tanh(logits).tanh(), "a second tanh"),
+                             (lambda: logits.to(torch.float16), r"\.to\(torch.float16\) of torch.float64 logits"),
+                             (lambda: logits.float(), r"\.to\(torch.float32\) of torch.float64 logits"),
+                             (lambda: logits.half(), ".half")]:  # fmt: skip
+            with pytest.raises(TypeError, match=f"so {what}.*cannot be applied to them"):
                 misuse()
-    assert "forward" not in model.head.__dict__  # the layer computes logits again
-    with pytest.raises(TypeError, match="so tanh cannot be applied"):
-        with_chunked_head(loss, model)(Scaled(cap=True).double(), ids)
+
+
+def test_deferred_logits_answer_what_keeps_them(gen):
+    """What a logging hook reads (shape, device), OPT's ``.contiguous()``, accelerate's
+    ``dtype`` test (its ``.float()``: test_mixed_precision_as_accelerate_runs_the_model)."""
+    model, ids = Scaled().double(), torch.randint(0, VOCAB, (3, 7), generator=gen)
+    with deferred_head(model):
+        logits = model(ids)
+        assert logits.shape == (3, 7, VOCAB) == logits.size() and logits.size(-1) == VOCAB
+        assert logits.dim() == logits.ndim == 3 and logits.device == ids.device
+        assert logits.contiguous() is logits and logits.dtype == torch.float64
+        assert logits.to(torch.float64).dtype == torch.float64
+        assert hasattr(logits, "dtype") and not hasattr(logits, "__array__")
+
+
+def test_an_output_layer_with_its_own_forward_is_refused():
+    """peft's LoRA layer has its base layer's ``weight`` and adds a low-rank product: the chunked
+    head would compute the weight's logits only (found by tests/fuzz/test_fuzz_head.py)."""
+
+    class LoRA(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + x.sum(-1, keepdim=True)
+
+    model = Scaled()
+    model.head = LoRA(DIM, VOCAB)
+    with pytest.raises(TypeError, match="Scaled's output layer is a LoRA with its own forward"):
+        with_chunked_head(lambda m, b: m(b), model)
 
 
 def test_a_model_without_an_output_layer_is_refused():

@@ -12,15 +12,21 @@ Note [chunked head]
     ignored (padding, prompts) are dropped before the head and cost nothing. Two paths:
 
     * torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` (torch >= 2.13),
-      for the plain loss on float32 / float64 hidden states: it forms the gradient during its
-      forward (three matrix products, as the plain head) and its backward only scales it.
+      for the plain loss (class weights included) on float32 / float64 hidden states: it forms
+      the gradient during its forward (three matrix products, as the plain head) and its
+      backward only scales it.
     * ``_Chunked``, ours, for what torch's op does not do (label smoothing, the z-loss,
-      half-precision hidden states, whose loss sum the op returns in their dtype: bf16 keeps 3
-      digits of a sum over thousands of tokens) and on torch < 2.13. It keeps each token's
-      log-sum-exp and recomputes a chunk's logits in backward (four products), so the
-      gradient is formed from the upstream one as autograd's is, fp16's loss scale included.
-      Half-precision hidden states multiply in their dtype, as the plain head under autocast,
-      and every sum and softmax is in float32.
+      soft-capping, half-precision hidden states, whose loss sum the op returns in their
+      dtype: bf16 keeps 3 digits of a sum over thousands of tokens) and on torch < 2.13. It
+      keeps each token's log-sum-exp and recomputes a chunk's logits in backward (four
+      products), so the gradient is formed from the upstream one as autograd's is, fp16's loss
+      scale included. Half-precision hidden states multiply in their dtype, as the plain head
+      under autocast, and every sum and softmax is in float32. Soft-capping is per chunk
+      (``cap · tanh(logits / cap)``, its gradient ``1 - tanh²`` in backward).
+
+    Class weights (``weight=``) stay exact under accumulation: ``F.cross_entropy``'s weighted
+    mean is ``Σ w_y · loss / Σ w_y`` (its label smoothing term ``ε / V · Σ_c w_c (log Z -
+    logit_c)`` is divided by the same ``Σ w_y``), so the count is ``Σ w_y``.
 
 Note [chunk size]
     ``chunk_tokens`` when given; else as many tokens as keep one chunk's float32 logits within
@@ -37,16 +43,35 @@ Note [deferred head]
     labels)``) run chunked without a change: within the block the model's output layer
     (``get_output_embeddings()``) returns a ``HeadLogits`` holding what it received instead of
     computing the logits, and ``token_cross_entropy`` computes it with ``head_cross_entropy``.
-    A model that multiplies or divides its logits by a number (Cohere's ``logit_scale``,
-    Granite's ``logits_scaling``) gets the same scale on the hidden states, exactly; anything
-    else done to them (Gemma 2's soft-capping ``tanh``, a metric's ``argmax``) is refused in
-    one line rather than computed wrong. The trainer's ``--chunked-head`` and
-    ``bigbatch.hf.Trainer(chunked_head=True)`` use it.
+    What a model does to its logits that keeps them computable is recorded: a scale by a finite
+    number (Cohere's ``logit_scale``, Granite's ``logits_scaling``) goes onto the hidden states,
+    exactly; ``s2 · tanh(s1 · logits)`` (Gemma 2's soft-capping ``/ cap``, ``tanh``, ``* cap``,
+    and any other two scales) is ``softcap=|s2|`` of the logits scaled by ``s1 · s2``. Calls that
+    change no value answer as the logits would: ``.contiguous()`` (OPT), ``.shape``, ``.size()``,
+    ``.dim()``, ``.device`` (a logging hook), ``.dtype`` and ``.float()`` (accelerate's
+    ``convert_to_fp32`` under mixed precision). Under autocast the layer's input is cast to
+    autocast's dtype, as autocast's linear layer casts it, so the chunked loss rounds as the
+    plain head's (logits in bf16, upcast for the loss); ``dtype`` is then autocast's, and
+    ``.float()`` changes nothing computed. Anything else (an ``argmax``, ``+``, indexing, a
+    second ``tanh``) is refused in one line rather than computed wrong. The trainer's
+    ``--chunked-head`` and ``bigbatch.hf.Trainer(chunked_head=True)`` use it.
+
+Note [head gradients]
+    A second backward through the same loss (``retain_graph=True``, torch's ``gradcheck``)
+    works on both paths: ``_Chunked`` recomputes from what it saved, and torch's op keeps its
+    gradient buffers (``allow_retain_graph=True``), at the cost of one gradient-sized product
+    per backward instead of scaling them in place (a 32K x 2,048 float32 head, 1,024 tokens:
+    the added peak 528 -> 792 MiB, one weight gradient more). Higher-order gradients (a
+    backward with ``create_graph=True``, e.g. a gradient penalty) are refused in one line when
+    that backward reaches the head: neither path's backward is differentiable, and torch's op
+    would return first-order gradients with no graph, leaving the penalty's second-order terms
+    out silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from collections.abc import Iterator
 from typing import Any
@@ -72,39 +97,51 @@ def head_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
+    weight: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     chunk_memory: int | str | None = None,
 ) -> Any:
     """Token cross-entropy of a linear head on ``hidden``, in chunks, as ``(loss_sum, count)``.
 
-    Equal to ``token_cross_entropy(head(hidden), labels, shift=shift)`` (with ``label_smoothing``:
-    ``F.cross_entropy``'s) without ever holding the whole ``tokens × vocabulary`` logits
-    (Note [chunked head]). Use it in a ``loss_fn`` with the hidden states before a language model's
-    head: the memory of a micro-batch is then bounded by the model, not its vocabulary.
+    Equal to ``token_cross_entropy(head(hidden), labels, shift=shift)`` (with ``label_smoothing``
+    and ``weight``: ``F.cross_entropy``'s) without ever holding the whole ``tokens × vocabulary``
+    logits (Note [chunked head]). Use it in a ``loss_fn`` with the hidden states before a
+    language model's head: the memory of a micro-batch is then bounded by the model, not its
+    vocabulary.
 
     Args:
         hidden: ``[..., hidden_size]`` states the head maps to logits.
         head: the output layer: an ``nn.Linear`` (with or without bias; a tied embedding's
             weight works), a ``[vocab, hidden_size]`` weight, or a ``(weight, bias)`` pair.
         labels: ``[...]`` target ids; ``ignore_index`` marks tokens not counted.
-        shift: predict token ``t+1`` from position ``t`` (a causal LM with unshifted labels).
+        shift: ``True``: predict token ``t+1`` from position ``t`` (a causal LM with unshifted
+            labels); ``False``: labels already aligned with ``hidden``.
         ignore_index: the label of tokens not counted.
         label_smoothing: in ``[0, 1]``, as ``F.cross_entropy``'s.
         z_loss: weight of the z-loss (PaLM: ``1e-4``), the mean squared log-partition
             ``log²Σexp(logits)`` per token, computed in the same pass.
+        softcap: final-logit soft-capping (Gemma 2): the logits are ``softcap * tanh(logits /
+            softcap)``; a positive number, or ``None``.
+        weight: ``[vocab]`` class weights, as ``F.cross_entropy``'s ``weight=`` (constants):
+            the count is then ``Σ weight[label]``, so ``loss_sum / count`` is its weighted mean.
         chunk_tokens: tokens per chunk (Note [chunk size]).
         chunk_memory: without ``chunk_tokens``: bytes one chunk's float32 logits may take
             (``"16MiB"``); default: 64 MiB, and at least 256 tokens (Note [chunk size]).
 
     Returns:
         ``(loss_sum, count)``: the summed loss over labelled tokens (float32 for half-precision
-        states) and their number (a 0-dim tensor); with ``z_loss`` the named terms
-        ``{"ce": (loss_sum, count), "z": (z_sum, count, z_loss)}`` (Note [named terms]).
+        states) and their number (a 0-dim tensor; with ``weight``, the sum of their weights);
+        with ``z_loss`` the named terms ``{"ce": (loss_sum, count), "z": (z_sum, tokens,
+        z_loss)}`` (Note [named terms]).
 
     Raises:
-        ValueError: ``label_smoothing`` outside ``[0, 1]``, a negative ``z_loss``, a chunk size
-            that is not positive; shapes that do not match.
-        TypeError: ``head`` is none of the above.
+        ValueError: ``label_smoothing`` outside ``[0, 1]``, a negative ``z_loss``, a ``softcap``
+            that is not positive, a ``weight`` not ``[vocab]``, a chunk size that is not
+            positive, a label outside the vocabulary; shapes that do not match.
+        TypeError: ``head`` is none of the above; ``shift`` is not a bool; labels that are
+            not integers.
+        RuntimeError: in a backward with ``create_graph=True`` (Note [head gradients]).
 
     Example:
         >>> head, hidden = torch.nn.Linear(8, 50), torch.randn(2, 5, 8)
@@ -112,26 +149,48 @@ def head_cross_entropy(
         >>> int(count)
         8
     """
-    weight, bias = _weights(head)
-    _check(hidden, weight, labels, label_smoothing, z_loss)
+    matrix, bias = _weights(head)
+    _check(hidden, matrix, labels, label_smoothing, z_loss)
+    _check_options(shift, softcap, weight, matrix.shape[0])
     if shift:
         hidden, labels = hidden[..., :-1, :], labels[..., 1:]
     flat = labels.reshape(-1)
     kept = flat != ignore_index
     rows = kept.nonzero().squeeze(1)  # ignored tokens never reach the head
     h = hidden.reshape(-1, hidden.shape[-1])[rows]  # (index_select's backward: 5-10x slower)
-    y = flat[rows].long()
-    chunk = chunk_size(weight.shape[0], chunk_tokens, chunk_memory)
-    with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here
-        w, b = weight.to(h.dtype), None if bias is None else bias.to(h.dtype)
-        if LINEAR_CE is None or label_smoothing or z_loss or h.dtype in HALF:
-            ce, z = _Chunked.apply(h, w, b, y, chunk, float(label_smoothing))
-        else:
-            options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk)  # type: ignore[attr-defined]
-            ce = LINEAR_CE(h, w, y, linear_bias=b, reduction="sum", options=options)
+    y = _labels(flat[rows], matrix.shape[0], ignore_index)
+    chunk = chunk_size(matrix.shape[0], chunk_tokens, chunk_memory)
+    acc = torch.float32 if h.dtype in HALF else h.dtype  # the sums' dtype (Note [chunked head])
+    cw = None if weight is None else weight.detach().to(acc)
+    ce, z = _sums(h, (matrix, bias), y, cw, chunk, float(label_smoothing), softcap, bool(z_loss))
+    count = kept.sum() if cw is None else cw[y].sum()
     if not z_loss:
-        return ce, kept.sum()
-    return {"ce": (ce, kept.sum()), "z": (z, kept.sum(), float(z_loss))}
+        return ce, count
+    return {"ce": (ce, count), "z": (z, kept.sum(), float(z_loss))}
+
+
+def _sums(
+    h: torch.Tensor,
+    head: tuple[torch.Tensor, torch.Tensor | None],
+    y: torch.Tensor,
+    cw: torch.Tensor | None,
+    chunk: int,
+    smoothing: float,
+    softcap: float | None,
+    z_loss: bool,
+) -> Any:
+    """The loss sum and the ``log²Z`` sum over the kept tokens (Note [chunked head]); torch's
+    op gives no ``log²Z`` sum (``None``)."""
+    with torch.autocast(h.device.type, enabled=False):  # the dtypes are chosen here
+        w, b = (None if t is None else t.to(h.dtype) for t in head)
+        if LINEAR_CE is None or smoothing or z_loss or softcap or h.dtype in HALF:
+            return _Chunked.apply(h, w, b, y, cw, chunk, smoothing, softcap)
+        # Note [head gradients]: a second backward (retain_graph=True) is allowed
+        options = torch.nn.LinearCrossEntropyOptions(  # type: ignore[attr-defined]
+            batch_chunk_size=chunk, allow_retain_graph=True
+        )
+        ce = LINEAR_CE(h, w, y, linear_bias=b, weight=cw, reduction="sum", options=options)
+        return _FirstOrder.apply(ce), None
 
 
 def chunk_size(vocab: int, chunk_tokens: object, chunk_memory: object) -> int:
@@ -172,6 +231,8 @@ def _check(
         raise ValueError(f"label_smoothing={smoothing!r} is not allowed: use a number in [0, 1].")
     if not (isinstance(z, (int, float)) and 0 <= z < float("inf")):
         raise ValueError(f"z_loss={z!r} is not allowed: use a weight >= 0 (e.g. 1e-4), or 0.")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels of dtype {labels.dtype} are not allowed: use integer token ids.")
     if (
         weight.dim() != 2
         or hidden.shape[-1] != weight.shape[1]
@@ -182,6 +243,34 @@ def _check(
             f"{tuple(labels.shape)} do not match: hidden is [..., d], the weight [vocab, d], "
             "labels [...]."
         )
+
+
+def _check_options(shift: object, softcap: object, weight: object, vocab: int) -> None:
+    if not isinstance(shift, bool):  # Cut Cross-Entropy's int shift is not ours
+        raise TypeError(
+            f"shift={shift!r} is not allowed: use True (predict token t+1 from position t) or "
+            "False (labels already aligned)."
+        )
+    real = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+    if softcap is not None and not (real and 0 < softcap < math.inf):  # type: ignore[operator]
+        raise ValueError(f"softcap={softcap!r} is not allowed: use a number > 0 (Gemma 2: 30.0).")
+    if weight is not None and not (
+        isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.shape == (vocab,)
+    ):
+        what = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(
+            f"weight={what} is not allowed: use a float tensor of one weight per class, [{vocab}]."
+        )
+
+
+def _labels(y: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    outside = y[(y < 0) | (y >= vocab)]  # torch's op would skip a -100, ours would fail
+    if len(outside):
+        raise ValueError(
+            f"labels hold {int(outside[0])}, which is not allowed: use token ids in [0, {vocab}) "
+            f"and ignore_index={ignore_index} for tokens not counted."
+        )
+    return y.long()
 
 
 class _Chunked(torch.autograd.Function):
@@ -195,40 +284,51 @@ class _Chunked(torch.autograd.Function):
         w: torch.Tensor,
         b: torch.Tensor | None,
         y: torch.Tensor,
+        cw: torch.Tensor | None,
         chunk: int,
         smoothing: float,
+        cap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         acc = torch.float32 if h.dtype in HALF else h.dtype
+        cw = torch.ones(w.shape[0], dtype=acc, device=h.device) if cw is None else cw
         lse = torch.empty(len(h), dtype=acc, device=h.device)
         ce, z = torch.zeros(2, dtype=acc, device=h.device).unbind()
         for s in range(0, len(h), chunk):
-            logits = F.linear(h[s : s + chunk], w, b).to(acc)
+            logits, _ = _logits(h[s : s + chunk], w, b, acc, cap)
             top = lse[s : s + chunk] = torch.logsumexp(logits, 1)
-            nll = top - logits.gather(1, y[s : s + chunk, None]).squeeze(1)
-            if smoothing:  # F.cross_entropy's: (1 - ε) nll + ε (mean over the vocabulary)
-                nll = (1 - smoothing) * nll + smoothing * (top - logits.mean(1))
+            ys = y[s : s + chunk]
+            nll = (top - logits.gather(1, ys[:, None]).squeeze(1)) * cw[ys]
+            if smoothing:  # F.cross_entropy's: (1 - ε) w_y nll + ε / V Σ_c w_c (log Z - logit_c)
+                spread = (top * cw.sum() - logits @ cw) / w.shape[0]
+                nll = (1 - smoothing) * nll + smoothing * spread
             ce, z = ce + nll.sum(), z + top.square().sum()
-        ctx.save_for_backward(h, w, b, y, lse)
-        ctx.chunk, ctx.smoothing = chunk, smoothing
+        ctx.save_for_backward(h, w, b, y, cw, lse)
+        ctx.chunk, ctx.smoothing, ctx.cap = chunk, smoothing, cap
         return ce, z
 
     @staticmethod
     def backward(ctx: Any, g_ce: torch.Tensor, g_z: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        h, w, b, y, lse = ctx.saved_tensors
+        _first_order()
+        h, w, b, y, cw, lse = ctx.saved_tensors
         want = ctx.needs_input_grad
         grad_h = torch.empty_like(h) if want[0] else None
         grad_w = torch.zeros_like(w, dtype=lse.dtype) if want[1] else None
         grad_b = torch.zeros_like(b, dtype=lse.dtype) if want[2] else None
-        eps, step = ctx.smoothing, ctx.chunk
+        eps, step, vocab = ctx.smoothing, ctx.chunk, w.shape[0]
         rows = torch.arange(min(step, len(h)), device=h.device)
         with torch.autocast(h.device.type, enabled=False):  # a backward called under autocast
             for s in range(0, len(h), step):
-                top, hs = lse[s : s + step, None], h[s : s + step]
-                d = F.linear(hs, w, b).to(lse.dtype).sub_(top).exp_()  # the softmax
-                d.mul_(g_ce + 2 * g_z * top)  # d log²Z / d logits = 2 log Z · softmax
-                d[rows[: len(d)], y[s : s + step]] -= g_ce * (1 - eps)
+                top, hs, ys = lse[s : s + step, None], h[s : s + step], y[s : s + step]
+                d, tanh = _logits(hs, w, b, lse.dtype, ctx.cap)
+                d.sub_(top).exp_()  # the softmax
+                wy = g_ce * (1 - eps) * cw[ys]
+                # d log²Z / d logits = 2 log Z · softmax; the loss's: ε-smoothed, class-weighted
+                d.mul_((wy + g_ce * eps * cw.sum() / vocab)[:, None] + 2 * g_z * top)
+                d[rows[: len(d)], ys] -= wy
                 if eps:
-                    d.sub_(g_ce * eps / w.shape[0])
+                    d.sub_(g_ce * eps / vocab * cw)
+                if tanh is not None:  # through cap · tanh(logits / cap)
+                    d.mul_(1 - tanh.square_())
                 if grad_h is not None:
                     grad_h[s : s + step] = d.to(w.dtype) @ w
                 if grad_w is not None:
@@ -236,38 +336,136 @@ class _Chunked(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += d.sum(0)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_h, cast(grad_w, w), cast(grad_b, b), None, None, None
+        return grad_h, cast(grad_w, w), cast(grad_b, b), None, None, None, None, None
+
+
+def _logits(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc: torch.dtype, cap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's logits in ``acc``, soft-capped; and the ``tanh`` of the cap (for its gradient)."""
+    logits = F.linear(h, w, b).to(acc)
+    if cap is None:
+        return logits, None
+    tanh = logits.div_(cap).tanh_()
+    return tanh * cap, tanh
+
+
+def _first_order() -> None:
+    if torch.is_grad_enabled():  # a backward with create_graph=True
+        raise RuntimeError(
+            "head_cross_entropy has no higher-order gradients (a backward with create_graph=True, "
+            "e.g. a gradient penalty): use F.cross_entropy(head(hidden), labels) for that loss, or "
+            "backward without create_graph."
+        )
+
+
+class _FirstOrder(torch.autograd.Function):
+    """torch's op's loss, passed through; refuses a backward that builds a graph (Note [head
+    gradients]): torch's op would give gradients without one, silently."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        _first_order()
+        return grad
+
+
+def _operator(symbol: str) -> Any:
+    def refuse(self: HeadLogits, *other: object) -> Any:
+        raise _refused(f"the operator {symbol}")
+
+    return refuse
 
 
 class HeadLogits:
     """The logits of an output layer, not computed: what it received (Note [deferred head]).
 
     ``token_cross_entropy`` computes them in chunks; multiplying or dividing by a number scales
-    them exactly; anything else raises, naming what was asked.
+    them exactly, ``torch.tanh`` between two scales soft-caps them; the calls that change no
+    value (``.float()``, ``.contiguous()``, ``.shape``, ...) answer as the logits would; anything
+    else raises, naming what was asked. ``dtype``: the logits' (under autocast, its dtype).
     """
 
-    def __init__(self, hidden: torch.Tensor, head: torch.nn.Module, scale: float = 1.0) -> None:
-        self.hidden, self.head, self.scale = hidden, head, scale
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        head: torch.nn.Module,
+        scale: float = 1.0,
+        cap: float | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.hidden, self.head, self.scale, self.cap = hidden, head, scale, cap
+        self.dtype = hidden.dtype if dtype is None else dtype
 
     def cross_entropy(self, labels: torch.Tensor, **kwargs: Any) -> Any:
         """``head_cross_entropy`` of these logits (its keyword arguments)."""
         weight, bias = _weights(self.head)
-        if self.scale == 1.0:
-            return head_cross_entropy(self.hidden, (weight, bias), labels, **kwargs)
-        bias = None if bias is None else bias * self.scale
-        return head_cross_entropy(self.hidden * self.scale, (weight, bias), labels, **kwargs)
+        scale = self.scale if self.cap is None else self.scale * self.cap  # cap·tanh(x / cap)
+        cap = None if self.cap is None else abs(self.cap)
+        if scale == 1.0:
+            return head_cross_entropy(self.hidden, (weight, bias), labels, softcap=cap, **kwargs)
+        bias = None if bias is None else bias * scale
+        hidden = self.hidden * scale
+        return head_cross_entropy(hidden, (weight, bias), labels, softcap=cap, **kwargs)
+
+    def _with(self, **change: Any) -> HeadLogits:
+        return HeadLogits(**{**vars(self), **change})
 
     def __mul__(self, other: object) -> HeadLogits:
-        if isinstance(other, bool) or not isinstance(other, numbers.Real):
-            raise _refused(f"multiplying them by a {type(other).__name__}")
-        return HeadLogits(self.hidden, self.head, self.scale * float(other))
+        factor = _real(other, "multiplying them by")
+        if self.cap is None:
+            return self._with(scale=self.scale * factor)
+        return self._with(cap=self.cap * factor)
 
     __rmul__ = __mul__
 
     def __truediv__(self, other: object) -> HeadLogits:
-        if isinstance(other, bool) or not isinstance(other, numbers.Real) or not other:
-            raise _refused(f"dividing them by {other!r}")
-        return self * (1.0 / float(other))
+        return self * (1.0 / _real(other, "dividing them by", divisor=True))
+
+    __add__ = __radd__ = _operator("+")
+    __sub__ = __rsub__ = _operator("-")
+    __neg__ = _operator("unary -")
+    __rtruediv__ = _operator("/ (dividing by them)")
+    __pow__ = __rpow__ = _operator("**")
+    __matmul__ = __rmatmul__ = _operator("@")
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _operator("// or %")
+
+    def tanh(self) -> HeadLogits:
+        """Soft-capping's ``tanh`` (Note [deferred head])."""
+        if self.cap is not None:
+            raise _refused("a second tanh")
+        return self._with(cap=1.0)
+
+    def to(self, *args: Any, **kwargs: Any) -> HeadLogits:
+        """The same logits, upcast (accelerate's ``convert_to_fp32``): computed as before."""
+        dtype = (*args, *kwargs.values())
+        upcast = torch.float32 if self.dtype in HALF else self.dtype
+        if len(dtype) != 1 or dtype[0] not in (self.dtype, upcast):
+            what = f".to({', '.join(map(str, dtype))}) of {self.dtype} logits"
+            raise _refused(f"{what} (only half precision's upcast to float32 keeps the values)")
+        return self._with(dtype=dtype[0])
+
+    def float(self) -> HeadLogits:
+        return self.to(torch.float32)
+
+    def contiguous(self) -> HeadLogits:
+        return self
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:-1], _weights(self.head)[0].shape[0]))
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return self.hidden.dim()
+
+    ndim = property(dim)
+    device = property(lambda self: self.hidden.device)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):  # a probe (copy, pickle): not there, as for any object
@@ -279,14 +477,25 @@ class HeadLogits:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.tanh, torch.Tensor.tanh, F.tanh) and len(args) == 1 and not kwargs:
+            return args[0].tanh()
         raise _refused(getattr(func, "__name__", str(func)))
+
+
+def _real(value: object, what: str, divisor: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _refused(f"{what} a {type(value).__name__}")
+    if not math.isfinite(value) or (divisor and not value):
+        why = "a non-finite scale" if not math.isfinite(value) else "a division by 0"
+        raise _refused(f"{what} {value!r} ({why})")
+    return float(value)
 
 
 def _refused(what: str) -> TypeError:
     return TypeError(
         f"the chunked head does not compute the logits, so {what} cannot be applied to them: a "
         "loss under chunked_head passes the model's logits to bigbatch.token_cross_entropy "
-        "unchanged (a model that transforms its logits, e.g. soft-capping, cannot use it)."
+        "scaled by numbers and soft-capped (cap * tanh(logits / cap)) at most."
     )
 
 
@@ -294,7 +503,8 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``model`` (or a model inside a wrapper) returns from ``get_output_embeddings``.
 
     Raises:
-        TypeError: no module has one, or it is not a linear layer (a ``weight`` matrix).
+        TypeError: no module has one, or it is not an ``nn.Linear`` (a layer whose forward is
+            ``nn.Linear``'s: a LoRA adapter or a quantised layer computes more than its weight).
     """
     owner: Any = next((m for m in model.modules() if hasattr(m, "get_output_embeddings")), None)
     head = owner.get_output_embeddings() if owner is not None else None
@@ -303,6 +513,13 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Module:
             f"chunked_head needs the model's output layer: {type(model).__name__} has no "
             "get_output_embeddings() returning a linear layer (transformers' causal LMs have one; "
             "add the method to your model, or call bigbatch.head_cross_entropy in your loss)."
+        )
+    if type(head).forward is not torch.nn.Linear.forward:  # its weight is not all it computes
+        raise TypeError(
+            f"chunked_head computes a linear layer's logits: {type(model).__name__}'s output "
+            f"layer is a {type(head).__name__} with its own forward (a LoRA adapter, a quantised "
+            "weight), which it would leave out: merge it into an nn.Linear, or call "
+            "bigbatch.head_cross_entropy in your loss."
         )
     return head
 
@@ -313,7 +530,7 @@ def deferred_head(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     head]); yields that layer. Its own ``forward`` is given back afterwards."""
     head = output_layer(model)
     own = head.__dict__.get("forward")  # a hook library's wrapper, kept
-    head.forward = lambda hidden, *args, **kwargs: HeadLogits(hidden, head)
+    head.forward = lambda hidden, *args, **kwargs: HeadLogits(_autocast(hidden), head)
     try:
         yield head
     finally:
@@ -321,6 +538,15 @@ def deferred_head(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             del head.forward
         else:
             head.forward = own
+
+
+def _autocast(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the dtype autocast gives a linear layer here (torch >= 2.4): the chunked
+    loss then rounds as the plain head's would."""
+    device = hidden.device.type
+    if not hasattr(torch, "get_autocast_dtype") or not torch.is_autocast_enabled(device):
+        return hidden
+    return hidden if hidden.dtype == torch.float64 else hidden.to(torch.get_autocast_dtype(device))
 
 
 def with_chunked_head(loss_fn: Any, model: torch.nn.Module) -> Any:
