@@ -183,7 +183,10 @@ def test_what_cannot_be_packed_is_refused(gen):
         positions,
         r"sample 0 cannot be packed \(column 0\): its position_ids do not count 0, 1, ... .* drop them",
     )
-    refused((batch["input_ids"], batch["labels"]), r"packing needs a mapping batch .* got tuple")
+    refused(
+        (batch["input_ids"], batch["labels"]),
+        r"packing needs each sample's length: pass a mapping batch .* got tuple",
+    )
     refused({"input_ids": batch["input_ids"]}, r"packing needs each sample's length")
     refused(batch, r"pack_length=0 is not allowed: use a positive integer", pack_length=0)
 
@@ -286,7 +289,7 @@ def test_a_layer_that_ignores_boundaries_and_a_leaking_forward_are_refused():
     check_model(OwnLM(), varlen=False)
     with pytest.raises(
         ValueError,
-        match=r"a 2-D attention_mask was given with packed rows: .* Pass no attention_mask",
+        match=r"a 2-D attention_mask was given, .* pass none",
     ):
         check_forward(OwnLM(), (), {"attention_mask": torch.ones(2, 4)})
     check_forward(

@@ -164,12 +164,19 @@ def test_the_traps_are_real_and_refused(name, gen):
         assert float((wrong - full).norm() / full.norm()) > 1e-3  # silently wrong
     model.register_forward_pre_hook(check_forward, with_kwargs=True)
     model.config.use_cache = True
-    with pytest.raises(ValueError, match=r"use_cache is on .* model.config.use_cache = False"):
+    with pytest.raises(
+        ValueError,
+        match=r"a forward of packed rows: use_cache is on, .* model.config.use_cache = False",
+    ):
         packed_loss(model, pieces[0])
     model.config.use_cache = False
-    with pytest.raises(ValueError, match=r"a 2-D attention_mask was given with packed rows"):
+    with pytest.raises(
+        ValueError, match=r"a forward of packed rows: a 2-D attention_mask was given, .* pass none"
+    ):
         masked(model, pieces[0])
-    with pytest.raises(ValueError, match=r"got no position_ids: .* Pass the batch's position_ids"):
+    with pytest.raises(
+        ValueError, match=r"no position_ids were given, .* pass the batch's position_ids"
+    ):
         model(input_ids=pieces[0]["input_ids"])
 
 

@@ -63,6 +63,15 @@ APART_BY_POSITIONS = ("sdpa", "eager", "flex_attention")  # transformers' packed
 APART_BY_VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 BLIND_LAYERS = ("DeltaNet", "DeltaAttention", "Mamba", "Rwkv", "LinearAttention", "Lightning")
 """Class-name parts of layers that carry state along the sequence (Note [packing traps])."""
+FORWARD_TRAPS = (
+    "use_cache is on, so transformers builds a cache and attends across the samples: set "
+    "model.config.use_cache = False (or pass use_cache=False)",
+    "a 2-D attention_mask was given, so transformers attends across the samples: pass none "
+    "(position_ids keep them apart)",
+    "no position_ids were given, so positions do not restart at each sample and the samples "
+    "attend each other: pass the batch's position_ids",
+)
+"""What ``check_forward`` refuses, and the fix (Note [packing traps])."""
 
 
 def pack(lengths: Sequence[int], length: int) -> list[list[int]]:
@@ -203,23 +212,21 @@ class PackCut(TokenCut):
     def _spans(self, batch: Any) -> tuple[list[int], list[int]]:
         """Each sample's length and first column (one host read), refused where packing would
         change the step (``spans_wrong``)."""
-        if not isinstance(batch, Mapping):
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if not isinstance(batch, Mapping) or (self.lengths is None and not _tokens(mask, None)):
             raise TypeError(
-                f"packing needs a mapping batch (input_ids, labels, ...), got "
-                f"{type(batch).__name__}: pass a dict, as transformers' collators give."
+                "packing needs each sample's length: pass a mapping batch (a dict, as "
+                f"transformers' collators give; got {type(batch).__name__}) with a 2-D "
+                "attention_mask, or lengths=fn, one length per sample."
             )
-        n, width, mask = batch_size(batch), padded_length(batch), batch.get("attention_mask")
+        n, width = batch_size(batch), padded_length(batch)
         if self.lengths is not None:
             device = next(t.device for t in batch.values() if torch.is_tensor(t))
             counts = torch.tensor(self._given_lengths(batch, n), device=device)
             firsts = torch.zeros_like(counts)
-        elif torch.is_tensor(mask) and mask.dim() == 2:
-            counts, firsts = mask.ne(0).sum(-1).clamp_min(1), mask.ne(0).int().argmax(-1)
-        else:
-            raise TypeError(
-                "packing needs each sample's length: pass a mapping batch with a 2-D "
-                "attention_mask (as transformers does), or lengths=fn, one length per sample."
-            )
+        else:  # the first attended column, and how many
+            ones = torch.as_tensor(mask).ne(0)
+            counts, firsts = ones.sum(-1).clamp_min(1), ones.int().argmax(-1)
         wrong = spans_wrong(batch, counts, firsts, width, self.shift)
         flags = [w.any() for w in wrong.values()]
         found = torch.cat([counts, firsts.to(counts.dtype), torch.stack(flags).to(counts.dtype)])
@@ -262,8 +269,9 @@ def spans_wrong(
     return found
 
 
-def _tokens(t: Any, width: int) -> bool:
-    return torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == width
+def _tokens(t: Any, width: int | None) -> bool:
+    """A tensor of one value per token (``width`` columns; ``None``: any)."""
+    return torch.is_tensor(t) and t.dim() == 2 and t.shape[1] == (width or t.shape[1])
 
 
 def layout(
@@ -301,14 +309,9 @@ def varlen_arguments(span: torch.Tensor, owner: torch.Tensor, rows: int) -> dict
     """The flash-attention varlen arguments of packed rows whose segments have ``span`` columns
     (over the flattened rows), and ``seq_idx`` (``owner``: each token's segment)."""
     bounds = torch.cat([span.new_zeros(1), span.cumsum(0)]).to(torch.int32)
-    longest = int(span.max())
-    return {
-        "cu_seq_lens_q": bounds,
-        "cu_seq_lens_k": bounds,
-        "max_length_q": longest,
-        "max_length_k": longest,
-        "seq_idx": owner.view(rows, -1).to(torch.int32),
-    }
+    longest, seq_idx = int(span.max()), owner.view(rows, -1).to(torch.int32)
+    keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+    return dict(zip(keys, (bounds, bounds, longest, longest, seq_idx), strict=True))
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -348,23 +351,14 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
         ValueError: naming the argument and the fix.
     """
     config, cache = getattr(module, "config", None), kwargs.get("use_cache")
-    if config is not None and (getattr(config, "use_cache", False) if cache is None else cache):
-        raise ValueError(
-            "use_cache is on in a forward of packed rows: transformers then builds a cache and "
-            "attends across the packed samples. Set model.config.use_cache = False (or pass "
-            "use_cache=False)."
-        )
-    mask = kwargs.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2:
-        raise ValueError(
-            "a 2-D attention_mask was given with packed rows: transformers then attends across "
-            "the packed samples. Pass no attention_mask (position_ids keep them apart)."
-        )
-    if config is not None and kwargs.get("position_ids") is None:
-        raise ValueError(
-            "a forward of packed rows got no position_ids: positions would not restart at each "
-            "sample, and the samples would attend each other. Pass the batch's position_ids."
-        )
+    cached = config is not None and (
+        getattr(config, "use_cache", False) if cache is None else cache
+    )
+    unplaced = config is not None and kwargs.get("position_ids") is None
+    found = (cached, _tokens(kwargs.get("attention_mask"), None), unplaced)
+    for wrong, what in zip(found, FORWARD_TRAPS, strict=True):
+        if wrong:
+            raise ValueError(f"a forward of packed rows: {what}.")
 
 
 def check_model(model: torch.nn.Module, varlen: bool) -> None:
