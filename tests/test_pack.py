@@ -125,6 +125,21 @@ def test_rows_and_micro_batches(gen):
     assert empty.batch["position_ids"].tolist() == [list(range(16))]
 
 
+def test_lengths_given_by_a_function(gen):
+    """``lengths=fn``: each sample's tokens from its first column, with or without a mask."""
+    batch = text(8, gen)
+    given = batch["attention_mask"].sum(-1).tolist()
+    unmasked = {k: v for k, v in batch.items() if k != "attention_mask"}
+    pieces = PackCut(16, lengths=lambda b: given)(unmasked, 32)
+    assert sum(p.tokens for p in pieces) == sum(given)
+    assert sorted(q for p in pieces for q in pairs(p.batch)) == pairs(batch)
+    with pytest.raises(ValueError, match=r"lengths\(batch\) returned a length of 0"):
+        PackCut(16, lengths=lambda b: [0] * 8)(batch, 32)
+    shorter = [max(1, n - 1) for n in given]  # the mask attends a token the lengths drop
+    with pytest.raises(ValueError, match=r"its attention_mask is 1 outside its tokens"):
+        PackCut(16, lengths=lambda b: shorter)(batch, 32)
+
+
 def test_per_token_tensors_follow_their_tokens_and_per_sample_ones_are_declared(gen):
     batch = text(9, gen)
     batch["token_type_ids"] = batch["input_ids"] * 2
@@ -163,7 +178,7 @@ def test_what_cannot_be_packed_is_refused(gen):
     gap["attention_mask"][0, 3] = 0
     refused(
         gap,
-        r"sample 0 cannot be packed \(column 15\): its attention_mask is 1 outside one run",
+        r"sample 0 cannot be packed \(column 15\): its attention_mask is 1 outside its tokens",
     )
     stray = {**batch, "labels": batch["labels"].clone()}
     stray["labels"][1, -1] = 5

@@ -253,7 +253,9 @@ def spans_wrong(
     found = {}
     mask, labels, given = (batch.get(k) for k in ("attention_mask", "labels", "position_ids"))
     if _tokens(mask, width):
-        what = "its attention_mask is 1 outside one run of tokens: give each sample one run"
+        what = (
+            "its attention_mask is 1 outside its tokens (one run from its first): give it one run"
+        )
         found[what] = (mask != 0) & ~inside
     if _tokens(labels, width):
         what = "it has a label outside its tokens, which packing drops: make it -100"
