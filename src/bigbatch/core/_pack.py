@@ -7,14 +7,15 @@ Note [packed windows]
     within the token budget (``budget // pack_length`` rows, at most ``max_rows``), so every
     micro-batch has rows of one length (and all but a window's last the same number of rows).
     In a packed row the positions restart at each sample (``position_ids``; the padding at a
-    row's end goes on counting from its last sample, so a row's segments are its samples), the
-    attention mask is dropped (transformers then keeps the samples apart by ``position_ids``
-    under SDPA, eager and flex attention), and with ``varlen=True`` the flash-attention
-    arguments come too: ``cu_seq_lens_q/k`` over the micro-batch's flattened rows,
-    ``max_length_q/k`` and ``seq_idx`` (which sample each token is, for the convolution and
-    linear-attention layers that take it). A per-token tensor follows its tokens; a per-sample
-    one (``pad_values={key: None}``) comes with the micro-batch's samples, in packed order,
-    which ``segment_ids`` maps each token to. ``Piece.samples`` counts samples, not rows; a loss
+    row's end goes on counting from its last sample, so a row's segments are its samples: a
+    causal model lets no real token see it), the attention mask is dropped (transformers then
+    keeps the samples apart by ``position_ids`` under SDPA and eager attention, exact on CPU;
+    flex attention too, but it has no backward on CPU in torch 2.13), and with
+    ``varlen=True`` the flash-attention arguments come too: ``cu_seq_lens_q/k`` over the
+    micro-batch's flattened rows, ``max_length_q/k`` and ``seq_idx`` (which sample each
+    token is, for the convolution and linear-attention layers that take it). A per-token
+    tensor follows its tokens; a per-sample one (``pad_values={key: None}``) comes with the
+    micro-batch's samples, in packed order, which ``segment_ids`` maps each token to. ``Piece.samples`` counts samples, not rows; a loss
     that counts sequences counts them by ``segment_ids``, never by ``input_ids.shape[0]``. A
     model of your own keeps the samples apart with ``block_causal_mask``.
 
@@ -35,8 +36,8 @@ Note [packing traps]
     A packed row is exact only if nothing crosses a boundary, and transformers 5.24 crosses
     them silently in four ways (measured, float64, Llama/GPT-2): a forward with ``use_cache``
     on (a causal LM's default, also in training) builds a cache, and packed detection is
-    skipped when a cache exists (``masking_utils._preprocess_mask_arguments``): a gradient 30%
-    off here, 86% in the research check; a 2-D attention mask does the same; without
+    skipped when a cache exists (``masking_utils._preprocess_mask_arguments``): the gradient is
+    8% (GPT-2) to 30% (Llama) off here, 86% in the research check; a 2-D mask does the same; without
     ``position_ids`` the positions do not restart at all. Flash attention keeps rows of several
     samples apart only by ``cu_seq_lens`` (it infers them from ``position_ids`` for one row
     only); other implementations are not known to. Linear-attention and convolution layers
@@ -61,8 +62,10 @@ from bigbatch.core.split import batch_size
 
 APART_BY_POSITIONS = ("sdpa", "eager", "flex_attention")  # transformers' packed mask
 APART_BY_VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-BLIND_LAYERS = ("DeltaNet", "DeltaAttention", "Mamba", "Rwkv", "LinearAttention", "Lightning")
-"""Class-name parts of layers that carry state along the sequence (Note [packing traps])."""
+BLIND_LAYERS = ("DeltaNet", "DeltaAttention", "Mamba", "LinearAttention", "LightningAttention")
+"""Class-name parts of layers that carry state along the sequence (Note [packing traps]), in
+transformers 5.24: Qwen3-Next / Qwen3.5, Kimi-Linear, Bailing, Mamba(2), Jamba, Zamba, RWKV,
+MiniMax; with every ``nn.Conv1d`` over more than one position (LFM2's short convolutions)."""
 FORWARD_TRAPS = (
     "use_cache is on, so transformers builds a cache and attends across the samples: set "
     "model.config.use_cache = False (or pass use_cache=False)",
@@ -128,7 +131,8 @@ class PackCut(TokenCut):
     ) -> None:
         if type(pack_length) is not int or pack_length < 1:
             raise ValueError(f"pack_length={pack_length!r} is not allowed: use a positive integer.")
-        super().__init__(max_rows, None, lengths, pad_values)  # type: ignore[arg-type]  # None: per-sample
+        # (pad_values may hold None: a per-sample key, Note [packed windows])
+        super().__init__(max_rows, None, lengths, pad_values)  # type: ignore[arg-type]
         self.length, self.shift, self.varlen = pack_length, shift, varlen
 
     def units(self, batch: Any) -> int:
