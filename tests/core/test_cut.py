@@ -46,6 +46,10 @@ def test_every_spelling_of_a_cut_gives_one_value(args, kwargs, expected) -> None
         ((), {"trim_padding": "no"}, "trim_padding='no' is not allowed"),
         ((), {"memory_budget": "lots"}, "memory_budget"),
         ((), {"pad_to_multiple_of": 8}, "give micro_batch_tokens"),
+        (("auto",), {"pack": 64}, r"micro_batch_size='auto' with pack: packed rows have one"),
+        ((), {"pack": 64, "micro_batch_tokens": 32}, "holds no packed row of pack=64 tokens"),
+        ((), {"pack": 64, "micro_batch_tokens": 128, "pad_to_multiple_of": 8}, "with pack"),
+        ((), {"pack": 0}, r"pack=0 is not allowed"),
     ],
 )
 def test_a_bad_cut_is_refused_when_made(args, kwargs, match) -> None:

@@ -1,8 +1,6 @@
 """Packed windows (Note [packed windows], Note [packed labels]): the cut, its counts, its refusals,
-and a model of one's own kept exact by ``block_causal_mask`` (float64).
-
-The ``Accumulator`` has no packing setting yet (issue 38's wiring comes later): the exactness tests
-put a ``PackCut`` in place of the token cut it builds (``acc._runner.cut``), a temporary seam.
+and a model of one's own kept exact by ``block_causal_mask`` (float64), through
+``Accumulator(..., pack=...)``.
 """
 
 from __future__ import annotations
@@ -171,7 +169,7 @@ def test_what_cannot_be_packed_is_refused(gen):
     batch = text(6, gen)
     refused(
         batch,
-        r"a sample has 16 tokens, more than pack_length=8: .* use pack_length=16",
+        r"a sample has 16 tokens, more than pack=8: .* use pack=16",
         pack_length=8,
     )
     gap = {**batch, "attention_mask": batch["attention_mask"].clone()}
@@ -204,7 +202,7 @@ def test_what_cannot_be_packed_is_refused(gen):
         r"packing needs each sample's length: pass a mapping batch .* got tuple",
     )
     refused({"input_ids": batch["input_ids"]}, r"packing needs each sample's length")
-    refused(batch, r"pack_length=0 is not allowed: use a positive integer", pack_length=0)
+    refused(batch, r"pack=0 is not allowed: use a positive integer", pack_length=0)
 
 
 class OwnLM(nn.Module):
@@ -246,8 +244,7 @@ def test_a_packed_window_equals_the_full_batch(left, sft, budget, optimizer, gen
         OPTIMIZERS[optimizer](ref.parameters()),
         OPTIMIZERS[optimizer](model.parameters()),
     )
-    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget)
-    acc._runner.cut = PackCut(24)  # the seam (module docstring)
+    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget, pack=24)
     for _ in range(2):
         batch = text(10, gen, left, sft)
         full_batch_step(ref, ref_opt, own_loss, batch)

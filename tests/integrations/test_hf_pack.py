@@ -1,7 +1,7 @@
 """Packed windows of transformers models built from configs (float64): Llama and GPT-2 equal the
 unpacked full batch; the traps of Note [packing traps] are real, and refused.
 
-``Accumulator`` has no packing setting yet: ``acc._runner.cut = PackCut(...)`` is a temporary seam.
+Packed through ``Accumulator(..., pack=...)``.
 Llama's RMSNorm computes in float32 (Note [float32 islands]): scaling its backward by ``1/count``
 before or after changes the step by float32's rounding (5e-8 measured), so the 1e-12 tests run
 it in float64 (``float64_norms``), as the rest of the model.
@@ -109,8 +109,7 @@ def test_a_packed_window_equals_the_full_batch(name, left, sft, budget, optimize
         OPTIMIZERS[optimizer](ref.parameters()),
         OPTIMIZERS[optimizer](model.parameters()),
     )
-    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget)
-    acc._runner.cut = PackCut(LENGTH)  # the seam (module docstring)
+    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=budget, pack=LENGTH)
     for _ in range(2):
         batch = text(11, gen, left, sft)
         full_batch_step(ref, ref_opt, unpacked_loss, batch)

@@ -50,7 +50,8 @@ Note [packing traps]
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -130,10 +131,29 @@ class PackCut(TokenCut):
         varlen: bool = False,
     ) -> None:
         if type(pack_length) is not int or pack_length < 1:
-            raise ValueError(f"pack_length={pack_length!r} is not allowed: use a positive integer.")
+            raise ValueError(
+                f"pack={pack_length!r} is not allowed: use a positive integer (tokens per row)."
+            )
         # (pad_values may hold None: a per-sample key, Note [packed windows])
         super().__init__(max_rows, None, lengths, pad_values)  # type: ignore[arg-type]
         self.length, self.shift, self.varlen = pack_length, shift, varlen
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Refuse a model that cannot keep packed samples apart (``check_model``); a flash
+        attention's model gets the varlen arguments."""
+        config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+        self.varlen |= getattr(config, "_attn_implementation", None) in APART_BY_VARLEN
+        check_model(model, self.varlen)
+
+    @contextlib.contextmanager
+    def during(self, model: torch.nn.Module) -> Iterator[None]:
+        """Each forward of the window's transformers model is checked (``check_forward``)."""
+        owner: Any = next((m for m in model.modules() if hasattr(m, "config")), model)
+        hook = owner.register_forward_pre_hook(check_forward, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
 
     def units(self, batch: Any) -> int:
         """The token budget at which the whole window is one micro-batch."""
@@ -241,8 +261,8 @@ class PackCut(TokenCut):
                 raise ValueError(f"sample {i} cannot be packed (column {j}): {what}.")
         if (longest := max(read[:n])) > self.length:
             raise ValueError(
-                f"a sample has {longest} tokens, more than pack_length={self.length}: packing "
-                f"never splits a sample; use pack_length={longest} or more, or truncate it."
+                f"a sample has {longest} tokens, more than pack={self.length}: packing "
+                f"never splits a sample; use pack={longest} or more, or truncate it."
             )
         return read[:n], read[n : 2 * n]
 

@@ -113,7 +113,7 @@ def warn_if_copying(batch: Any, out: Any) -> None:
         return
     if labels.shape != ids.shape:
         return
-    kept = labels != PAD_VALUES["labels"]
+    kept: torch.Tensor = labels.ne(-100)  # PAD_VALUES["labels"]
     same = (labels == ids) | ~kept
     found = torch.stack([same.all(), kept[:, 0].any(), out[1].reshape(()) == kept.sum()])
     if all(found.tolist()):

@@ -37,6 +37,7 @@ Note [passes before the window]
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -106,6 +107,14 @@ class SampleCut:
         """The pieces of ``batch`` at ``size`` (samples, or a token budget)."""
         parts = split(batch, size)  # (only the last may be smaller)
         return [Piece(p, size) for p in parts[:-1]] + [Piece(parts[-1], batch_size(parts[-1]))]
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Check ``model`` for this cut once, when the ``Runner`` is made (for packing:
+        Note [packing traps] in ``bigbatch.core._pack``); nothing for a plain cut."""
+
+    def during(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context for a window's micro-batches of ``model`` (packing checks each forward)."""
+        return contextlib.nullcontext()
 
     def empty(self, batch: Any) -> Piece:
         """A micro-batch that counts nothing, for a rank that must run one more forward."""
@@ -270,6 +279,9 @@ class Runner:
     tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
     _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
 
+    def __post_init__(self) -> None:
+        self.cut.bind(self.model)
+
     def run(self, batch: Any, attempt: Attempt, finish: Finish[T], discard: Discard) -> T:
         """Run ``attempt(pieces, size)`` until a window completes, then ``finish(pieces, size,
         oom_retries, peak_bytes)`` (the peak of the attempt that completed, or ``None``).
@@ -316,10 +328,11 @@ class Runner:
     ) -> tuple[int | None, bool] | None:
         """``(failed size or None, measured)``; ``None`` when the attempt asked for a restart."""
         try:
-            if backup.batchnorms:
-                with momentum_window(backup.batchnorms, sum(p.samples for p in pieces)):
-                    attempt(pieces, size)
-            else:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.cut.during(self.model))
+                if backup.batchnorms:
+                    samples = sum(p.samples for p in pieces)
+                    stack.enter_context(momentum_window(backup.batchnorms, samples))
                 attempt(pieces, size)
             return None, False
         except Restart:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from bigbatch.core._pack import PackCut
 from bigbatch.core._sizing import Sizing
 from bigbatch.core._tokens import TokenCut, TrimmedSampleCut
 from bigbatch.core._units import parse_bytes
@@ -41,6 +42,7 @@ class CutSettings(TypedDict, total=False):
     pad_values: Mapping[str, float | None] | None
     trim_padding: bool
     memory_budget: int | str | None
+    pack: int | None
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class Cut:
         memory_budget: cap on the memory a window may use above what was in use before it
             (``"6GiB"``, bytes): a window that goes over is redone smaller in auto mode, refused
             otherwise (``MemoryBudgetExceeded``).
+        pack: pack each window's samples whole into rows of this many tokens, for a causal LM
+            (Note [packed windows] in ``bigbatch.core._pack``): ``micro_batch_size`` rows per
+            micro-batch (default 1), or as many as ``micro_batch_tokens`` holds.
 
     Raises:
         TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
@@ -85,6 +90,7 @@ class Cut:
     pad_values: Mapping[str, float | None] | None = None
     trim_padding: bool = True
     memory_budget: int | str | None = None
+    pack: int | None = None
 
     def __post_init__(self) -> None:
         self.build()  # every check of the settings, together, once
@@ -137,6 +143,8 @@ class Cut:
             raise TypeError(
                 f"trim_padding={self.trim_padding!r} is not allowed: use True or False."
             )
+        if self.pack is not None:
+            return self._packed()
         if not self.tokens:
             return self._by_samples()
         if self.micro_batch_size == "auto":
@@ -161,6 +169,28 @@ class Cut:
                 "micro_batch_tokens."
             )
         return sizing, cut
+
+    def _packed(self) -> tuple[Sizing, SampleCut]:
+        rows, budget = self.micro_batch_size, self.micro_batch_tokens
+        wrong = {
+            "micro_batch_size": rows == "auto",
+            "pad_to_multiple_of": self.pad_to_multiple_of is not None,
+            "trim_padding": not self.trim_padding,
+        }
+        if name := next((k for k, v in wrong.items() if v), None):
+            raise ValueError(
+                f"{name}={getattr(self, name)!r} with pack: packed rows have one length already "
+                f'and their token budget is what auto sizes: drop it (micro_batch_tokens="auto").'
+            )
+        cut = PackCut(self.pack, rows, self.lengths, self.pad_values)  # type: ignore[arg-type]
+        if budget is None:
+            budget = cut.length * (rows or 1)  # type: ignore[operator]
+        elif isinstance(budget, int) and budget < cut.length:
+            raise ValueError(
+                f"micro_batch_tokens={budget} holds no packed row of pack={cut.length} tokens: "
+                f"use micro_batch_tokens={cut.length} or more (a multiple), or a shorter pack."
+            )
+        return Sizing(budget, "micro_batch_tokens"), cut
 
     def _by_samples(self) -> tuple[Sizing, SampleCut]:
         if self.pad_to_multiple_of is not None or self.lengths is not None:
