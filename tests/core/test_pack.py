@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from cases import OPTIMIZERS
 from reference import full_batch_step, max_relative_error
+from refusals import assert_refused
 
 import bigbatch
 from bigbatch.core._pack import (
@@ -215,11 +216,11 @@ class OwnLM(nn.Module):
         self.qkv, self.out = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, segments=None) -> torch.Tensor:
         x = self.embed(ids) + self.pos(position_ids)
         rows, length = ids.shape
         q, k, v = self.qkv(x).view(rows, length, 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
-        mask = block_causal_mask(position_ids)
+        mask = block_causal_mask(position_ids if segments is None else segments)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.out(attended.transpose(1, 2).reshape(rows, length, WIDTH))
         return self.head(torch.tanh(x))
@@ -308,3 +309,36 @@ def test_a_layer_that_ignores_boundaries_and_a_leaking_forward_are_refused():
     check_forward(
         OwnLM(), (), {"attention_mask": torch.ones(2, 1, 4, 4, dtype=torch.bool)}
     )  # a block mask
+
+
+class LeakyLM(OwnLM):
+    """``OwnLM`` whose attention is causal over the whole row: packed samples see each other."""
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        flat = torch.arange(ids.shape[1]).expand_as(ids)  # one segment per row
+        return super().forward(ids, position_ids, segments=flat)
+
+
+def test_the_audit_stops_a_packed_run_whose_model_leaks_across_samples(gen):
+    """Note [packing audit]: the first window replayed unpacked; the model unchanged."""
+    torch.manual_seed(0)
+    model = LeakyLM().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), pack=24)
+    with assert_refused(model, ValueError, match=r"^packing changed the first window: its loss"):
+        acc.train_step(text(10, gen), own_loss)
+
+
+def test_the_audit_stops_a_loss_that_does_not_shift(gen):
+    """A loss per token (no shift) loses each packed sample's first label: the count differs."""
+    torch.manual_seed(0)
+    model = OwnLM().double()
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), pack=24)
+
+    def tagger(m, b):  # a label per token, unshifted
+        positions = b.get("position_ids")
+        if positions is None:
+            positions = (b["attention_mask"].cumsum(-1) - 1).clamp_min(0)
+        return token_cross_entropy(m(b["input_ids"], positions), b["labels"], shift=False)
+
+    with assert_refused(model, ValueError, match=r"its count is .* Pack only a causal LM's"):
+        acc.train_step(text(10, gen), tagger)

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.core._pack_audit import replay
 from bigbatch.core._tokens import TokenCut, padded_length, per_token
 from bigbatch.core._tree import take
 from bigbatch.core._window import Piece
@@ -137,6 +138,8 @@ class PackCut(TokenCut):
         # (pad_values may hold None: a per-sample key, Note [packed windows])
         super().__init__(max_rows, None, lengths, pad_values)  # type: ignore[arg-type]
         self.length, self.shift, self.varlen = pack_length, shift, varlen
+        self.budget: int | None = None  # the token budget when fixed (Cut sets it)
+        self.audited = False  # Note [packing audit]: the first window replayed unpacked
 
     def bind(self, model: torch.nn.Module) -> None:
         """Refuse a model that cannot keep packed samples apart (``check_model``); a flash
@@ -144,6 +147,13 @@ class PackCut(TokenCut):
         config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
         self.varlen |= getattr(config, "_attn_implementation", None) in APART_BY_VARLEN
         check_model(model, self.varlen)
+
+    def audit(self, model: torch.nn.Module, batch: Any, loss_fn: Any) -> None:
+        """The first window, packed, against its samples unpacked (Note [packing audit]): at the
+        fixed budget's micro-batches, one row each under auto."""
+        if not self.audited:
+            self.audited = True
+            replay(model, loss_fn, batch, self.measure(batch)[2](self.budget or self.length))
 
     @contextlib.contextmanager
     def during(self, model: torch.nn.Module) -> Iterator[None]:

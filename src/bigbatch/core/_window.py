@@ -112,6 +112,10 @@ class SampleCut:
         """Check ``model`` for this cut once, when the ``Runner`` is made (for packing:
         Note [packing traps] in ``bigbatch.core._pack``); nothing for a plain cut."""
 
+    def audit(self, model: torch.nn.Module, batch: Any, loss_fn: Any) -> None:
+        """Check the first window's cut against the batch as given, once (for packing:
+        Note [packing audit] in ``bigbatch.core._pack_audit``); nothing for a plain cut."""
+
     def during(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context for a window's micro-batches of ``model`` (packing checks each forward)."""
         return contextlib.nullcontext()

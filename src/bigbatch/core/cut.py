@@ -190,6 +190,7 @@ class Cut:
                 f"micro_batch_tokens={budget} holds no packed row of pack={cut.length} tokens: "
                 f"use micro_batch_tokens={cut.length} or more (a multiple), or a shorter pack."
             )
+        cut.budget = budget if isinstance(budget, int) else None
         return Sizing(budget, "micro_batch_tokens"), cut
 
     def _by_samples(self) -> tuple[Sizing, SampleCut]:

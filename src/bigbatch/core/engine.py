@@ -245,6 +245,8 @@ class Accumulator:
                 f"stats_fn is given, so loss_fn is called as loss_fn(model, batch, stats), but it "
                 f"takes {inspect.signature(loss_fn)}: add the stats parameter, or drop stats_fn."
             )
+        if stats_fn is None:  # the cut's check of a first window (Note [packing audit])
+            self._runner.cut.audit(self.model, batch, loss_fn)
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
         return self._runner.run(batch, run, self._finish, self._discard_window)
 

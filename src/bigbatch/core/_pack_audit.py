@@ -1,0 +1,100 @@
+"""The packing audit: a packed run's first window replayed unpacked, and the two compared.
+
+Note [packing audit]
+    Packing is exact only where nothing crosses a sample's boundary, and Note [packing traps]
+    lists the crossings known today; a model can hold others (a layer that pools over its row, a
+    loss that counts rows, a loss that does not shift its labels and so loses each sample's
+    first one). So the first window of a packed ``Accumulator`` is computed twice before it is
+    trained: micro-batch by micro-batch as packed (the rows of the cut, one row per micro-batch
+    under ``"auto"``), and with the same micro-batches' samples unpacked (the batch's own
+    padded rows, positions counted from each sample's first token), both in eval mode (dropout
+    off: its masks differ with the layout) from the same weights, without stepping. The loss
+    sums, the counts and the gradients of the two must agree at the rounding of the dtype they
+    are computed in; else the run stops before its first step, naming what differed and by how
+    much. It costs two forwards and backwards of one window, once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bigbatch.core._tree import take
+from bigbatch.core._window import Piece
+from bigbatch.core.loss import as_terms
+from bigbatch.core.split import batch_size
+
+
+def replay(model: torch.nn.Module, loss_fn: Callable, batch: Any, pieces: list[Piece]) -> None:
+    """Compare the packed ``pieces`` of ``batch`` with their samples unpacked (Note [packing
+    audit]); the model, its gradients and its mode are left as they were.
+
+    Raises:
+        ValueError: the two differ beyond rounding, naming what and by how much.
+    """
+    params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+    mode, n = model.training, batch_size(batch)
+    model.eval()
+    try:
+        packed = _sums(model, loss_fn, [p.batch for p in pieces], params)
+        plain = [_positioned(take(batch, p.rows.tolist(), n)) for p in pieces]  # type: ignore[union-attr]
+        unpacked = _sums(model, loss_fn, plain, params)
+    finally:
+        model.train(mode)
+    dtype = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps)
+    tokens = sum(p.tokens or 0 for p in pieces)
+    tolerance = max(1e-10, 8 * torch.finfo(dtype).eps * math.sqrt(max(tokens, 1)))
+    for what, i in (("count", 1), ("loss sum", 0), ("gradient", 2)):  # the likeliest cause first
+        a, b = packed[i], unpacked[i]
+        gap = float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+        if not gap <= tolerance:
+            raise ValueError(
+                f"packing changed the first window: its {what} is {gap:.2g} (relative) off the "
+                f"same samples unpacked (allowed: {tolerance:.1g}, the rounding of {dtype}). "
+                + HINTS[what]
+            )
+
+
+CROSSING = (
+    "Something crosses the samples' boundaries in a packed row (a layer that pools over the row "
+    "or carries state along it, an attention that ignores position_ids: the packing traps of "
+    "bigbatch.core._pack): do not pack this model, or keep its samples apart."
+)
+HINTS = {
+    "loss sum": CROSSING,
+    "count": "The loss counts another number of items packed: a loss that does not shift its "
+    "labels loses each sample's first label, and one that counts rows counts packed rows. Pack "
+    "only a causal LM's shifted loss, counted from its labels.",
+    "gradient": CROSSING,
+}
+
+
+def _sums(
+    model: torch.nn.Module, loss_fn: Callable, batches: list[Any], params: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss sum, the count and the flat gradient of the loss sum over ``batches``, each
+    term's sum weighted (named terms: their weights)."""
+    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    for mb in batches:
+        terms = as_terms(loss_fn(model, mb), batch_size(mb))
+        loss = sum(t.loss_sum * t.weight for t in terms.values())
+        found = torch.autograd.grad(loss, params, allow_unused=True)  # type: ignore[arg-type]
+        grads = [
+            g if d is None else g + d.to(torch.float64) for g, d in zip(grads, found, strict=True)
+        ]
+        total += float(loss)
+        count += sum(float(t.count) for t in terms.values())
+    return total, count, torch.cat([g.reshape(-1) for g in grads])
+
+
+def _positioned(batch: Any) -> Any:
+    """``batch`` with each sample's positions counted from its first attended token (as packing
+    counts them), where it has an attention mask and no positions of its own."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if mask is None or "position_ids" in batch:
+        return batch
+    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp_min(0)}
