@@ -12,7 +12,7 @@ Note [trainer window]
     all but the last; ``current_gradient_accumulation_steps`` is the window's number of batches.
     ``exact(TrainerClass)`` keeps that loop and changes one thing: the first calls of a window
     keep their batch and return a zero loss without work, and the last (where the Trainer
-    synchronises) joins the window's batches into one (``bigbatch.integrations._audit.join``) and
+    synchronises) joins the window's batches into one (``bigbatch.integrations._batches.join``) and
     runs it through an ``Accumulator`` over the Trainer's (maybe DDP-wrapped) model: on several
     ranks each rank joins its own window and the count is every rank's. Its optimizer
     is the Trainer's parameters with a ``step`` and ``zero_grad`` that do nothing, so
@@ -81,13 +81,13 @@ from bigbatch.core.engine import Accumulator
 from bigbatch.core.head import HeadLogits, deferred_head, output_layer
 from bigbatch.core.loss import LossFn, WindowLoss
 from bigbatch.core.split import batch_size
-from bigbatch.integrations import _audit
+from bigbatch.integrations import _audit, _batches, _frameworks
 
 __all__ = ["Trainer", "audit", "exact"]
 
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
-_transformers = _audit.need("transformers", "hf")
+_transformers = _frameworks.need("transformers", "hf")
 GENERATING = ("GRPOTrainer", "RLOOTrainer")
 """Trainers that generate in ``training_step``: ``exact`` refuses them (Note [generating
 trainers])."""
@@ -210,7 +210,7 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         )
         # counted as transformers counts num_items_in_batch: every label where LOSS_MAPPING does
         # not know the model's loss_type (GPT-2's None), the shifted ones otherwise
-        return loss_sum, (count if shifted else _audit.count_items(batch, False))
+        return loss_sum, (count if shifted else _batches.count_items(batch, False))
 
     return loss
 
@@ -333,13 +333,13 @@ class Reader:
 
     def join(self, batches: list[Any]) -> Any:
         """The batches as one, rows of pairs for a paired trainer."""
-        return _audit.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
+        return _batches.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
 
     def count(self, batch: Any, given: bool = False) -> Any:
         """What a mean over ``batch`` (rows of pairs if paired) averages, or (``given``) what
         transformers counts as its ``num_items_in_batch`` (the engine's ``count_fn``)."""
         shifts = self.given_shifts if given else self.shifts
-        return batch_size(batch) if self.paired else _audit.count_items(batch, shifts)
+        return batch_size(batch) if self.paired else _batches.count_items(batch, shifts)
 
 
 @contextlib.contextmanager
@@ -376,7 +376,7 @@ def loss_form(trainer: Any, model: Any, rows: Any, given: bool) -> str | None:
             _rng.restore(state, device)
     finally:
         model.train(mode)
-        _audit.reshard(model)
+        _frameworks.reshard(model)
     if not isinstance(outs[0], torch.Tensor) or not given:
         return "mean" if isinstance(outs[0], torch.Tensor) else "own"
     one, two = float(outs[0]), float(outs[1])
@@ -536,7 +536,7 @@ class _Watch:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
-                joined = _audit.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
+                joined = _batches.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
                 raw = [unpairs(b) if self.reader.paired else b for b in w.batches]
                 self._settle(w)
                 own, scope = functools.partial(self._own, model), functools.partial(one_step, t)
