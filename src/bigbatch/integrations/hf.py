@@ -121,7 +121,8 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
             memory_budget=memory_budget,
         )
         super().__init__(*args, **kwargs)
-        made = next((c for c in type(self).__mro__ if "bigbatch" in vars(c)), Exact)  # by exact()
+        # named for the class exact() made (the first, if exact() was given one of its subclasses)
+        made = next((c for c in reversed(type(self).__mro__) if "bigbatch" in vars(c)), Exact)
         _hf_window.refuse_deepspeed(self, f"bigbatch.hf.exact({made.__name__})")
         if chunked_head:  # Note [chunked head in a trainer]
             loss_fn = chunked_loss(self, loss_fn)
