@@ -318,6 +318,34 @@ def test_errors(tmp_path):
     assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer
 
 
+def test_the_trainers_methods_are_a_module_level_class(tmp_path):
+    """``bigbatch.hf.Trainer.__init__`` and ``training_step`` are ``Exact``'s, a class defined at
+    module level that a reader can open ("go to definition" landed nowhere while ``exact`` made
+    the class inside itself); ``chunked_head=True``'s loss is a module-level function too. What
+    ``exact`` makes keeps the trainer class's name and is made once: ``exact`` of an exact
+    subclass adds ``Exact`` to it no second time."""
+    import inspect
+
+    from bigbatch.integrations.hf import Exact, head_loss
+
+    trainer = bigbatch.hf.Trainer
+    for method in (trainer.__init__, trainer.training_step):
+        assert method.__qualname__ == f"Exact.{method.__name__}"  # not exact.<locals>.Exact
+        assert inspect.getsourcefile(method) == inspect.getsourcefile(bigbatch.integrations.hf)
+    names = trainer.__name__, trainer.__qualname__, trainer.__module__
+    assert names == ("Trainer", "Trainer", "bigbatch.integrations.hf")
+    assert trainer.__mro__[1:3] == (Exact, transformers.Trainer)
+
+    class Mine(trainer):
+        pass
+
+    again = bigbatch.hf.exact(Mine)
+    assert (again.__name__, again.__mro__[1]) == ("Mine", Mine) and again.__mro__.count(Exact) == 1
+    assert "``Mine`` with bigbatch's exact accumulation" in again.__doc__
+    made = trainer(model=gpt2(), args=arguments(tmp_path, 2, 2), chunked_head=True)
+    assert made.bigbatch_window.loss_fn.func is head_loss
+
+
 @pytest.mark.parametrize(
     ("missing", "module", "extra"),
     [

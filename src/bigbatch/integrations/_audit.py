@@ -1,96 +1,21 @@
-"""What the transformers and Lightning audits share: the audited window, joined as one batch,
-the comparison with that batch's gradient, and the diagnosis in words.
+"""The audit both adapters share: an accumulated step checked against the same trainer's step
+on the window as one batch, within the rounding allowed, and what went wrong said in words.
 
-Note [audit]
-    An optimizer step under accumulation should equal the step the same trainer takes on the
-    window's micro-batches joined into one batch. An audited window records its micro-batches,
-    the random state before the first, and what each micro-batch back-propagated (its loss after
-    the trainer's scaling). After the window's last backward, before clipping and the optimizer
-    step, the audit keeps the accumulated gradients aside, restores that random state, runs the
-    trainer's own loss on the joined batch once with gradients (the one extra forward and
-    backward; dropout off: Note [audit dropout]), compares, and puts the gradients, the buffers
-    and the random state back: training goes on as if nothing had happened. The tolerance is the
-    rounding that forward and backward can make (Note [audit tolerance]). On several ranks every
-    rank compares and all agree on the verdict (one all-reduce); a loss given as ``(sum, count)``
-    or named terms is read over every rank's count (``window_mean``), as the window normalises
-    it. The joined batch is computed at once, so the audited step holds the whole window's
-    activations (about k times a micro-batch's). Recomputing it micro-batch by micro-batch in the
-    big batch's normalisation would not be a one-batch reference: it is what accumulation does,
-    so it would miss what the audit is for, a loss or module coupling the samples across
-    micro-batches and a normalisation that is wrong. The memory is said where the audit is
-    documented instead; audit where the window fits.
-
-Note [audit dropout]
-    Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
-    joined batch would: with dropout on, the two gradients differ whatever the accumulation does
-    (GPT-2's default 0.1 gave a false alarm with a wrong cause). So the audit computes both sides
-    with dropout off. ``dropout_off`` sets every dropout rate of the modules in training to 0
-    for the audit's runs: each dropout's ``p`` and each float attribute named for dropout
-    (``attention_dropout``, ``dropout_p``, ``layerdrop``: transformers' attention passes these to
-    its kernel, ``dropout_p=0.0 if not self.training else ...``), so the rates stay 0 when a
-    gradient checkpoint recomputes its block in backward and whatever ``model.train()`` the
-    trainer calls. Noise rates are set to 0 the same way (float attributes named for noise:
-    NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). ``observe``'s function
-    mode (Note [dropout in check] in ``bigbatch.verifier._runs``) also turns off dropout called
-    as a function with a constant rate, in forward. Where either turned a rate off, the
-    accumulated side is computed again: the trainer's own window replayed from the same weights
-    (``replay``: its ``training_step`` over the recorded batches, with its accumulation steps,
-    its scaling and its backward; on bigbatch's trainers, its engine), whose gradients are
-    compared and whose returns the diagnosis reads (its own losses with dropout off too). The
-    replay runs the trainer's normalisation, so a wrong one is found with dropout on as without,
-    and the step taken is the one the trainer computed with its masks: the gradients, buffers,
-    random state, rates and the trainer's counters (TRL's ``_step``, its token count) are put
-    back. It costs one more forward and backward of the window, where dropout is on. Rejected:
-    the same masks on both sides (drawn per call for tensors of other shapes: possible only where
-    shapes and call order match, not in general); the audited window itself run with dropout off
-    (training would change at that step); ``eval()`` (BatchNorm would use its running
-    statistics, and transformers' layers stop checkpointing); the function mode alone (a
-    checkpoint's recompute runs outside it: with dropout back on there, the audit crashed
-    ``SFTTrainer``, whose default is gradient checkpointing). Other random numbers (noise drawn
-    in ``forward`` at a constant scale) stay: where the gradients differ and the same loss
-    computed again, on the numbers drawn next, differs by more than the tolerance, the result is
-    no verdict but ``exact=None``, "not checked", saying why (they may differ for that alone).
-
-Note [audit tolerance]
-    The accumulated and the one-batch gradient differ by rounding alone when the step is exact:
-    each sums the window's items in another order. The relative difference allowed is twice the
-    epsilon of the lowest precision an operation on the gradient path computes in (its outputs
-    rounded: a float32 island in a float64 model, bf16 under autocast), plus the
-    accumulation over the window's ``R`` items (its largest tensor's elements: tokens), which
-    runs in float32 below float64: ``4 · eps(float32) · √R`` (float32 over 2,400 tokens: 2e-5),
-    and never less than 1e-10 (float64). Only operations whose output carries a gradient count
-    (``observe``): a metric computed in bf16 under ``no_grad`` does not make a float64 model's
-    tolerance bf16's. The tolerance is in every ``AuditResult`` and printed with its verdict; it
-    never exceeds the rounding of the precision really computed in, so an error larger than that
-    rounding is always reported (one below bf16's, 2e-2, cannot be told from it: a bf16 run's
-    line says bf16). Measured: TRL's DPO under bf16 autocast, 3e-3 to 5e-3 apart (2e-2 allowed);
-    float32 islands in float64, 1e-7 apart (2e-5 allowed over 2,400 tokens).
-
-Note [audit diagnosis]
-    When a step is not exact, each micro-batch's loss is computed again without gradient (its
-    own one-batch loss ``L_i``), and the weight the trainer gave it, ``a_i`` = what it
-    back-propagated / ``L_i`` (on bigbatch's trainers, which back-propagate at the window's
-    scale: what its loss adds to the window's, each term over its window count, ``shares``), is
-    read against its right weight ``w_i = n_i / N`` (its share of
-    the window's tokens, or samples). ``a_i = 1/k`` (``k`` accumulation steps) where the ``n_i``
-    differ: a mean of micro-batch means, "per-micro-batch mean on padded data"; ``a_i = 1``:
-    "÷ accumulation steps missing"; ``a_i = 1/k²``: "÷ accumulation steps applied twice";
-    ``a_i = 1/k`` on a short last window of ``m < k`` micro-batches: "last window mis-scaled";
-    weights that follow none of these: "loss term normalised locally" (a term divided inside each
-    micro-batch, so summed ``k`` times). With the right weights, gradients that differ between
-    ranks mean "ranks did not synchronise"; else the loss of the joined batch is not the weighted
-    mean of its micro-batches' losses: "loss couples samples across micro-batches" (contrastive,
-    pairwise, a batch statistic: ``bigbatch.cached_loss`` or a statistics pass).
+``bigbatch.hf.audit`` (``bigbatch.integrations._hf_audit``) and ``bigbatch.lightning.audit``
+record an audited window (``start``: a ``Window``) and call ``check`` after its last backward:
+it computes the one-batch gradient from the same weights and random state (Note [audit]), both
+sides with dropout off (``dropout_off``: Note [audit dropout]); ``judge`` compares within the
+rounding allowed (``rounding``: Note [audit tolerance]) and diagnoses a difference
+(``diagnose``: Note [audit diagnosis]); ``finish`` names the steps training never reached.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,25 +23,17 @@ import torch
 from torch.nn.modules.dropout import _DropoutNd
 
 from bigbatch.core import _rng
-from bigbatch.core._sync import wrapper_kind
-from bigbatch.core._tree import is_column, tensor_leaves
+from bigbatch.core._tree import tensor_leaves
 from bigbatch.core._window import Backup
 from bigbatch.core.loss import as_terms, mean_of
 from bigbatch.core.split import batch_size
+from bigbatch.integrations._frameworks import held, reshard
 from bigbatch.verifier._runs import Grads, Watch, differences, observe
 
 logger = logging.getLogger("bigbatch")
 Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
 RANDOM = "the loss draws random numbers besides dropout (noise in forward): audit without them"
 _RATE = re.compile("drop|noise")  # dropout rates, NEFTune's noise_alpha, MoE routers' jitter_noise
-
-
-def need(module: str, extra: str) -> Any:
-    """``import module``, or an ImportError naming the ``pip install`` that brings it."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        raise ImportError(f'{module} is missing: pip install "bigbatch[{extra}]"') from exc
 
 
 @dataclass
@@ -205,46 +122,6 @@ def start(log: Audit, step: int, accumulation_steps: int, device: Any) -> Window
     return Window(step, accumulation_steps, _rng.capture(torch.device(device))) if audited else None
 
 
-def join(batches: Sequence[Any], pad_id: int = 0, key: str = "") -> Any:
-    """The micro-batches as one batch: rows concatenated in order, per-token tensors right-padded
-    to the longest (``labels`` with -100, ``*input_ids`` with ``pad_id``, the rest with 0); a
-    tuple or list of tensors joined per position, a column of ids or strings concatenated."""
-    first = batches[0]
-    if isinstance(first, Mapping):
-        return {k: join([b[k] for b in batches], pad_id, str(k)) for k in first}
-    kind = list if isinstance(first, list) else tuple
-    if isinstance(first, (tuple, list)) and is_column(first, len(first)):  # ids, strings
-        return kind(x for b in batches for x in b)
-    if isinstance(first, (tuple, list)):  # per position: TensorDataset's [x, y]
-        return kind(join(list(p), pad_id) for p in zip(*batches, strict=True))
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
-        return first
-    shape = [max(t.shape[d] for t in batches) for d in range(first.dim())]
-    value = -100 if key == "labels" else pad_id if key.endswith("input_ids") else 0
-
-    def pad(t: torch.Tensor) -> torch.Tensor:  # the last dimension first, as F.pad reads them
-        widths = [(0, want - n) for want, n in zip(shape[:0:-1], t.shape[:0:-1], strict=True)]
-        return torch.nn.functional.pad(t, [w for pair in widths for w in pair], value=value)
-
-    return torch.cat([pad(t) for t in batches])
-
-
-def count_items(batch: Any, shifts: bool = False) -> Any:
-    """The items a mean over ``batch`` averages: its labels that are not -100 (without the first
-    of each row when the loss ``shifts``; ``shift_labels`` as given), else its completion tokens
-    (``completion_mask``: TRL's GRPO), else its rows."""
-    if not isinstance(batch, Mapping):
-        return batch_size(batch)
-    labels, given = batch.get("shift_labels"), batch.get("labels")
-    if labels is None and given is not None:
-        labels = given[..., 1:] if shifts and given.dim() >= 2 else given
-    if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-        return (labels != -100).sum()
-    if isinstance(batch.get("completion_mask"), torch.Tensor):
-        return batch["completion_mask"].sum()
-    return next(len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim())
-
-
 def shares(outs: list[tuple[Any, Any]]) -> list[float]:
     """What each micro-batch's loss adds to the loss of a window normalised as bigbatch does
     (each term over its count in the window), from ``(micro_batch, loss)`` pairs: what each
@@ -300,6 +177,25 @@ def check(
     ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis; ``replay()``: the
     trainer's window again, back-propagated as it did (synchronised over the ranks), refilling
     ``window`` (Note [audit dropout]).
+
+    Note [audit]
+        An optimizer step under accumulation should equal the step the same trainer takes on the
+        window's micro-batches joined into one batch. An audited window records its micro-batches,
+        the random state before the first, and what each micro-batch back-propagated (its loss after
+        the trainer's scaling). After the window's last backward, before clipping and the optimizer
+        step, the audit keeps the accumulated gradients aside, restores that random state, runs the
+        trainer's own loss on the joined batch once with gradients (the one extra forward and
+        backward; dropout off: Note [audit dropout]), compares, and puts the gradients, the buffers
+        and the random state back: training goes on as if nothing had happened. The tolerance is the
+        rounding that forward and backward can make (Note [audit tolerance]). On several ranks every
+        rank compares and all agree on the verdict (one all-reduce); a loss given as ``(sum,
+        count)`` or named terms is read over every rank's count (``window_mean``), as the window
+        normalises it. The joined batch is computed at once, so the audited step holds the whole
+        window's activations (about k times a micro-batch's). Recomputing it micro-batch by
+        micro-batch in the big batch's normalisation would not be a one-batch reference: it is what
+        accumulation does, so it would miss what the audit is for, a loss or module coupling the
+        samples across micro-batches and a normalisation that is wrong. The memory is said where the
+        audit is documented instead; audit where the window fits.
     """
     acc, params = gradients(model), list(model.parameters())
     device, kept = params[0].device, [p.grad for p in params]
@@ -333,23 +229,46 @@ def check(
         reshard(model)
 
 
-def reshard(model: torch.nn.Module) -> None:
-    """Shard FSDP2's units again after forwards without gradients (the audit's diagnosis, the
-    trainer's loss probe), which leave some unsharded: the optimizer steps the shards, and the
-    next forward must gather them again."""
-    for m in model.modules():
-        if wrapper_kind(m) == "fsdp" and callable(again := getattr(m, "reshard", None)):
-            again()
-
-
 @contextlib.contextmanager
 def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
     """Within the block the dropout and noise rates of ``model``'s modules in training are 0:
     each dropout's ``p``, each float attribute named for dropout or noise (``attention_dropout``,
     ``dropout_p``, ``layerdrop``: what transformers' attention passes its kernel in training;
-    NEFTune's ``neftune_noise_alpha``). Yields whether there were any (Note [audit dropout])."""
+    NEFTune's ``neftune_noise_alpha``). Yields whether there were any.
+
+    Note [audit dropout]
+        Dropout draws its masks per call, so the trainer's micro-batches drew other masks than the
+        joined batch would: with dropout on, the two gradients differ whatever the accumulation does
+        (GPT-2's default 0.1 gave a false alarm with a wrong cause). So the audit computes both
+        sides with dropout off. ``dropout_off`` sets every dropout rate of the modules in training
+        to 0 for the audit's runs: each dropout's ``p`` and each float attribute named for dropout
+        (``attention_dropout``, ``dropout_p``, ``layerdrop``: transformers' attention passes these
+        to its kernel, ``dropout_p=0.0 if not self.training else ...``), so the rates stay 0 when a
+        gradient checkpoint recomputes its block in backward and whatever ``model.train()`` the
+        trainer calls. Noise rates are set to 0 the same way (float attributes named for noise:
+        NEFTune's ``neftune_noise_alpha``, MoE routers' ``jitter_noise``). ``observe``'s function
+        mode (Note [dropout in check] in ``bigbatch.verifier._runs``) also turns off dropout called
+        as a function with a constant rate, in forward. Where either turned a rate off, the
+        accumulated side is computed again: the trainer's own window replayed from the same weights
+        (``replay``: its ``training_step`` over the recorded batches, with its accumulation steps,
+        its scaling and its backward; on bigbatch's trainers, its engine), whose gradients are
+        compared and whose returns the diagnosis reads (its own losses with dropout off too). The
+        replay runs the trainer's normalisation, so a wrong one is found with dropout on as without,
+        and the step taken is the one the trainer computed with its masks: the gradients, buffers,
+        random state, rates and the trainer's counters (TRL's ``_step``, its token count) are put
+        back. It costs one more forward and backward of the window, where dropout is on. Rejected:
+        the same masks on both sides (drawn per call for tensors of other shapes: possible only
+        where shapes and call order match, not in general); the audited window itself run with
+        dropout off (training would change at that step); ``eval()`` (BatchNorm would use its
+        running statistics, and transformers' layers stop checkpointing); the function mode alone (a
+        checkpoint's recompute runs outside it: with dropout back on there, the audit crashed
+        ``SFTTrainer``, whose default is gradient checkpointing). Other random numbers (noise drawn
+        in ``forward`` at a constant scale) stay: where the gradients differ and the same loss
+        computed again, on the numbers drawn next, differs by more than the tolerance, the result is
+        no verdict but ``exact=None``, "not checked", saying why (they may differ for that alone).
+    """
     rates = [
-        (m, k, v)
+        (m, k, 0.0)
         for m in model.modules()
         if m.training
         for k, v in vars(m).items()
@@ -357,13 +276,8 @@ def dropout_off(model: torch.nn.Module) -> Iterator[bool]:
         and v > 0
         and (_RATE.search(k) or isinstance(m, _DropoutNd) and k == "p")
     ]
-    for m, k, _ in rates:
-        setattr(m, k, 0.0)
-    try:
+    with held(rates):
         yield bool(rates)
-    finally:
-        for m, k, v in rates:
-            setattr(m, k, v)
 
 
 def judge(
@@ -405,7 +319,7 @@ def judge(
         with torch.no_grad():  # another loss from other random numbers: they may be the cause
             drawn = abs(float(again()) - loss) > tolerance * abs(loss)
         ranks_differ = disagree > 1e-9 * _norm(acc)
-        diagnosis = RANDOM if drawn else _diagnose(window, loss, ranks_differ, own, tolerance)
+        diagnosis = RANDOM if drawn else diagnose(window, loss, ranks_differ, own, tolerance)
         result.exact, result.diagnosis = (None if drawn else False), diagnosis
     (logger.info if result.exact else logger.warning)(str(result))
     return result
@@ -413,13 +327,47 @@ def judge(
 
 def rounding(dtype: torch.dtype, items: int) -> float:
     """The relative gradient difference rounding can make: computing down to ``dtype`` over
-    ``items`` (Note [audit tolerance])."""
+    ``items``.
+
+    Note [audit tolerance]
+        The accumulated and the one-batch gradient differ by rounding alone when the step is exact:
+        each sums the window's items in another order. The relative difference allowed is twice the
+        epsilon of the lowest precision an operation on the gradient path computes in (its outputs
+        rounded: a float32 island in a float64 model, bf16 under autocast), plus the
+        accumulation over the window's ``R`` items (its largest tensor's elements: tokens), which
+        runs in float32 below float64: ``4 · eps(float32) · √R`` (float32 over 2,400 tokens: 2e-5),
+        and never less than 1e-10 (float64). Only operations whose output carries a gradient count
+        (``observe``): a metric computed in bf16 under ``no_grad`` does not make a float64 model's
+        tolerance bf16's. The tolerance is in every ``AuditResult`` and printed with its verdict; it
+        never exceeds the rounding of the precision really computed in, so an error larger than that
+        rounding is always reported (one below bf16's, 2e-2, cannot be told from it: a bf16 run's
+        line says bf16). Measured: TRL's DPO under bf16 autocast, 3e-3 to 5e-3 apart (2e-2 allowed);
+        float32 islands in float64, 1e-7 apart (2e-5 allowed over 2,400 tokens).
+    """
     low = dtype != torch.float64  # below float64, sums run in float32 (half types' too)
     sums = torch.finfo(torch.float32 if low else torch.float64).eps * 4 * math.sqrt(items)
     return max(1e-10, 2 * torch.finfo(dtype).eps * low + sums)
 
 
-def _diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, tolerance: float) -> str:
+def diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, tolerance: float) -> str:
+    """What went wrong in an audited step that is not exact, in words.
+
+    Note [audit diagnosis]
+        When a step is not exact, each micro-batch's loss is computed again without gradient (its
+        own one-batch loss ``L_i``), and the weight the trainer gave it, ``a_i`` = what it
+        back-propagated / ``L_i`` (on bigbatch's trainers, which back-propagate at the window's
+        scale: what its loss adds to the window's, each term over its window count, ``shares``), is
+        read against its right weight ``w_i = n_i / N`` (its share of the window's tokens, or
+        samples). ``a_i = 1/k`` (``k`` accumulation steps) where the ``n_i`` differ: a mean of
+        micro-batch means, "per-micro-batch mean on padded data"; ``a_i = 1``: "÷ accumulation steps
+        missing"; ``a_i = 1/k²``: "÷ accumulation steps applied twice"; ``a_i = 1/k`` on a short
+        last window of ``m < k`` micro-batches: "last window mis-scaled"; weights that follow none
+        of these: "loss term normalised locally" (a term divided inside each micro-batch, so summed
+        ``k`` times). With the right weights, gradients that differ between ranks mean "ranks did
+        not synchronise"; else the loss of the joined batch is not the weighted mean of its
+        micro-batches' losses: "loss couples samples across micro-batches" (contrastive, pairwise, a
+        batch statistic: ``bigbatch.cached_loss`` or a statistics pass).
+    """
     if ranks_differ:
         return "ranks did not synchronise"
     with torch.no_grad():

@@ -32,10 +32,10 @@ from bigbatch.core._stepping import EMPTY_WINDOW, params_of, scale_grads_
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.loss import check_count
 from bigbatch.core.split import batch_size
-from bigbatch.integrations import _audit
+from bigbatch.integrations import _audit, _batches, _frameworks
 
 __all__ = ["Exact", "audit"]
-_pl = _audit.need("lightning.pytorch", "lightning")
+_pl = _frameworks.need("lightning.pytorch", "lightning")
 
 
 def _sum_and_count(out: Any, batch: Any, count: Any = batch_size) -> tuple[torch.Tensor, Any]:
@@ -199,7 +199,7 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
             return
         self._settle(w)
         own = functools.partial(self._own, pl_module)
-        loss = functools.partial(self._loss, pl_module, _audit.join(w.batches))
+        loss = functools.partial(self._loss, pl_module, _batches.join(w.batches))
         scope = trainer.precision_plugin.train_step_context
         replay = functools.partial(self._replay, trainer, pl_module, optimizer, w)
         _audit.check(self.report, w, pl_module, loss, own, trainer.world_size > 1, scope, replay)
@@ -237,7 +237,7 @@ class _Watch(_pl.Callback):  # type: ignore[misc, name-defined]
         count its loss gives where that is within a row each of them (shifted labels); a count of
         1 for a token loss is a mean returned as a sum, not its items."""
         out = type(pl_module).training_step(pl_module, batch, 0)
-        loss_sum, count = _sum_and_count(out, batch, _audit.count_items)
-        items = float(_audit.count_items(batch))
+        loss_sum, count = _sum_and_count(out, batch, _batches.count_items)
+        items = float(_batches.count_items(batch))
         near = abs(float(count) - items) <= batch_size(batch)
         return float(loss_sum / count), float(count) if near else items
