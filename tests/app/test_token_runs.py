@@ -74,7 +74,8 @@ def test_the_language_model_example_trains_through_the_cli(tmp_path, capsys):
 
 
 def test_compile_wraps_the_model_and_snapshots_the_plain_one():
-    from bigbatch.app.config import TrainConfig, prepare_model
+    from bigbatch.app.run import prepare_model
+    from bigbatch.app.settings import TrainConfig
     from bigbatch.distributed import launch
 
     model = tasks.text().model
