@@ -22,7 +22,7 @@ from limits import data_bytes
 from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 from bigbatch.app.snapshot import read_snapshot
 
 TESTS = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ import torch
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 
 def sgd_momentum(params, lr):

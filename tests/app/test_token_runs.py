@@ -15,7 +15,7 @@ from runs import argv, assert_same_run, kill_when_stopped, snapshot_step, train_
 import bigbatch
 from bigbatch.app import report
 from bigbatch.app.cli import main
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 SETTINGS = {"batch_size": 10, "epochs": 2, "lr": 0.05, "seed": 3, "quiet": True}
 

@@ -5,17 +5,6 @@ description, and a row of ``_COMMANDS`` (its one-line help and its flags). ``big
 flags are made from the fields of ``TrainConfig`` (one list of settings; docs/design-settings.md
 says why by hand on argparse). ``main`` is the one error boundary (Note [error boundary]);
 docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
-
-Note [error boundary]
-    Every error a user can cause ends in one line on stderr and exit code 2, never a traceback
-    nor a usage block: a misspelt flag (with the closest one: "did you mean"), a bad value or
-    setting, a task that cannot be used, a run folder that is locked, read-only or full, a step
-    with NaN, no memory left. An error raised by bigbatch's own checks prints its message (it
-    names the setting and what is allowed); one raised inside the user's code (the task
-    function, the loss, the model) prints the user's frame instead: ``file:line in function``,
-    the exception, and the line of code, since bigbatch's internals would not help. An error
-    inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does every
-    error with ``BIGBATCH_TRACEBACK=1`` in the environment.
 """
 
 from __future__ import annotations
@@ -35,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bigbatch.app import demo, loop, report, settings, stopping
+from bigbatch.app import demo, log, loop, report, settings, stopping
 from bigbatch.app.task import Task, first_batch, load_task
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
@@ -148,7 +137,19 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bigbatch`` command; returns the exit code (Note [error boundary])."""
+    """Entry point of the ``bigbatch`` command; returns the exit code.
+
+    Note [error boundary]
+        Every error a user can cause ends in one line on stderr and exit code 2, never a traceback
+        nor a usage block: a misspelt flag (with the closest one: "did you mean"), a bad value or
+        setting, a task that cannot be used, a run folder that is locked, read-only or full, a step
+        with NaN, no memory left. An error raised by bigbatch's own checks prints its message (it
+        names the setting and what is allowed); one raised inside the user's code (the task
+        function, the loss, the model) prints the user's frame instead: ``file:line in function``,
+        the exception, and the line of code, since bigbatch's internals would not help. An error
+        inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does every
+        error with ``BIGBATCH_TRACEBACK=1`` in the environment.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -366,7 +367,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    with report.progress_lines("bigbatch plan") as progress:
+    with log.progress_lines("bigbatch plan") as progress:
         result = plan(
             task.model,
             first_batch(task, args.batch_size),
@@ -419,7 +420,7 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
             ),
         ],
         dict(
-            description=(demo.__doc__ or "").split("\nNote [")[0],
+            description=demo.__doc__,
             formatter_class=_Raw,
             epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
         ),

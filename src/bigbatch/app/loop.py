@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from bigbatch.app import folder, rounds, snapshot, stopping
-from bigbatch.app.report import METRICS_CSV, RunLog, Summary, print_summary, summarize
+from bigbatch.app.log import METRICS_CSV, RunLog
+from bigbatch.app.report import Summary, print_summary, summarize
 from bigbatch.app.run import Run, prepare
 from bigbatch.app.settings import TrainConfig, make_config
 from bigbatch.app.task import Task, check_task
