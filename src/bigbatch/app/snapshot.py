@@ -25,7 +25,8 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from types import UnionType
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -143,21 +144,14 @@ def latest_path(out: str) -> str | None:
     return path if os.path.exists(path) else older[-1][1] if older else None
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "identity": (dict,),
-    "step": (int,),
-    "total_steps": (int,),
-    "model": (dict,),
-    "optimizer": (dict,),
-    "scheduler": (dict, type(None)),
-    "engine": (dict,),
-    "rng": (list,),
-    "elapsed_s": (int, float),
-    "local": (dict, type(None)),
-    "torch_version": (str,),
-    "num_threads": (int,),
-    "format": (str,),
-}
+def _kinds(hint: Any) -> tuple[type, ...]:
+    """The types a snapshot field annotated ``hint`` holds (an ``int`` too where a ``float`` is)."""
+    members = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+    kinds = tuple(get_origin(m) or m for m in members)
+    return (int, float) if kinds == (float,) else kinds
+
+
+_TYPES = {name: _kinds(hint) for name, hint in get_type_hints(Snapshot).items()}
 
 
 def read_snapshot(path: str) -> Snapshot:
