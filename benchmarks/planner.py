@@ -69,12 +69,10 @@ def build(task: str, tiny: bool) -> tuple[torch.nn.Module, Any, Any]:
         model = demo.make_model(256 if tiny else 8192)
         return model, (data.x_train[:n], data.y_train[:n]), demo.loss_fn
     if task == "lm":  # examples/causal_lm.py:task, as `bigbatch plan` reads it
-        from bigbatch.app import config
+        from bigbatch.app.task import first_batch, load_task
 
-        lm = config.load_task(
-            str(Path(__file__).resolve().parents[1] / "examples/causal_lm.py:task")
-        )
-        return lm.model, config.first_batch(lm, 8 if tiny else 32), lm.loss_fn
+        lm = load_task(str(Path(__file__).resolve().parents[1] / "examples/causal_lm.py:task"))
+        return lm.model, first_batch(lm, 8 if tiny else 32), lm.loss_fn
     from transformers import GPT2Config, GPT2LMHeadModel
 
     dim, layers, seq, vocab, n = (32, 2, 16, 256, 4) if tiny else (128, 4, 64, 4096, 16)

@@ -36,7 +36,7 @@ transformers users type work too (`--learning-rate`, `--max-steps`, `--num-train
 
 ## Adding a setting
 
-One field of `TrainConfig` in `src/bigbatch/app/config.py`, e.g.
+One field of `TrainConfig` in `src/bigbatch/app/settings.py`, e.g.
 
 ```python
 pad_to_multiple_of: int | None = setting(
@@ -50,7 +50,7 @@ integer.`), its line below and in `--help`. `choices=` lists allowed values (mat
 `low=` is an integer's least value; `aliases=("--other-name",)` adds another flag name and
 `aliases=("--switch=value",)` a switch; `resumable=True` marks a setting a resumed run may change
 (it does not change the result; every other setting is part of the run's identity). Then use it
-where it acts (`app/loop.py`), and run `python tools/cli_docs.py` to rewrite this page. Why by
+where it acts (`app/run.py`), and run `python tools/cli_docs.py` to rewrite this page. Why by
 hand on argparse rather than a settings library: docs/design-settings.md.
 """
 

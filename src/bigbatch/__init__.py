@@ -24,7 +24,7 @@ from bigbatch.verifier import CheckReport, NotExactError, check
 
 def __getattr__(name: str) -> Any:
     """The trainer's names, imported on first use (the core never imports the application)."""
-    module = {"fit": "loop", "Task": "config", "TrainConfig": "config"}.get(name)
+    module = {"fit": "loop", "Task": "task", "TrainConfig": "settings"}.get(name)
     if module is None:
         raise AttributeError(f"module 'bigbatch' has no attribute {name!r}")
     import importlib

@@ -23,7 +23,7 @@ import pytest
 import torch
 from mounts import tmpfs  # noqa: F401  (runs.tmpfs for the run tests)
 
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bigbatch.app.cli import main
-from bigbatch.app.folder import FORMAT
+from bigbatch.app.snapshot import FORMAT
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
 
@@ -30,7 +30,7 @@ def test_help_lists_the_subcommands(capsys):
 
 
 def test_train_help_has_examples_and_every_setting(capsys):
-    from bigbatch.app.config import settings
+    from bigbatch.app.settings import settings
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -254,7 +254,7 @@ def test_train_help_shows_the_defaults_and_the_optimizer(capsys, monkeypatch):
 
 def test_the_default_optimizer_is_the_one_help_names(capsys, tmp_path):
     """What --help says (AdamW, weight_decay=0.01, lr 0.001) is what a task without one gets."""
-    from bigbatch.app.folder import read_snapshot
+    from bigbatch.app.snapshot import read_snapshot
 
     out = tmp_path / "run"
     argv = ["train", f"{TASKS}:classify", "--steps", "1", "--out", str(out), "--quiet"]
@@ -310,7 +310,7 @@ def test_cli_reference_is_generated_from_the_parser():
     sys.path.insert(0, os.path.join(root, "tools"))
     import cli_docs
 
-    from bigbatch.app.config import settings
+    from bigbatch.app.settings import settings
 
     text = cli_docs.render()
     with open(os.path.join(root, "docs", "cli.md")) as file:

@@ -22,8 +22,8 @@ from limits import data_bytes
 from mounts import read_only, tmpfs
 
 from bigbatch.app.cli import main
-from bigbatch.app.folder import read_snapshot
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
+from bigbatch.app.snapshot import read_snapshot
 
 TESTS = Path(__file__).resolve().parent
 TASKS = TESTS / "tasks.py"

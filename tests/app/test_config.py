@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bigbatch.app.config import TrainConfig, load_toml, make_config, resolve_batch, scaled_lr
+from bigbatch.app.run import scaled_lr
+from bigbatch.app.settings import TrainConfig, load_toml, make_config, resolve_batch
 
 
 @pytest.mark.parametrize(

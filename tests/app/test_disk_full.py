@@ -18,7 +18,7 @@ import pytest
 import runs
 import torch
 
-from bigbatch.app.folder import read_snapshot
+from bigbatch.app.snapshot import read_snapshot
 
 pytestmark = pytest.mark.slow  # mounts a tmpfs, runs children
 

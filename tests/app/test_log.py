@@ -10,7 +10,7 @@ import tasks
 import torch
 
 import bigbatch
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 
 @pytest.mark.needs("rich")

@@ -12,7 +12,7 @@ import torch
 from reference import full_batch_step, max_relative_error
 
 import bigbatch
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 
 def sgd_momentum(params, lr):
@@ -193,5 +193,5 @@ def test_a_folder_with_a_run_needs_resume(tmp_path):
 def test_bad_task_data_is_named():
     task = tasks.classify()
     task.train_data = iter([1, 2])
-    with pytest.raises(bigbatch.app.config.TaskError, match="needs a map-style dataset"):
+    with pytest.raises(bigbatch.app.task.TaskError, match="needs a map-style dataset"):
         bigbatch.fit(task, quiet=True)

@@ -12,8 +12,8 @@ import torch
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.config import make_config
-from bigbatch.app.folder import RunMismatchError
+from bigbatch.app.settings import make_config
+from bigbatch.app.snapshot import RunMismatchError
 
 
 def _train(tmp_path, name, **settings):

@@ -19,8 +19,8 @@ import torch
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.folder import read_snapshot
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
+from bigbatch.app.snapshot import read_snapshot
 
 
 def train(capsys, out, *extra, task="faulty"):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from runs import HERE, argv, assert_same_run, kill_when_stopped, snapshot_step, train_ok
 
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 pytestmark = pytest.mark.slow  # child processes killed with SIGKILL
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bigbatch.app.cli import main
-from bigbatch.app.config import TrainConfig
-from bigbatch.app.loop import crossed, round_end, this_rank
+from bigbatch.app.rounds import crossed, round_end, this_rank
+from bigbatch.app.settings import TrainConfig
 from bigbatch.distributed.launch import Ranks
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
@@ -48,7 +48,7 @@ def test_bad_local_settings_are_named(settings, match):
 
 
 def test_local_settings_are_part_of_the_run_identity():
-    from bigbatch.app.config import resumable_changes
+    from bigbatch.app.settings import resumable_changes
 
     assert {"local_steps", "outer_lr", "outer_momentum", "outer_nesterov"}.isdisjoint(
         resumable_changes()

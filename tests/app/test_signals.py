@@ -21,7 +21,7 @@ import sys
 import pytest
 import runs
 
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 pytestmark = pytest.mark.slow
 

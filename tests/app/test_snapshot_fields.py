@@ -16,7 +16,7 @@ import torch
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.folder import RunMismatchError
+from bigbatch.app.snapshot import RunMismatchError
 
 SETTINGS = {"batch_size": 10, "micro_batch_size": 4, "steps": 2, "save_every": 1, "quiet": True}
 

@@ -15,7 +15,7 @@ import torch
 
 import bigbatch
 from bigbatch.app.cli import main
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bigbatch.app.config import TaskError, canonical_path, check_task, load_task
+from bigbatch.app.task import TaskError, canonical_path, check_task, load_task
 
 TASKS = os.path.join(os.path.dirname(__file__), "tasks.py")
 
@@ -101,7 +101,7 @@ def test_the_command_line_shows_the_syntax_error_not_importlib(tmp_path, monkeyp
 def test_plan_and_check_refuse_a_batch_larger_than_the_data(command, capsys):
     """``first_batch`` would give them 50 samples where 1000 were asked for."""
     from bigbatch.app.cli import main
-    from bigbatch.app.config import first_batch
+    from bigbatch.app.task import first_batch
 
     with pytest.raises(ValueError, match=r"--batch-size 51 is larger than the task's 50 training"):
         first_batch(load_task(f"{TASKS}:classify"), 51)

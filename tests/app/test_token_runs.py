@@ -15,7 +15,7 @@ from runs import argv, assert_same_run, kill_when_stopped, snapshot_step, train_
 import bigbatch
 from bigbatch.app import report
 from bigbatch.app.cli import main
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 SETTINGS = {"batch_size": 10, "epochs": 2, "lr": 0.05, "seed": 3, "quiet": True}
 
@@ -74,7 +74,8 @@ def test_the_language_model_example_trains_through_the_cli(tmp_path, capsys):
 
 
 def test_compile_wraps_the_model_and_snapshots_the_plain_one():
-    from bigbatch.app.config import TrainConfig, prepare_model
+    from bigbatch.app.run import prepare_model
+    from bigbatch.app.settings import TrainConfig
     from bigbatch.distributed import launch
 
     model = tasks.text().model

@@ -164,7 +164,7 @@ def test_a_failed_probe_falls_back_to_the_size_that_fit_and_re_measures_it_once(
 # ---------------------------------------------------------------------------- honest peaks
 def fit_under(budget: int, out: str) -> tuple:
     """``bigbatch.fit`` with auto micro-batch under ``budget``: the summary and metrics.csv."""
-    from bigbatch.app.report import read_csv
+    from bigbatch.app.log import read_csv
 
     torch.set_num_threads(1)
     data = torch.utils.data.TensorDataset(torch.cat([make_batch()] * 3))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torchrun_runs import BIGBATCH, FORKED, HERE, TORCHRUN, launch, start_and_stop_rank0
 
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 from bigbatch.core import _rng
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from torchrun_runs import (
     wait_for_call,
 )
 
-from bigbatch.app.report import read_csv
+from bigbatch.app.log import read_csv
 
 pytestmark = pytest.mark.slow  # real torchrun ranks
 

@@ -5,17 +5,6 @@ description, and a row of ``_COMMANDS`` (its one-line help and its flags). ``big
 flags are made from the fields of ``TrainConfig`` (one list of settings; docs/design-settings.md
 says why by hand on argparse). ``main`` is the one error boundary (Note [error boundary]);
 docs/cli.md, the reference, is generated from this parser (tools/cli_docs.py).
-
-Note [error boundary]
-    Every error a user can cause ends in one line on stderr and exit code 2, never a traceback
-    nor a usage block: a misspelt flag (with the closest one: "did you mean"), a bad value or
-    setting, a task that cannot be used, a run folder that is locked, read-only or full, a step
-    with NaN, no memory left. An error raised by bigbatch's own checks prints its message (it
-    names the setting and what is allowed); one raised inside the user's code (the task
-    function, the loss, the model) prints the user's frame instead: ``file:line in function``,
-    the exception, and the line of code, since bigbatch's internals would not help. An error
-    inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does every
-    error with ``BIGBATCH_TRACEBACK=1`` in the environment.
 """
 
 from __future__ import annotations
@@ -35,7 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bigbatch.app import config, demo, loop, report
+from bigbatch.app import demo, log, loop, report, settings, stopping
+from bigbatch.app.task import Task, first_batch, load_task
 from bigbatch.core import _rng
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.head import with_chunked_head
@@ -54,7 +44,7 @@ CHECKED = (
     MemoryError,
     FloatingPointError,
     ImportError,
-    loop.Stopped,
+    stopping.Stopped,
 )
 
 
@@ -88,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _did_you_mean(given: str, known: Any) -> str:
-    close = config.closest(given.split("=")[0], known)
+    close = settings.closest(given.split("=")[0], known)
     return f": did you mean {close}?" if close else ""
 
 
@@ -128,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.epilog = command.epilog or (f"example{epilog}" if example else None)
         for names, settings_ in flags:
             command.add_argument(*names.split(), **settings_)
-        for f in config.settings() if name == "train" else []:
+        for f in settings.settings() if name == "train" else []:
             _add_setting(command, f)
         command.set_defaults(run=run)
     return parser
@@ -147,7 +137,19 @@ def run() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bigbatch`` command; returns the exit code (Note [error boundary])."""
+    """Entry point of the ``bigbatch`` command; returns the exit code.
+
+    Note [error boundary]
+        Every error a user can cause ends in one line on stderr and exit code 2, never a traceback
+        nor a usage block: a misspelt flag (with the closest one: "did you mean"), a bad value or
+        setting, a task that cannot be used, a run folder that is locked, read-only or full, a step
+        with NaN, no memory left. An error raised by bigbatch's own checks prints its message (it
+        names the setting and what is allowed); one raised inside the user's code (the task
+        function, the loss, the model) prints the user's frame instead: ``file:line in function``,
+        the exception, and the line of code, since bigbatch's internals would not help. An error
+        inside bigbatch that is not one of its checks (a bug) keeps its traceback, as does every
+        error with ``BIGBATCH_TRACEBACK=1`` in the environment.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -222,21 +224,21 @@ def _add_setting(parser: argparse.ArgumentParser, f: Any) -> None:
     """The flags of one ``TrainConfig`` field; only the flags given override ``--config``."""
     flag, meta = "--" + f.name.replace("_", "-"), f.metadata
     names = [flag, *(a for a in meta["aliases"] if "=" not in a)]
-    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": config.helps()[f.name]}
+    common: dict[str, Any] = {"default": argparse.SUPPRESS, "help": settings.helps()[f.name]}
     if f.name == "task":
         parser.add_argument("task", metavar="TASK", nargs="?", **common)
         return
     common["dest"] = f.name
-    if config.kinds(f) == (bool,):
+    if settings.kinds(f) == (bool,):
         action = parser.add_argument(*names, action=argparse.BooleanOptionalAction, **common)
-    elif bool in config.kinds(f):  # --resume, --resume auto, --no-resume
-        metavar = "|".join(config.words(f))
+    elif bool in settings.kinds(f):  # --resume, --resume auto, --no-resume
+        metavar = "|".join(settings.words(f))
         optional: dict[str, Any] = {"nargs": "?", "const": True, "metavar": metavar}
         action = parser.add_argument(*names, type=_reader(f), **optional, **common)
         no = f"not {flag} (overrides --config)"
         parser.add_argument(f"--no-{flag[2:]}", action="store_false", **{**common, "help": no})
     else:
-        shown = "{" + ",".join(config.words(f)) + "}" if meta["choices"] else None
+        shown = "{" + ",".join(settings.words(f)) + "}" if meta["choices"] else None
         action = parser.add_argument(*names, type=_reader(f), metavar=shown, **common)
     action.shown = f.default  # type: ignore[attr-defined]  # for the help (default: SUPPRESS)
     for switch, value in (a.split("=") for a in meta["aliases"] if "=" in a):
@@ -248,8 +250,8 @@ def _reader(f: Any) -> Callable[[str], Any]:
     """Reads a flag's text as setting ``f``: a choice in any case (``TrainConfig`` refuses one
     not in its list, naming the list), else as ``_typed`` reads its types and words."""
     if f.metadata["choices"]:
-        return functools.partial(config.canonical, f)
-    return _typed(*(k for k in config.kinds(f) if k in _NAMED), words=config.words(f))
+        return functools.partial(settings.canonical, f)
+    return _typed(*(k for k in settings.kinds(f) if k in _NAMED), words=settings.words(f))
 
 
 _NAMED = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("text", "text")}
@@ -309,14 +311,14 @@ def _run_train(args: argparse.Namespace) -> None:
     130/143); a second Ctrl-C stops at once (a second SIGTERM is a copy of the first: pkill,
     SLURM, torchrun). Reference: docs/cli.md.
     """
-    given = {k: v for k, v in vars(args).items() if k in {f.name for f in config.settings()}}
-    chosen = config.make_config(config.load_toml(args.config) if args.config else {}, **given)
+    given = {k: v for k, v in vars(args).items() if k in {f.name for f in settings.settings()}}
+    chosen = settings.make_config(settings.load_toml(args.config) if args.config else {}, **given)
     if not chosen.task:
         raise ValueError(
             'no task: give TASK (module:function) or `task = "module:function"` in --config.'
         )
     _rng.seed_all(chosen.seed)  # the task function builds the model: same seed, same weights
-    loop.fit(config.load_task(chosen.task), chosen)
+    loop.fit(load_task(chosen.task), chosen)
 
 
 def _run_report(args: argparse.Namespace) -> None:
@@ -340,8 +342,8 @@ def _run_check(args: argparse.Namespace) -> int:
     eval mode."""
     if args.batch_size < 2:
         raise ValueError(f"--batch-size {args.batch_size} is too small: use at least 2.")
-    task = config.load_task(args.task)
-    batch = config.first_batch(task, args.batch_size)
+    task = load_task(args.task)
+    batch = first_batch(task, args.batch_size)
     model = task.model.eval() if args.eval else task.model
     found = check(model, batch, _loss(task, args), args.micro_batch_size, tolerance=args.tolerance)
     report.print_check(found, title=f"bigbatch check {args.task}: worst parameters")
@@ -362,13 +364,13 @@ def _run_plan(args: argparse.Namespace) -> None:
     why it lost. With --micro-batch-tokens (variable-length text), token budgets are compared
     too (a budget that cuts as a smaller one does is measured once), and every row shows the
     padding it computes."""
-    task = config.load_task(args.task)
+    task = load_task(args.task)
     factory = task.optimizer
     optimizer = None if factory is None else lambda params: factory(params, 1e-3)
-    with report.progress_lines("bigbatch plan") as progress:
+    with log.progress_lines("bigbatch plan") as progress:
         result = plan(
             task.model,
-            config.first_batch(task, args.batch_size),
+            first_batch(task, args.batch_size),
             _loss(task, args),
             memory_budget=args.memory_budget,
             micro_batch_sizes=args.micro_batch_sizes,
@@ -383,7 +385,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     report.print_plan(result)
 
 
-def _loss(task: config.Task, args: argparse.Namespace) -> Any:
+def _loss(task: Task, args: argparse.Namespace) -> Any:
     """The task's loss, with ``--chunked-head`` as the trainer computes it (its memory counted)."""
     return with_chunked_head(task.loss_fn, task.model) if args.chunked_head else task.loss_fn
 
@@ -418,7 +420,7 @@ _COMMANDS: list[tuple[Callable[[argparse.Namespace], Any], str, list[tuple[str, 
             ),
         ],
         dict(
-            description=(demo.__doc__ or "").split("\nNote [")[0],
+            description=demo.__doc__,
             formatter_class=_Raw,
             epilog="example:\n  bigbatch demo --steps 20 --out runs/demo.png",
         ),

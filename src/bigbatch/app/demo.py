@@ -13,16 +13,6 @@ The table gives each run's micro-batch, peak memory per step (the process's resi
 high-water mark, measured), time, samples/s, test accuracy and the largest relative weight
 difference from the full batch (float64 rounding: ~1e-15). The plot (--out) overlays the
 loss curves and draws the peaks. Exit 0 when the weights agree and auto kept to its budget.
-
-Note [demo peaks]
-    A run's peak is the most memory one optimizer step added above what was in use before it
-    (``measure_peak`` on the CPU: the process's resident-set high-water mark), the quantity
-    ``memory_budget`` caps. The first step of every run is left out (one-time allocations:
-    the optimizer state, thread pools), and so are the auto run's steps that redid a window
-    after going over the budget: on the CPU the budget is checked after each micro-batch, so
-    the attempt that went over did touch that memory before it was discarded (on a GPU it would
-    have been an out-of-memory error). The hidden layer is wide (8192) so that activations,
-    which scale with the micro-batch, dominate the peak over the 0.6M parameters.
 """
 
 from __future__ import annotations
@@ -69,7 +59,19 @@ class Run:
     step_peaks: list[int]
 
     def peak_bytes(self) -> int:
-        """The run's peak, per Note [demo peaks]."""
+        """The run's peak: the most memory one of its steps added.
+
+        Note [demo peaks]
+            A run's peak is the most memory one optimizer step added above what was in use before it
+            (``measure_peak`` on the CPU: the process's resident-set high-water mark), the quantity
+            ``memory_budget`` caps. The first step of every run is left out (one-time allocations:
+            the optimizer state, thread pools), and so are the auto run's steps that redid a window
+            after going over the budget: on the CPU the budget is checked after each micro-batch, so
+            the attempt that went over did touch that memory before it was discarded (on a GPU it
+            would have been an out-of-memory error). The hidden layer is wide (8192) so that
+            activations, which scale with the micro-batch, dominate the peak over the 0.6M
+            parameters.
+        """
         kept = [p for p, r in zip(self.step_peaks[1:], self.retries[1:], strict=True) if not r]
         return max(kept or self.step_peaks)
 

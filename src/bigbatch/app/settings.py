@@ -1,57 +1,31 @@
-"""``TrainConfig``: the trainer's settings, one frozen dataclass = CLI flags = TOML keys.
+"""The trainer's settings: ``TrainConfig``, one frozen dataclass = CLI flags = TOML keys.
 
 Every field is a ``bigbatch train`` flag (``micro_batch_size`` -> ``--micro-batch-size``) and a
 key of a ``--config`` TOML file; the CLI overrides the file, the file overrides the defaults.
 Each field carries its help text, its allowed values (imported from the module that owns them),
 the least value of an integer and the other names users type for it (``setting(...)``): the
 command line, its reference (docs/cli.md), the TOML reader and the checks are all made from this
-one list, so adding a setting is one field here (docs/design-settings.md). Below the settings:
-what ``fit`` builds from them before the first step, one function each (the batch a step trains
-on, the learning rate, the model, the default schedule, the run's identity).
-
-Note [batch arithmetic]
-    ``batch_size`` is the effective batch, the samples one optimizer step averages over.
-    ``micro_batch_size`` (m) and ``gradient_accumulation_steps`` (k) say how it is cut. Any two
-    of the three determine the third: ``batch_size = m * k``; ``m = ceil(batch_size / k)``;
-    ``k = ceil(batch_size / m)`` (the last micro-batch may be smaller, which stays exact). When
-    all three are given they must agree. With ``micro_batch_size="auto"`` bigbatch picks m
-    (and so k) itself, so ``gradient_accumulation_steps`` must not be given. Nothing given:
-    ``batch_size=32`` in one piece.
-
-Note [learning-rate scaling]
-    ``lr`` is the learning rate at ``reference_batch_size``. With ``lr_scaling="linear"`` the
-    rate used is ``lr * batch_size / reference_batch_size`` (Goyal et al., 2017: SGD);
-    ``"sqrt"`` uses ``lr * sqrt(batch_size / reference_batch_size)`` (often better for Adam);
-    ``"none"`` (the default) uses ``lr`` as given. Accumulation itself never changes the rate:
-    the step at batch 256 cut 8 x 32 is the step at batch 256.
-
-The task: what a user hands to the trainer: a ``Task``, and how one is found from ``module:function``.
+one list, so adding a setting is one field here (docs/design-settings.md). A config is checked
+whole when it is made, and works out its batch arithmetic then, once (``TrainConfig.batch``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import importlib
 import inspect
 import math
-import os
 import re
 import sys
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, Literal, get_args, get_origin, get_type_hints
-
-import torch
+from typing import Any, Literal, NamedTuple, get_args, get_origin, get_type_hints
 
 from bigbatch.core import batchnorm as bn
 from bigbatch.core._precision import PRECISIONS
 from bigbatch.core._stepping import NONFINITE
 from bigbatch.core._units import parse_bytes
-from bigbatch.core._warnings import BigBatchWarning
-from bigbatch.core.loss import LossFn
 from bigbatch.distributed import launch as distributed
 
 BATCHNORMS = ("keep", *(p for p in bn.POLICIES if p != "keep"))  # the default first
@@ -85,7 +59,8 @@ def setting(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything ``bigbatch train`` / ``bigbatch.fit`` can be told (see the module notes).
+    """Everything ``bigbatch train`` / ``bigbatch.fit`` can be told: the batch and how it is cut
+    (Note [batch arithmetic]), the learning rate (Note [learning-rate scaling] in ``app.run``).
 
     Each attribute is a setting: its entry here is its line in ``bigbatch train --help`` and
     docs/cli.md (``helps()``); its ``setting(...)`` says the rest (see the module docstring).
@@ -211,7 +186,13 @@ class TrainConfig:
             object.__setattr__(self, f.name, value)
             _check_field(f, value)
         _check_numbers(self)
-        resolve_batch(self)  # contradictions are reported when the config is made
+        # the batch arithmetic, worked out once, here: a contradiction is refused when it is made
+        self.batching  # noqa: B018 - a cached property, computed here and kept
+
+    @functools.cached_property
+    def batching(self) -> Batching:
+        """How the effective batch is cut, worked out once (``resolve_batch``)."""
+        return resolve_batch(self)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (what a TOML file holds)."""
@@ -324,18 +305,35 @@ def _check_numbers(c: TrainConfig) -> None:
         )
 
 
-def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
-    """``(batch_size, micro_batch_size, gradient_accumulation_steps)`` (Note [batch arithmetic]).
+class Batching(NamedTuple):
+    """How the effective batch is cut (Note [batch arithmetic]): ``gradient_accumulation_steps``
+    is ``None`` with ``micro_batch_size="auto"`` and with ``micro_batch_tokens`` (then
+    ``micro_batch_size`` caps the rows, or is ``None``)."""
 
-    ``gradient_accumulation_steps`` is ``None`` with ``micro_batch_size="auto"`` and with
-    ``micro_batch_tokens`` (then ``micro_batch_size`` caps the rows, or is ``None``).
+    batch_size: int
+    micro_batch_size: int | str | None
+    gradient_accumulation_steps: int | None
+
+
+def resolve_batch(config: TrainConfig) -> Batching:
+    """``(batch_size, micro_batch_size, gradient_accumulation_steps)``, the two not given from
+    those given; a config keeps its own (``TrainConfig.batching``).
+
+    Note [batch arithmetic]
+        ``batch_size`` is the effective batch, the samples one optimizer step averages over.
+        ``micro_batch_size`` (m) and ``gradient_accumulation_steps`` (k) say how it is cut. Any
+        two of the three determine the third: ``batch_size = m * k``; ``m = ceil(batch_size /
+        k)``; ``k = ceil(batch_size / m)`` (the last micro-batch may be smaller, which stays
+        exact). When all three are given they must agree. With ``micro_batch_size="auto"``
+        bigbatch picks m (and so k) itself, so ``gradient_accumulation_steps`` must not be
+        given. Nothing given: ``batch_size=32`` in one piece.
 
     Raises:
         ValueError: the given values contradict each other.
 
     Example:
-        >>> resolve_batch(TrainConfig(batch_size=10, micro_batch_size=4))
-        (10, 4, 3)
+        >>> TrainConfig(batch_size=10, micro_batch_size=4).batching
+        Batching(batch_size=10, micro_batch_size=4, gradient_accumulation_steps=3)
     """
     k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
     tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
@@ -350,7 +348,7 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
             f"gradient_accumulation_steps={k}, or give an integer micro_batch_size."
         )
     if tokens or given_m == "auto":
-        return (config.batch_size or DEFAULT_BATCH_SIZE), given_m, None  # type: ignore[return-value]
+        return Batching(config.batch_size or DEFAULT_BATCH_SIZE, given_m, None)
     b = config.batch_size or (given_m or DEFAULT_BATCH_SIZE) * (k or 1)
     m = min(given_m or math.ceil(b / (k or 1)), b)
     steps = math.ceil(b / m)
@@ -367,30 +365,7 @@ def resolve_batch(config: TrainConfig) -> tuple[int, int | str, int | None]:
             f"may be smaller). Use gradient_accumulation_steps={steps}, or give "
             "micro_batch_size instead."
         )
-    return b, m, steps
-
-
-def run_length(config: TrainConfig, dataset_size: int) -> tuple[int, int]:
-    """``(steps_per_epoch, total_steps)`` of a run over ``dataset_size`` samples.
-
-    Example:
-        >>> run_length(TrainConfig(batch_size=10, epochs=2), 25)
-        (3, 6)
-    """
-    steps_per_epoch = math.ceil(dataset_size / resolve_batch(config)[0])
-    return steps_per_epoch, config.steps or (config.epochs or 1) * steps_per_epoch
-
-
-def scaled_lr(config: TrainConfig, batch_size: int) -> float:
-    """The learning rate used at ``batch_size`` (Note [learning-rate scaling]).
-
-    Example:
-        >>> scaled_lr(TrainConfig(lr=0.1, lr_scaling="linear", reference_batch_size=256), 1024)
-        0.4
-    """
-    ratio = batch_size / int(config.reference_batch_size or batch_size)
-    scale = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[config.lr_scaling]
-    return float(config.lr) * scale
+    return Batching(b, m, steps)
 
 
 def resumable_changes() -> frozenset[str]:
@@ -442,303 +417,6 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}.") from None
     except OSError as exc:
         raise ValueError(f"config file {path!r} cannot be read: {exc.strerror}.") from None
-
-
-# ---------------------------------------------------------------------------- the task
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-"""``optimizer(params, lr) -> Optimizer``."""
-SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
-"""``scheduler(optimizer, total_steps) -> LR scheduler`` stepped once per optimizer step."""
-Metric = Callable[[torch.nn.Module, Any], Any]
-"""``metric(model, batch) -> (metric_sum, count)`` or a scalar mean, like a ``loss_fn``."""
-
-
-class TaskError(ValueError):
-    """A task path or a task function that cannot be used; the message says what to fix."""
-
-
-@dataclass
-class Task:
-    """A model, its training data and its loss: everything ``bigbatch train`` needs.
-
-    Args:
-        model: the module to train.
-        train_data: a map-style dataset (or anything a ``DataLoader`` takes); one item per sample.
-        loss_fn: ``loss_fn(model, micro_batch)`` returning a scalar mean or ``(loss_sum, count)``.
-        eval_data: optional dataset to evaluate on after training (and every ``eval_every`` steps).
-        metric: optional ``metric(model, batch)`` returning ``(metric_sum, count)`` or a mean,
-            e.g. the number of correct predictions and the number of samples.
-        optimizer: optional factory ``optimizer(params, lr)``; default ``AdamW``.
-        scheduler: optional factory ``scheduler(optimizer, total_steps)``, stepped once per
-            optimizer step (``ReduceLROnPlateau`` with the step's loss); default: the settings'
-            ``lr_schedule``. A per-epoch schedule is one that changes every
-            ``ceil(len(train_data) / batch_size)`` steps: write it as a step schedule, e.g.
-            ``LambdaLR(opt, lambda step: 0.1 ** (step // steps_per_epoch))``.
-        collate_fn: optional ``collate_fn`` for the ``DataLoader``.
-        lengths: optional ``lengths(batch)`` -> each sample's tokens, for ``--micro-batch-tokens``
-            when the batch has no ``attention_mask``.
-        count_fn: optional ``count_fn(micro_batch)``, the count the loss will return for it
-            (e.g. non-padding tokens): fp16 then back-propagates at the full batch's scale
-            (Note [backward scale] in ``bigbatch.core.engine``).
-        pad_values: optional ``{key: pad value}`` for a mapping batch's per-token tensors
-            beyond transformers' keys, ``{key: None}`` for a 2-D tensor that is not per-token
-            (Note [per-token tensors] in ``bigbatch.core._tokens``).
-
-    Example:
-        >>> def my_task():  # in my_project/tasks.py, run as `bigbatch train my_project.tasks:my_task`
-        ...     data = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.randn(64, 1))
-        ...     loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
-        ...     return Task(model=torch.nn.Linear(3, 1), train_data=data, loss_fn=loss)
-    """
-
-    model: torch.nn.Module
-    train_data: Any
-    loss_fn: LossFn
-    eval_data: Any = None
-    metric: Metric | None = None
-    optimizer: OptimizerFactory | None = None
-    scheduler: SchedulerFactory | None = None
-    collate_fn: Callable[[list[Any]], Any] | None = None
-    count_fn: Callable[[Any], Any] | None = None
-    lengths: Callable[[Any], Any] | None = None
-    pad_values: Mapping[str, float | None] | None = None
-
-
-def check_task(task: object) -> None:
-    """Refuse a task the trainer cannot use, naming the field and what it must be.
-
-    Raises:
-        TaskError: not a ``Task``, a model that is not a module, a loss or factory that is not
-            callable, training data that is not a non-empty map-style dataset.
-    """
-    if not isinstance(task, Task):
-        raise TaskError(
-            f"the task is a {type(task).__name__}, not a bigbatch.Task: end the task "
-            "function with `return bigbatch.Task(model=, train_data=, loss_fn=)`."
-        )
-    if not isinstance(task.model, torch.nn.Module):
-        kind = type(task.model).__name__
-        raise TaskError(f"Task.model is a {kind}; it must be a torch.nn.Module.")
-    for name in ("loss_fn", "metric", "optimizer", "scheduler", "collate_fn", "count_fn"):
-        value = getattr(task, name)
-        if (value is not None or name == "loss_fn") and not callable(value):
-            what = " loss_fn(model, batch) returning a mean or (loss_sum, count)"
-            raise TaskError(
-                f"Task.{name} is {value!r}; it must be a function"
-                f"{what if name == 'loss_fn' else ''}."
-            )
-    data = task.train_data
-    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
-        raise TaskError(
-            f"Task.train_data is a {type(data).__name__}; the trainer needs a "
-            "map-style dataset (len() and [i]), e.g. a TensorDataset(x, y) or a list."
-        )
-    if len(data) == 0:
-        raise TaskError("Task.train_data is empty: the trainer needs at least one sample.")
-
-
-def canonical_path(path: str) -> str:
-    """One spelling per task: ``./tasks.py:small`` and ``/abs/tasks.py:small`` are the same run."""
-    module, sep, func = path.partition(":")
-    return f"{os.path.realpath(module)}:{func}" if sep and module.endswith(".py") else path
-
-
-def load_task(path: str, **kwargs: Any) -> Task:
-    """Import ``module:function`` (or ``file.py:function``), call it and check it returns a Task.
-
-    Raises:
-        TaskError: the path is malformed, the module or function is missing, or the function
-            returns something other than a usable ``Task`` (the message starts with the path).
-    """
-    module_name, sep, func_name = path.partition(":")
-    if not sep or not module_name or not func_name:
-        raise TaskError(_no_function(path, module_name))
-    with _current_folder_importable():
-        func = getattr(_import(module_name, path), func_name, None)
-        if func is None or not callable(func):
-            raise TaskError(f"task {path!r}: module {module_name!r} has no function {func_name!r}.")
-        task = func(**kwargs)
-    try:
-        check_task(task)
-    except TaskError as exc:
-        raise TaskError(f"task {path!r}: {exc}") from None
-    return task
-
-
-def _no_function(path: str, module_name: str) -> str:
-    """Why ``path`` is not a task: the two forms, and the module's functions returning a Task."""
-    names: list[str] = []
-    if module_name:
-        with _current_folder_importable():
-            module = _import(module_name, path)
-        names = [
-            name
-            for name, f in vars(module).items()
-            if inspect.isfunction(f)  # -> Task
-            and str(f.__annotations__.get("return")).rstrip("'>").endswith("Task")
-        ]
-    example = f"{module_name}:{names[0]}" if names else "my_project.tasks:mnist"
-    return (
-        f"task {path!r} names no function: give module:function or file.py:function, e.g. "
-        f"{example} (its functions that return a bigbatch.Task: "
-        f"{', '.join(names) or 'none'})."
-    )
-
-
-def _import(module_name: str, path: str) -> Any:
-    """The module, imported by name or run from its file; a syntax error in the user's words."""
-    file = module_name.endswith(".py")
-    if file and not os.path.exists(module_name):
-        raise TaskError(f"task {path!r}: file {module_name!r} does not exist.")
-    try:
-        if not file:
-            return importlib.import_module(module_name)
-        name = os.path.basename(module_name)[:-3]
-        spec = importlib.util.spec_from_file_location(name, module_name)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        return module
-    except ModuleNotFoundError as exc:
-        if file:  # the user's file imports something missing: the user's line says it
-            raise
-        raise TaskError(
-            f"task {path!r}: cannot import {module_name!r} ({exc}); run from the "
-            "folder that holds it or install it."
-        ) from None
-    except SyntaxError as exc:  # the user's file, line and caret; not importlib's frame
-        raise TaskError(f"task {path!r}: {_syntax_error(exc)}") from None
-
-
-def _syntax_error(exc: SyntaxError) -> str:
-    """``file:line: SyntaxError: message``, then the line and a caret under the fault."""
-    where = f"{os.path.relpath(exc.filename)}:{exc.lineno}" if exc.filename else "<unknown>"
-    head = f"{where}: {type(exc).__name__}: {exc.msg}"
-    if not exc.text:
-        return head
-    code = (line := exc.text.rstrip("\n")).lstrip()
-    column = max(0, (exc.offset or 1) - 1 - (len(line) - len(code)))
-    same_line = exc.end_offset and exc.end_lineno == exc.lineno
-    width = max(1, exc.end_offset - (exc.offset or 0)) if same_line else 1  # type: ignore[operator]
-    return f"{head}\n    {code.rstrip()}\n    {' ' * column}{'^' * width}"
-
-
-@contextlib.contextmanager
-def _current_folder_importable() -> Iterator[None]:
-    """Like ``python -m``: modules next to the user resolve while the task is loaded and built;
-    ``sys.path`` is given back as it was afterwards."""
-    added = os.getcwd() not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
-    try:
-        yield
-    finally:
-        if added and os.getcwd() in sys.path:
-            sys.path.remove(os.getcwd())
-
-
-def first_batch(task: Task, batch_size: int) -> Any:
-    """The first ``batch_size`` training samples of ``task``, collated, in order (no shuffling):
-    what ``bigbatch check`` and ``bigbatch plan`` measure on.
-
-    Raises:
-        ValueError: ``batch_size`` is below 1 or larger than the training data (the batch
-            measured would not be the batch asked for).
-    """
-    samples = len(task.train_data)
-    if batch_size < 1:
-        raise ValueError(
-            f"--batch-size {batch_size} is not allowed: use a positive integer, at "
-            f"most the task's {samples} training samples."
-        )
-    if batch_size > samples:
-        raise ValueError(
-            f"--batch-size {batch_size} is larger than the task's {samples} training "
-            f"samples: the batch measured would hold only {samples}. Give "
-            f"--batch-size {samples} or less."
-        )
-    collate = task.collate_fn or torch.utils.data.default_collate
-    return collate([task.train_data[i] for i in range(batch_size)])
-
-
-# ---------------------------------------------------------------------------- what fit builds from them
-def trained_batch(config: TrainConfig, samples: int, is_main: bool) -> int:
-    """The batch a step trains on: ``batch_size``, or every sample when the data hold fewer
-    (said in a warning: the learning rate is then scaled for the batch really trained)."""
-    batch_size = resolve_batch(config)[0]
-    if batch_size <= samples:
-        return batch_size
-    if is_main:
-        scaled = config.lr_scaling != "none"
-        lr = f", and --lr is scaled for {samples} samples, not {batch_size}" if scaled else ""
-        warnings.warn(
-            f"--batch-size {batch_size} is larger than the task's {samples} training "
-            f"samples: every step trains on all {samples} (full-batch gradient descent)"
-            f"{lr}. Give --batch-size {samples} or less.",
-            BigBatchWarning,
-            stacklevel=5,
-        )
-    return samples
-
-
-def checked_lr(config: TrainConfig, batch_size: int, model: torch.nn.Module) -> float:
-    """The scaled learning rate, refused when an optimizer's step would overflow the model's
-    floats inside torch (Adam's first steps move by up to 1,000 x lr).
-
-    Raises:
-        ValueError: naming ``--lr``, the rate at ``batch_size``, the dtype and a rate that works.
-    """
-    lr = scaled_lr(config, batch_size)
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    dtype = min(dtypes, key=lambda d: torch.finfo(d).max, default=torch.float64)
-    largest = torch.finfo(dtype).max
-    if not lr < largest / 1000:
-        raise ValueError(
-            f"--lr {config.lr:g} gives a rate of {lr:g} at batch {batch_size}, and "
-            f"the model's {dtype} parameters hold at most {largest:.3g}: an optimizer "
-            f"step would overflow. Use a rate below {largest / 1000:.3g}, e.g. 1e-3."
-        )
-    return lr
-
-
-def prepare_model(
-    model: torch.nn.Module, config: TrainConfig, ranks: distributed.Ranks
-) -> torch.nn.Module:
-    """Checkpointing and the BatchNorm policy on; DDP around it (not under local rounds)."""
-    if config.gradient_checkpointing:
-        from bigbatch.memory.checkpointing import enable_checkpointing
-
-        enable_checkpointing(model)
-    if config.batchnorm != "keep":
-        bn.batchnorm(model, config.batchnorm or "keep")  # before DDP wraps the modules
-    model.train()
-    # under local rounds each rank steps its own replica (Note [local rounds])
-    model = model.to(ranks.device) if config.local_steps > 1 else distributed.wrap(model, ranks)
-    return torch.compile(model) if config.compile else model  # type: ignore[return-value]
-
-
-def schedule(
-    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then constant or cosine to 0 at the last step."""
-    warmup = config.warmup_steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if config.lr_schedule == "cosine" else 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def identity(task: Task, config: TrainConfig, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What makes a run the same run: the task, the settings that change the result, the model,
-    the optimizer's class (its state only loads into the same kind)."""
-    settings = {k: v for k, v in config.to_dict().items() if k not in resumable_changes()}
-    settings["task"] = canonical_path(config.task) if config.task else None
-    shapes = {k: list(p.shape) for k, p in distributed.unwrap(task.model).state_dict().items()}
-    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    return {**settings, "model": shapes, "train_samples": len(task.train_data), "optimizer": kind}
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
