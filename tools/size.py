@@ -31,8 +31,10 @@ MODULE_SOFT, MODULE_HARD = 300, 500
 FUNCTION_SOFT, FUNCTION_HARD = 30, 40
 # The package total is a ratchet at what is reached, counted as ruff format writes the code
 # (issue 36: 7,573 formatted lines when the count stopped trusting packed lines, against 6,735
-# counted as packed). Lower it as code goes; raise it only by an issue's stated allowance.
-PACKAGE_SOFT, PACKAGE_HARD = 4800, 7573
+# counted as packed; the renovation's own cost, +127, re-based it at 7,700). Round 5 adds what its
+# issues add (37: the LM path's mends, <= 350; 38: packing and the ledger, <= 450; 39: DeepSpeed
+# and count groups, <= 300). Lower it as code goes; raise it only by an issue's stated allowance.
+PACKAGE_SOFT, PACKAGE_HARD = 4800, 8388
 FMT_SKIP_HARD = 10  # "# fmt: skip" for tables that read better aligned, with their reason
 PUBLIC_NAMES_HARD = 26  # issue 31 names one more: bigbatch.head_cross_entropy (STYLE.md: target 25)
 MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting
@@ -114,17 +116,10 @@ def formatted(package: Path, into: Path) -> Path:
     for path in copy.rglob("*.py"):
         path.write_text(MARKER.sub("", path.read_text()))
     config = ROOT / "pyproject.toml"
-    command = [
-        sys.executable,
-        "-m",
-        "ruff",
-        "format",
-        "--quiet",
-        "--config",
-        str(config),
-        str(copy),
-    ]
-    subprocess.run(command, check=True)
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        sys.exit("tools/size.py counts the code as ruff formats it: pip install ruff")
+    subprocess.run([ruff, "format", "--quiet", "--config", str(config), str(copy)], check=True)
     return copy
 
 

@@ -79,8 +79,8 @@ class Cut:
         TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
 
     Example:
-        >>> Cut(micro_batch_tokens=4096).tokens, Cut().build()[0].state.size
-        (True, 32)
+        >>> Cut(micro_batch_tokens=4096).build()[0].name, Cut().build()[0].state.size
+        ('micro_batch_tokens', 32)
     """
 
     micro_batch_size: int | str | None = None
@@ -124,15 +124,6 @@ class Cut:
             settings["micro_batch_size"] = cut  # type: ignore[typeddict-item]
         return cls(**settings)
 
-    @property
-    def tokens(self) -> bool:
-        """Whether windows are cut by tokens (``micro_batch_tokens``)."""
-        return self.micro_batch_tokens is not None
-
-    def replace(self, **changes: Unpack[CutSettings]) -> Cut:
-        """This cut with ``changes``, checked again."""
-        return dataclasses.replace(self, **changes)
-
     def build(self) -> tuple[Sizing, SampleCut]:
         """A fresh sizing policy and cutter (each ``Accumulator`` holds its own: they keep state).
 
@@ -145,7 +136,7 @@ class Cut:
             )
         if self.pack is not None:
             return self._packed()
-        if not self.tokens:
+        if self.micro_batch_tokens is None:
             return self._by_samples()
         if self.micro_batch_size == "auto":
             raise ValueError(

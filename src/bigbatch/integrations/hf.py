@@ -14,6 +14,7 @@ trainer, ``bigbatch.hf.audit``, is in ``bigbatch.integrations._hf_audit``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -127,7 +128,7 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
         if chunked_head:  # Note [chunked head in a trainer]
             loss_fn = chunked_loss(self, loss_fn)
         if micro_batch_size is None and micro_batch_tokens is None:
-            cut = cut.replace(micro_batch_size=self.args.per_device_train_batch_size)
+            cut = dataclasses.replace(cut, micro_batch_size=self.args.per_device_train_batch_size)
         self.bigbatch_window = _hf_window.TrainerWindow(self, cut, loss_fn)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
