@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -132,6 +133,12 @@ def text(n: int = 50, dropout: float = 0.0) -> bigbatch.Task:
     ]
     torch.manual_seed(0)  # the same initial weights in every run of the task
     return bigbatch.Task(model=_TextLM(dropout).double(), train_data=rows, loss_fn=_text_loss)
+
+
+def text_lm(n: int = 50) -> bigbatch.Task:
+    """``text`` with the token loss alone: a causal LM's, which packing keeps exact."""
+    lm = lambda m, b: bigbatch.token_cross_entropy(m(b["input_ids"]), b["labels"], shift=True)  # noqa: E731
+    return dataclasses.replace(text(n), loss_fn=lm)
 
 
 def text_killable() -> bigbatch.Task:

@@ -38,6 +38,32 @@ def test_token_windows_train_as_the_whole_batch_and_log_padding_and_terms(tmp_pa
     assert 0 <= summary["padding"] < 0.5 and summary["terms"].startswith("lm=")
 
 
+def test_a_packed_run_trains_as_the_whole_batch_and_logs_its_ledger(tmp_path):
+    """Issue 38: --pack equals the whole batch in one micro-batch (float64), and metrics.csv
+    holds the step's ledger: real and computed tokens, model TFLOPs, MFU against its peak."""
+    bigbatch.fit(tasks.text_lm(), out=str(tmp_path / "whole"), micro_batch_size=10, **SETTINGS)
+    bigbatch.fit(tasks.text_lm(), out=str(tmp_path / "packed"), pack=24, **SETTINGS)
+    whole, packed = _params(tmp_path / "whole"), _params(tmp_path / "packed")
+    for name, value in whole.items():
+        assert torch.allclose(packed[name], value, rtol=1e-10, atol=1e-13), name
+    rows = read_csv(str(tmp_path / "packed" / "metrics.csv"))
+    for r in rows:
+        assert int(r["computed_tokens"]) == 24 * int(r["micro_batches"])  # one row of 24 each
+        assert int(r["input_tokens"]) <= int(r["computed_tokens"]) and float(r["mfu"]) > 0
+        assert r["peak"].startswith("measured: one ") and float(r["model_tflops"]) > 0
+    assert "MFU " in (tmp_path / "packed" / "train.log").read_text()
+    summary = json.loads((tmp_path / "packed" / "summary.json").read_text())
+    assert 0 < summary["mfu"] < 1 and summary["peak"].startswith("measured: one ")
+
+
+def test_packing_a_loss_that_counts_by_column_stops_before_the_first_step(tmp_path):
+    """The audit (Note [packing audit]): ``text``'s auxiliary term labels each row's first
+    columns, which packing moves: its count differs, and the run stops, naming it."""
+    with pytest.raises(ValueError, match=r"packing changed the first window: its count is"):
+        bigbatch.fit(tasks.text(), out=str(tmp_path / "packed"), pack=24, **SETTINGS)
+    assert not (tmp_path / "packed" / "model.pt").exists()
+
+
 @pytest.mark.needs("rich")
 def test_cli_flags_for_token_windows_and_compile_buckets(tmp_path, capsys):
     out = tmp_path / "run"

@@ -51,6 +51,14 @@ COLUMNS = [
     "padding",
     "terms",
     "graphs",
+    "input_tokens",
+    "computed_tokens",
+    "model_tflops",
+    "recompute_tflops",
+    "tflops_per_s",
+    "mfu",
+    "peak",
+    "bytes_per_token",
 ]
 TENSORBOARD = (
     "loss",
@@ -61,6 +69,7 @@ TENSORBOARD = (
     "peak_bytes",
     "metric",
     "round_loss",
+    "mfu",
 )
 METRICS_CSV = "metrics.csv"
 LINES_PER_RUN = 20
@@ -164,6 +173,7 @@ def progress_line(row: dict[str, Any], total_steps: int, left_s: float) -> str:
                 if row.get("padding") not in (None, "")
                 else []
             ),
+            *([f"MFU {float(row['mfu']):.1%}"] if row.get("mfu") not in (None, "") else []),
             *([row["terms"]] if row.get("terms") else []),
             *([f"eval loss {float(row['eval_loss']):.4f}"] if evaluated else []),
             f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left",

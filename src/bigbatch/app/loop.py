@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._tree import map_tensors
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import StepResult
+from bigbatch.core.ledger import measure_peak_flops
 from bigbatch.core.loss import as_sum_and_count
 from bigbatch.core.oom import is_out_of_memory
 from bigbatch.core.peak import PeakProbe
@@ -63,6 +64,7 @@ class _Progress:
     snapshot_step: int | None = None
     skipped_in_a_row: int = 0
     tally: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, count, skipped
+    peak: tuple[float, str] | None = None  # the device's FLOP/s for MFU, and where it came from
 
 
 def fit(task: Task, config: TrainConfig | dict[str, Any] | None = None, **settings: Any) -> Summary:
@@ -183,7 +185,37 @@ def _step(run: Run, progress: _Progress, step: int, samples: int, batch: Any) ->
             f"/ inf values (skipped or applied). {_last_good(run, progress)}"
         )
     counted = samples if run.local is None else split.batch_size(batch)  # what result.count saw
-    return {**_row(run, step, result, seconds, probe.finish(record), samples, counted), **round_row}
+    row = _row(run, step, result, seconds, probe.finish(record), samples, counted)
+    return {**row, **_ledger_row(run, progress, result, seconds), **round_row}
+
+
+def _ledger_row(run: Run, progress: _Progress, r: StepResult, seconds: float) -> dict[str, Any]:
+    """The step's ledger in ``metrics.csv`` (Note [step ledger] in ``bigbatch.core.ledger``):
+    tokens, model FLOP/s, MFU against ``--peak-tflops`` or a peak measured once, memory per
+    computed token; recomputation under gradient checkpointing apart (a forward's worth)."""
+    if r.ledger is None:
+        return {}
+    if progress.peak is None:
+        given = run.config.peak_tflops
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.config.precision)
+        dtype = half or next(run.acc.model.parameters()).dtype
+        peak = (given * 1e12, "given") if given else measure_peak_flops(dtype, run.ranks.device)
+        progress.peak = peak
+    recompute = r.ledger.computed_flops / 3 if run.config.gradient_checkpointing else 0.0
+    ledger = replace(
+        r.ledger, seconds=seconds, peak_flops=progress.peak[0], recompute_flops=recompute
+    )
+    per_token = ledger.bytes_per_token
+    return {
+        "input_tokens": ledger.input_tokens,
+        "computed_tokens": ledger.computed_tokens,
+        "model_tflops": ledger.model_flops / 1e12,
+        "recompute_tflops": ledger.recompute_flops / 1e12 if recompute else "",
+        "tflops_per_s": (ledger.flops_per_s or 0) / 1e12,
+        "mfu": ledger.mfu,
+        "peak": progress.peak[1],
+        "bytes_per_token": per_token if per_token is not None else "",
+    }
 
 
 def _start(run: Run) -> _Progress:
@@ -298,8 +330,8 @@ def _row(
         "grad_norm": r.grad_norm,
         "samples": samples,
         "count": r.count,
-        "micro_batch_size": r.micro_batch_size,
-        "micro_batch_tokens": r.micro_batch_size if run.config.micro_batch_tokens else "",
+        "micro_batch_size": r.micro_batch_size if r.micro_batch_size is not None else "",
+        "micro_batch_tokens": r.micro_batch_tokens or "",
         "micro_batches": r.micro_batches,
         "oom_retries": r.oom_retries,
         "skipped": int(r.skipped),

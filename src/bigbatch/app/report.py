@@ -60,6 +60,9 @@ class Summary:
         terms: the last step's named loss terms (``"lm=2.31 aux=0.052"``), else empty.
         compiled_graphs: graphs ``torch.compile`` built (its recompiles), else ``None``.
         micro_batch_tokens: the last token budget used (token windows), else ``None``.
+        mfu: the model FLOPs utilisation over the run's steps (text; Note [step ledger] in
+            ``bigbatch.core.ledger``), against ``peak``, else ``None``.
+        peak: the peak FLOP/s the MFU is against: ``"given"`` or how it was measured.
     """
 
     steps: int
@@ -82,6 +85,8 @@ class Summary:
     terms: str = ""
     compiled_graphs: int | None = None
     micro_batch_tokens: int | None = None
+    mfu: float | None = None
+    peak: str | None = None
 
 
 def summarize(
@@ -119,10 +124,19 @@ def summarize(
         terms=(rows[-1].get("terms") or "") if rows else "",
         compiled_graphs=_whole(col("graphs")[-1:]),
         micro_batch_tokens=_whole(col("micro_batch_tokens")[-1:]),
+        mfu=_mfu(rows),
+        peak=(rows[-1].get("peak") or None) if rows else None,
     )
     if write:
         _write_summary(out, summary)
     return summary
+
+
+def _mfu(rows: list[dict[str, str]]) -> float | None:
+    """The run's MFU: its model FLOPs over the time at the peak, ``Σ f / Σ (f / mfu)``."""
+    steps = [(float(r["model_tflops"]), float(r["mfu"])) for r in rows if r.get("mfu")]
+    at_peak = sum(f / m for f, m in steps if m > 0)
+    return sum(f for f, _ in steps) / at_peak if at_peak else None
 
 
 def _write_summary(out: str, summary: Summary) -> None:
@@ -208,6 +222,7 @@ def print_summary(summary: Summary, title: str = "bigbatch train") -> None:
         ("samples/s", f"{s.samples_per_s:,.1f}"),
         ("tokens/s", None if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}"),
         ("padding computed", None if s.padding is None else f"{s.padding:.1%}"),
+        ("MFU", None if s.mfu is None else f"{s.mfu:.1%} (peak {s.peak})"),
         ("compiled graphs", s.compiled_graphs and f"{s.compiled_graphs}"),
         ("peak memory", format_bytes(s.peak_bytes)),
         ("peak added by a step", format_bytes(s.step_peak_bytes)),

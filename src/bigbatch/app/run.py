@@ -206,6 +206,7 @@ def cut(config: TrainConfig, task: Task) -> Cut:
         pad_values=task.pad_values,
         trim_padding=config.trim_padding,
         memory_budget=config.memory_budget,
+        pack=config.pack,
     )
 
 

@@ -79,6 +79,11 @@ class TrainConfig:
         trim_padding: cut by samples, trim each micro-batch of right-padded text (a batch
             with attention_mask) to its longest sample; false keeps the batch's padded
             width, for a model or loss that reads the padding (mean pooling without the mask)
+        pack: pack each batch's samples whole into rows of this many tokens, positions
+            restarting at each sample (a causal LM, attention kept within each sample:
+            docs/token_windows.md); --micro-batch-size rows per micro-batch, or what
+            --micro-batch-tokens holds; the first window is checked against its samples
+            unpacked
         compile: torch.compile the model (give --pad-to-multiple-of with tokens)
         gradient_checkpointing: recompute the model's repeated blocks in backward (less
             memory, ~1 more forward)
@@ -93,6 +98,8 @@ class TrainConfig:
         max_grad_norm: clip the gradient's 2-norm (default: no clipping)
         nonfinite: a step whose loss or gradient is NaN/inf: raise (stop, keeping the last
             good snapshot), skip it, or apply it
+        peak_tflops: the device's peak TFLOP/s for the model FLOPs utilisation (MFU) of text
+            runs (default: measured once, one matrix product in the model's dtype)
         lr: learning rate at --reference-batch-size, for the task's optimizer or AdamW
         lr_scaling: scale --lr with batch/reference
         reference_batch_size: the batch size --lr was tuned for
@@ -142,6 +149,7 @@ class TrainConfig:
     micro_batch_tokens: int | Literal["auto"] | None = setting(None, low=1)
     pad_to_multiple_of: int | None = setting(None, low=1)
     trim_padding: bool = setting(True)
+    pack: int | None = setting(None, low=1)
     compile: bool = setting(False)
     gradient_checkpointing: bool = setting(False)
     chunked_head: bool = setting(False)
@@ -149,6 +157,7 @@ class TrainConfig:
     batchnorm: str | None = setting("keep", choices=BATCHNORMS)
     max_grad_norm: float | None = setting(None)
     nonfinite: str = setting("raise", choices=NONFINITE)
+    peak_tflops: float | None = setting(None, resumable=True)
     lr: float = setting(1e-3, aliases=("--learning-rate",))
     lr_scaling: str = setting("none", choices=("none", "linear", "sqrt"))
     reference_batch_size: int | None = setting(None, low=1)
@@ -269,17 +278,7 @@ def _check_numbers(c: TrainConfig) -> None:
             f"steps={c.steps} and epochs={c.epochs} are both given: choose one "
             "(--steps N: N optimizer steps; --epochs N: N passes over the data)."
         )
-    for name, right, allowed in [
-        ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
-        (
-            "max_grad_norm",
-            positive(c.max_grad_norm),
-            "a positive number (finite, e.g. 1.0), or leave it out for no clipping",
-        ),
-        ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
-        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper, λ: model averaging)"),
-        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1), e.g. 0.9 (DiLoCo's)"),
-    ]:
+    for name, right, allowed in _number_rules(c):
         if not right:
             raise ValueError(f"{name}={getattr(c, name)!r} is not allowed: use {allowed}.")
     parse_bytes(c.memory_budget)  # refuses what is not a finite, positive size
@@ -303,6 +302,22 @@ def _check_numbers(c: TrainConfig) -> None:
             f"{', '.join(outer)} has no effect with local_steps=1, the exact "
             "data-parallel step: add --local-steps λ > 1, or drop it."
         )
+
+
+def _number_rules(c: TrainConfig) -> list[tuple[str, bool, str]]:
+    """``(setting, whether its value is allowed, what is)`` for the numbers' ranges."""
+    return [
+        ("lr", positive(c.lr), "a positive number (finite), e.g. lr=3e-4"),
+        (
+            "max_grad_norm",
+            positive(c.max_grad_norm),
+            "a positive number (finite, e.g. 1.0), or leave it out for no clipping",
+        ),
+        ("seed", c.seed < 2**63, "an integer from 0 to 2**63 - 1"),
+        ("outer_lr", positive(c.outer_lr), "a positive number (1: the paper, λ: model averaging)"),
+        ("peak_tflops", positive(c.peak_tflops), "a positive number (TFLOP/s), or leave it out"),
+        ("outer_momentum", 0 <= c.outer_momentum < 1, "a number in [0, 1), e.g. 0.9 (DiLoCo's)"),
+    ]
 
 
 class Batching(NamedTuple):
@@ -336,11 +351,12 @@ def resolve_batch(config: TrainConfig) -> Batching:
         Batching(batch_size=10, micro_batch_size=4, gradient_accumulation_steps=3)
     """
     k, given_m = config.gradient_accumulation_steps, config.micro_batch_size
-    tokens = config.micro_batch_tokens is not None  # micro_batch_size then caps the rows
+    tokens = config.micro_batch_tokens is not None or config.pack is not None  # (rows: the cap)
     if k is not None and tokens:
+        by = "micro_batch_tokens" if config.pack is None else "pack"
         raise ValueError(
-            f"gradient_accumulation_steps={k} has no meaning with micro_batch_tokens: "
-            "the tokens decide the number of micro-batches. Drop one of the two."
+            f"gradient_accumulation_steps={k} has no meaning with {by}: the tokens decide the "
+            "number of micro-batches. Drop one of the two."
         )
     if k is not None and given_m == "auto":
         raise ValueError(

@@ -225,7 +225,9 @@ class PackCut(TokenCut):
         self.shapes.add((len(rows), self.length))
         kept_tokens = sum(lengths[i] for i in order)
         index = torch.tensor(order, dtype=torch.long)
-        return Piece(out, len(order), index, kept_tokens, len(rows) * self.length)
+        part = [lengths[i] for i in order]
+        computed = len(rows) * self.length
+        return Piece(out, len(order), index, kept_tokens, computed, 0, part, self.length)
 
     def _per_token(self, batch: Any) -> set[str]:
         """The keys of the per-token tensors; a per-sample tensor not declared is refused."""

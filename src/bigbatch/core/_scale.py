@@ -104,6 +104,14 @@ def overflowed(
     return float(local[1]) if any_bad else None
 
 
+def scaled_sum(terms: Mapping[str, Any], scales: Mapping[str, Any]) -> torch.Tensor:
+    """``Σ_k w_k · loss_sum_k · s_k`` over the ``Term`` s, multiplying only by factors that are
+    not exactly 1."""
+    factors = [(t.loss_sum, t.weight * scales[name]) for name, t in terms.items()]
+    parts = [s if isinstance(f, float) and f == 1.0 else s * f for s, f in factors]
+    return sum(parts[1:], parts[0])
+
+
 def _reciprocal(count: Any) -> Any:
     """``1 / count``, or 0 where the count is 0: a term with no items in this window adds
     nothing, as in the full batch (its sum must be 0 too: Note [window checks])."""

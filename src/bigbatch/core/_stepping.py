@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._warnings import BigBatchWarning
+from bigbatch.core.ledger import Ledger
 from bigbatch.core.loss import accepts
 from bigbatch.core.split import check_choice
 
@@ -45,8 +46,8 @@ class StepResult:
         count: the window's total count over all ranks (samples, or tokens for a token loss; the
             first term's for named terms).
         micro_batches: micro-batches accumulated on this rank.
-        micro_batch_size: samples per micro-batch (the last may be smaller), or the token budget
-            of a token cut; ``None`` when the caller cut the batch itself (``backward``/``step``).
+        micro_batch_size: samples per micro-batch (the last may be smaller); ``None`` under a
+            token cut and when the caller cut the batch itself (``backward``/``step``).
         grad_norm: total 2-norm of the normalised gradient, before clipping.
         skipped: ``True`` when the optimizer did not step: fp16 found inf/NaN gradients, or
             ``nonfinite="skip"`` met a non-finite loss or gradient. The scheduler did not step.
@@ -59,6 +60,9 @@ class StepResult:
         tokens: real tokens in the window on this rank (token cuts, and sample cuts of text with
             an ``attention_mask``: Note [per-token tensors]), else ``None``.
         padded_tokens: tokens computed, padding included (where ``tokens`` is), else ``None``.
+        micro_batch_tokens: the token budget of a token (or packed) cut, else ``None``.
+        ledger: what the step counted and computed (Note [step ledger] in
+            ``bigbatch.core.ledger``), where the cut knows each sample's tokens, else ``None``.
     """
 
     loss: float
@@ -74,6 +78,8 @@ class StepResult:
     terms: dict[str, float] = field(default_factory=dict)
     tokens: int | None = None
     padded_tokens: int | None = None
+    micro_batch_tokens: int | None = None
+    ledger: Ledger | None = None
 
 
 class NonFiniteError(FloatingPointError):

@@ -226,7 +226,8 @@ class TokenCut(SampleCut):
         order = torch.tensor(index, dtype=torch.long)  # long when empty too
         width = padded_length(batch, max(lengths, default=0))
         fitted = fit_columns(rows, width, length, self.pad_values, pad)
-        return Piece(fitted, len(index), order, tokens, padded, pad)
+        part = [lengths[i] for i in index]
+        return Piece(fitted, len(index), order, tokens, padded, pad, part, length)
 
     def _lengths(self, batch: Any) -> list[int]:
         """Each sample's length (tokens), refused where a trim to it would drop a token."""
@@ -341,7 +342,8 @@ class TrimmedSampleCut(SampleCut):
         for p in pieces:
             part, start = lengths[start : start + p.samples], start + p.samples
             fitted = fit_columns(p.batch, width, max(part), self.pad_values)
-            out.append(Piece(fitted, p.samples, None, sum(part), p.samples * max(part)))
+            wide = max(part)
+            out.append(Piece(fitted, p.samples, None, sum(part), p.samples * wide, 0, part, wide))
         return out
 
 

@@ -76,6 +76,8 @@ class Piece:
             ``None``.
         padded_tokens: tokens computed, padding included (text), else ``None``.
         pad_rows: rows of padding added for a compile bucket (Note [compile buckets]).
+        lengths: each sample's real tokens (text), else ``None`` (Note [step ledger]).
+        width: the length its rows are computed at (text), else ``None``.
     """
 
     batch: Any
@@ -84,6 +86,8 @@ class Piece:
     tokens: int | None = None
     padded_tokens: int | None = None
     pad_rows: int = 0
+    lengths: list[int] | None = None
+    width: int | None = None
 
 
 class SampleCut:
@@ -403,6 +407,11 @@ def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
         what = "another rank failed before the window's collective; this rank stops it too"
         raise torch.OutOfMemoryError(what) if oom else RuntimeError(what)
     return result
+
+
+def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
+    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
+    return loss_fn(model, micro_batch, stats)
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:

@@ -34,14 +34,24 @@ import torch
 
 from bigbatch.core import _rng
 from bigbatch.core._precision import Precision, make_precision
-from bigbatch.core._scale import follow, overflowed, plan
+from bigbatch.core._scale import follow, overflowed, plan, scaled_sum
 from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, warn_if_copying
-from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
+from bigbatch.core._window import (
+    Piece,
+    Restart,
+    Runner,
+    Window,
+    agree,
+    prepass,
+    total_stats,
+    with_stats,
+)
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.cut import Cut, CutSettings
+from bigbatch.core.ledger import Ledgers
 from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
 from bigbatch.core.split import Batch
 
@@ -130,6 +140,7 @@ class Accumulator:
         self._known: float | None = None  # the count of a window to redo (Note [backward scale])
         self._warned = False  # about batch-coupled layers, once (bigbatch.core.batchnorm)
         self._looked = False  # whether the loss copies its input (warn_if_copying), once
+        self._ledger = Ledgers(model)
 
     @property
     def precision(self) -> str:
@@ -251,17 +262,12 @@ class Accumulator:
         return self._runner.run(batch, run, self._finish, self._discard_window)
 
     def _finish(self, pieces: list[Piece], size: int, retries: int, peak: int | None) -> StepResult:
-        tokens = None if pieces[0].tokens is None else sum(p.tokens or 0 for p in pieces)
-        padded = None if tokens is None else sum(p.padded_tokens or 0 for p in pieces)
-        if isinstance(self._runner.cut, TokenCut):  # the shapes this window was cut into
-            self._runner.cut.check_shapes(self.model)
-        return self._apply(
-            micro_batch_size=size,
-            oom_retries=retries,
-            peak_bytes=peak,
-            tokens=tokens,
-            padded_tokens=padded,
-        )
+        cut = self._runner.cut
+        if isinstance(cut, TokenCut):  # the shapes this window was cut into
+            cut.check_shapes(self.model)
+        sized = "micro_batch_tokens" if isinstance(cut, TokenCut) else "micro_batch_size"
+        result = self._apply(**{sized: size}, oom_retries=retries, peak_bytes=peak)
+        return self._ledger.add(result, pieces)  # Note [step ledger]
 
     def _accumulate(self, batch: Batch, pieces: list[Piece], size: int, *, fns: tuple) -> None:
         if not self._warned and len(pieces) > 1:  # one micro-batch is the full batch: exact
@@ -417,7 +423,7 @@ class Accumulator:
             count = terms["loss"].count if "loss" in terms else None
             if w.follow == "all" or isinstance(count, torch.Tensor):
                 follow(w, count, bool(self._last), self._sync, self._params_with_grad)
-        self._precision.backward(_scaled_sum(terms, w.scales))
+        self._precision.backward(scaled_sum(terms, w.scales))
         w.add(terms)
 
     def _need_counts(self, terms: Mapping[str, Term]) -> None:
@@ -509,15 +515,3 @@ class Accumulator:
         self.model.zero_grad(set_to_none=True)
         self._precision.discard()
         self._window = Window()
-
-
-def _scaled_sum(terms: Mapping[str, Term], scales: Mapping[str, Any]) -> torch.Tensor:
-    """``Σ_k w_k · loss_sum_k · s_k``, multiplying only by factors that are not exactly 1."""
-    factors = [(t.loss_sum, t.weight * scales[name]) for name, t in terms.items()]
-    parts = [s if isinstance(f, float) and f == 1.0 else s * f for s, f in factors]
-    return sum(parts[1:], parts[0])
-
-
-def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
-    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
-    return loss_fn(model, micro_batch, stats)

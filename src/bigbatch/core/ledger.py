@@ -39,7 +39,8 @@ Note [matmul parameters]
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -186,6 +187,36 @@ def step_ledger(
     )
 
 
+class Ledgers:
+    """The ledger of each step of an ``Accumulator`` (Note [step ledger]): its model's
+    ``FlopModel``, read once at the first step (attention counted where a transformers config
+    says its layers and width, else left out: ``FlopModel(matmul_parameters(model), 0, 0)``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.flops: FlopModel | None = None
+
+    def add(self, result: Any, pieces: Sequence[Any]) -> Any:
+        """``result`` (a ``StepResult``) with the window's real and computed tokens and its
+        ledger, where the cut knows each sample's tokens; else as it is."""
+        if pieces[0].tokens is None:
+            return result
+        if self.flops is None:
+            owner = next((m for m in self.model.modules() if hasattr(m, "config")), None)
+            try:
+                self.flops = flop_model(owner) if owner is not None else None
+            except ValueError:
+                pass
+            self.flops = self.flops or FlopModel(matmul_parameters(self.model), 0, 0)
+        lengths = [n for p in pieces for n in p.lengths or ()]
+        shapes = [(p.padded_tokens // p.width, p.width) for p in pieces if p.width]
+        ledger = step_ledger(
+            self.flops, result.count, lengths, shapes, peak_bytes=result.peak_bytes
+        )
+        padded = sum(p.padded_tokens or 0 for p in pieces)
+        return replace(result, tokens=ledger.input_tokens, padded_tokens=padded, ledger=ledger)
+
+
 def measure_peak_flops(
     dtype: torch.dtype, device: torch.device | str, size: int | None = None, repeats: int = 3
 ) -> tuple[float, str]:
@@ -196,7 +227,8 @@ def measure_peak_flops(
 
     device = torch.device(device)
     n = size or (8192 if device.type == "cuda" else 1024)
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    seeded = torch.Generator(device).manual_seed(0)  # the global generators untouched (resume)
+    a, b = (torch.randn(n, n, device=device, generator=seeded).to(dtype) for _ in range(2))
     a @ b  # warm-up
     seconds = min(
         Timer("a @ b", globals={"a": a, "b": b}).timeit(1).raw_times for _ in range(repeats)
