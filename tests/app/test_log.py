@@ -51,3 +51,18 @@ def test_tensorboard_event_file_holds_one_point_per_step(tmp_path):
     rows = read_csv(os.path.join(tmp_path, "metrics.csv"))
     assert [e.value for e in loss] == pytest.approx([float(r["loss"]) for r in rows], rel=1e-6)
     assert {"train/lr", "train/samples_per_s", "train/peak_bytes"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.needs("matplotlib")
+def test_the_plot_draws_the_memory_budget(tmp_path, monkeypatch):
+    """Issue 37: the report's plot did not draw --memory-budget, what a step may add."""
+    from bigbatch.app import report
+
+    out = tmp_path / "run"
+    bigbatch.fit(tasks.classify(), out=str(out), memory_budget="1GiB", steps=2, quiet=True)
+    figures = []
+    monkeypatch.setattr(report, "save_png", lambda fig, path: figures.append(fig) or path)
+    report.report(str(out), str(tmp_path / "report.png"))
+    bottom = figures[0].axes[1]
+    drawn = [line for line in bottom.lines if line.get_label() == "memory budget"]
+    assert drawn and list(drawn[0].get_ydata()) == [1024, 1024]  # MiB

@@ -292,7 +292,8 @@ def test_by_default_checkpointing_is_measured_only_where_it_is_needed():
                  progress=lambda *seen: lines.append(seen))  # fmt: skip
     assert {c.policy for c in roomy.candidates} == {"none"}
     assert "checkpointing: every micro-batch fits without it (it only adds time)" in roomy.skipped
-    assert lines[0][0].startswith("peak of micro-batch 4 x 2 steps without checkpointing: ")
+    assert lines[0][0] == "measuring the peak of micro-batch 4 x 2 steps without checkpointing..."
+    assert lines[1][0].startswith("peak of micro-batch 4 x 2 steps without checkpointing: ")
     assert all(done <= total for _, done, total in lines) and lines[-1][1] == lines[-1][2]
     whole = roomy.candidates[1].peak_bytes  # micro-batch 8 without checkpointing
     tight = plan(make_model(128, 2), batch, square_loss, micro_batch_sizes=[4, 8], steps=1,

@@ -146,6 +146,7 @@ def test_cli_plan_compares_token_budgets(tmp_path, capsys, monkeypatch):
     out, err = capsys.readouterr()
     out = " ".join(out.split())  # the paragraph is wrapped to the terminal
     # progress, a line per measurement (stderr is not a terminal here: lines, not a bar)
+    assert re.search(r"^bigbatch plan: measuring the peak of token budget 64 .*\.\.\.$", err, re.M)
     assert re.search(r"^bigbatch plan: peak of token budget 64 \(up to \d+ rows\) x \d+ steps "
                      r"without checkpointing: [\d.]+ [KM]iB$", err, re.M)  # fmt: skip
     assert re.search(r"^bigbatch plan: timing round 1/1: micro-batch 16 x 1 steps", err, re.M)

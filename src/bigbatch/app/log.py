@@ -59,6 +59,7 @@ COLUMNS = [
     "mfu",
     "peak",
     "bytes_per_token",
+    "memory_budget",
 ]
 TENSORBOARD = (
     "loss",

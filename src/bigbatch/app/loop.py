@@ -35,6 +35,7 @@ from bigbatch.app.task import Task, check_task
 from bigbatch.core import _rng, split
 from bigbatch.core._stepping import NonFiniteError
 from bigbatch.core._tree import map_tensors
+from bigbatch.core._units import parse_bytes
 from bigbatch.core._warnings import BigBatchWarning
 from bigbatch.core.engine import StepResult
 from bigbatch.core.ledger import measure_peak_flops
@@ -172,7 +173,9 @@ def _step(run: Run, progress: _Progress, step: int, samples: int, batch: Any) ->
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        raise stopping.OutOfMemoryRun(stopping.out_of_memory_line(run.config, step, exc)) from exc
+        lm = any(hasattr(m, "get_output_embeddings") for m in run.task.model.modules())
+        line = stopping.out_of_memory_line(run.config, step, exc, lm)
+        raise stopping.OutOfMemoryRun(line) from exc
     seconds = time.perf_counter() - started
     progress.step, progress.elapsed_s = step, progress.elapsed_s + seconds
     # the round's sums (Note [local rounds]); a skipped step's loss may be NaN: counted as skipped
@@ -345,6 +348,7 @@ def _row(
         "peak_bytes": peak.baseline_bytes + step_peak,
         "step_peak_bytes": step_peak,
         "retry_peak_bytes": peak.peak_bytes if r.oom_retries else "",
+        "memory_budget": parse_bytes(run.config.memory_budget) or "",
     }
 
 

@@ -255,6 +255,8 @@ def plot_run(out: str, path: str, rows: list[dict[str, str]], partial: str | Non
         points = [(int(r["step"]), v / scale) for r in rows if (v := _number(r, key)) is not None]
         if points:
             axes.plot(*zip(*points, strict=True), style, color=color, label=label)
+    if budget := _column(rows)("memory_budget"):  # what a step may add (--memory-budget)
+        bottom.axhline(budget[-1] / 2**20, ls="--", color="tab:purple", label="memory budget")
     state = partial and ("still running" if "running" in partial else "stopped before its end")
     state = f" (partial: {state})" if state else ""
     name = os.path.basename(os.path.abspath(out))

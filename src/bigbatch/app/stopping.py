@@ -131,26 +131,30 @@ class OutOfMemoryRun(MemoryError):
     """A step ran out of memory or over ``memory_budget``; the message names what to change."""
 
 
-def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException) -> str:
-    """What ran out and which settings help, in the words of the flags (and the TOML keys)."""
+def out_of_memory_line(config: TrainConfig, step: int, exc: BaseException, lm: bool = False) -> str:
+    """What ran out and which settings help, in the words of the flags (and the TOML keys);
+    ``lm``: the model has an output layer the chunked head could defer."""
     over = config.memory_budget is not None
+    # the chunked head cuts a language model's largest tensors (its logits), when not in use
+    head = "--chunked-head, " if lm and not config.chunked_head else ""
     if isinstance(exc, MemoryBudgetExceeded) and exc.used_bytes is not None:
         cause = (
             f"micro-batch {exc.micro_batch_size} used {format_bytes(exc.used_bytes)}, over "
             f"--memory-budget {format_bytes(exc.budget_bytes or 0)}"
         )
-    elif config.micro_batch_size == "auto" and isinstance(exc, MemoryError):  # auto's floor
+    elif "auto" in (config.micro_batch_size, config.micro_batch_tokens) and isinstance(
+        exc, MemoryError
+    ):  # auto's floor: the engine's line says what one sample used
         return (
-            f"step {step}: out of memory{' or over --memory-budget' if over else ''} with "
-            "--micro-batch-size auto down to 1: a single sample does not fit. "
-            f"{'Use a larger --memory-budget, add' if over else 'Add'} "
-            "--gradient-checkpointing, free memory, or use a smaller model or sequence length."
+            f"step {step}: {exc} With the command line: "
+            f"{'a larger --memory-budget, ' if over else ''}{head}--gradient-checkpointing."
         )
     else:
         cause = f"out of memory at micro-batch {config.batching.micro_batch_size} ({exc})"
     return (
         f"step {step}: {cause}. Use --micro-batch-size auto (the largest that fits), a "
-        "smaller --micro-batch-size, --gradient-checkpointing, or a larger --memory-budget."
+        f"smaller --micro-batch-size, {head}--gradient-checkpointing, or a larger "
+        "--memory-budget."
     )
 
 

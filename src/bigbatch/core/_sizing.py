@@ -87,6 +87,7 @@ def after_oom(
     measured: bool = False,
     floor: int = 1,
     name: str = "micro_batch_size",
+    used: int | None = None,
 ) -> AutoState:
     """The window ran out of memory at ``failed_size``: shrink and lower the ceiling.
 
@@ -98,15 +99,19 @@ def after_oom(
     Raises:
         MemoryError: ``failed_size`` was already ``floor`` (one sample per micro-batch: 1, or the
             longest sample's tokens for ``name="micro_batch_tokens"``); nothing smaller exists.
+            ``used``: what that attempt used, over the budget (said in the message).
     """
     if measured and failed_size <= (state.fits or 0) and not state.rechecked:  # a size that fit
         return replace(state, rechecked=True)
     if failed_size <= max(1, floor):
         one = "" if floor <= 1 else f" (one sample per micro-batch: the longest has {floor} tokens)"
+        took = "" if used is None else f" (it used {format_bytes(used)})"
         raise MemoryError(
             f"out of memory (or over memory_budget) with {name}={failed_size}{one}: a single "
-            "sample does not fit. Free memory, raise memory_budget, enable gradient checkpointing "
-            "(bigbatch.enable_checkpointing(model)) or use a smaller model or sequence length."
+            f"sample does not fit{took}. Free memory, raise memory_budget, enable gradient "
+            "checkpointing (bigbatch.enable_checkpointing(model)), for a language model compute "
+            "its loss with the chunked head (bigbatch.head_cross_entropy, --chunked-head), or use "
+            "a smaller model or sequence length."
         )
     ceiling = failed_size if state.ceiling is None else min(state.ceiling, failed_size)
     fits = state.fits if state.fits is not None and state.fits < failed_size else None
@@ -149,10 +154,12 @@ class Sizing:
         ignores ``floor`` (a sample longer than a token budget gets a micro-batch of its own)."""
         return size_for(self.state, n_samples, floor if self.retries else 1)
 
-    def after_oom(self, failed_size: int, measured: bool = False, floor: int = 1) -> None:
+    def after_oom(
+        self, failed_size: int, measured: bool = False, floor: int = 1, used: int | None = None
+    ) -> None:
         """The window ran out of memory at ``failed_size`` (only called when ``retries``);
-        ``measured``: over the memory budget, not an allocator failure."""
-        self.state = after_oom(self.state, failed_size, measured, floor, self.name)
+        ``measured``: over the memory budget (``used`` bytes), not an allocator failure."""
+        self.state = after_oom(self.state, failed_size, measured, floor, self.name, used)
 
     def after_success(self, used_size: int) -> None:
         """A window completed at ``used_size``."""

@@ -286,6 +286,7 @@ class Runner:
     cut: SampleCut = field(default_factory=SampleCut)
     tracked: list[Callable[[], list[torch.Tensor]]] = field(default_factory=list)
     _seen: set[int] | None = field(default=None, init=False)  # Note [window buffers]: changed
+    _used: int | None = field(default=None, init=False)  # the last budget overrun's bytes
 
     def __post_init__(self) -> None:
         self.cut.bind(self.model)
@@ -320,7 +321,7 @@ class Runner:
             # Retried outside the except block: the live exception would keep its tensors alive.
             backup.restore(discard)
             release_memory(self.device)
-            self.sizing.after_oom(failed, measured, floor)
+            self.sizing.after_oom(failed, measured, floor, self._used if measured else None)
             retries += 1
         try:
             value = finish(pieces, size, retries, self.meter.peak_bytes())
@@ -351,6 +352,7 @@ class Runner:
             if not (self.sizing.retries and is_out_of_memory(exc)):
                 raise
             traceback.clear_frames(exc.__traceback__)  # unpin the failed window's tensors
+            self._used = getattr(exc, "used_bytes", None)
             return size, isinstance(exc, MemoryBudgetExceeded)
 
 

@@ -364,6 +364,8 @@ def _measure_peaks(
             continue
         measured: list[Candidate] = []
         while larger and (not measured or measured[-1].fits):
+            done = len(candidates) + len(measured)  # said before each: one may take minutes
+            setup.progress(f"measuring the peak of {larger[0].describe()}...", done, total)
             measured.append(c := _peak(setup, larger.pop(0)))
             what = "out of memory" if c.out_of_memory else rules.format_bytes(c.peak_bytes)
             setup.progress(
