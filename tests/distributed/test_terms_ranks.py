@@ -61,7 +61,29 @@ def _rank(rank: int, world: int, windows: list, moe_windows: list) -> dict:
     for window in moe_windows:
         acc.train_step(window[rank], _moe_loss, stats_fn=_moe_stats)
     out["moe_balance"] = moe.module.state_dict()
+    out["one_rank_term"] = _one_rank_term(rank, windows[0][rank])
     return out
+
+
+def _one_rank_term(rank: int, batch: dict) -> str:
+    """A term on rank 0 only: every rank refuses the window in one line, nothing stepped."""
+    torch.manual_seed(0)
+    model = DDP(TinyCausalLM().double())
+    before = copy.deepcopy(model.module.state_dict())
+    acc = bigbatch.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), 4)
+
+    def loss(m, mb):  # rank 0: "lm" and "aux"; rank 1: "lm" alone
+        found = terms.token_nll(m(mb["input_ids"]), mb["labels"], name="lm")
+        return {**found, "aux": found["lm"]} if rank == 0 else found
+
+    try:
+        acc.train_step(batch, loss)
+    except ValueError as exc:
+        after = model.module.state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in before.items())
+        assert all(p.grad is None for p in model.parameters())
+        return str(exc)
+    return "stepped"
 
 
 def _union(parts: list[dict]) -> dict:
@@ -80,3 +102,8 @@ def test_terms_on_two_ranks_with_unequal_tokens_equal_the_full_batch():
         ours = copy.deepcopy(ref)
         ours.load_state_dict(results[0][case])
         assert max_relative_error(ref, ours) < 1e-10, case
+    # issue 37: a term on one rank aborted both gloo ranks (gloo::EnforceNotMet, SIGABRT)
+    for rank, found in enumerate(results):
+        assert found["one_rank_term"].startswith(
+            f"the ranks' loss_fn returned other named terms (rank {rank}: "
+        ), found["one_rank_term"]

@@ -73,7 +73,9 @@ Note [FSDP and no_sync memory]
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,6 +101,11 @@ class GradSync:
         """The ``op`` (``"sum"`` or ``"max"``) of ``values`` over ranks, in float64 on the model's
         device (identity on one process)."""
         return values
+
+    def agree_on_terms(self, output: Any) -> None:
+        """Refuse, on every rank, a window whose ranks' loss returned other named terms (their
+        totals' all-reduces would not pair up: gloo aborts both ranks); one small all-reduce
+        per window on several ranks, nothing on one."""
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         """The smallest micro-batch size that ran out of memory on any rank, or ``None``, and
@@ -128,6 +135,17 @@ class _RankSync(GradSync):
         values = values.to(next(self.model.parameters()).device, torch.float64, copy=True)
         dist.all_reduce(values, op=getattr(dist.ReduceOp, op.upper()), group=self.group)  # type: ignore[arg-type]
         return values
+
+    def agree_on_terms(self, output: Any) -> None:
+        names = sorted(map(str, output)) if isinstance(output, Mapping) else ["loss"]
+        mine = [float(len(names)), float(zlib.crc32("\0".join(names).encode()))]
+        found = self.all_reduce(torch.tensor([*mine, *(-v for v in mine)]), "max").tolist()
+        if found[:2] != [-v for v in found[2:]]:  # the largest and the least differ
+            raise ValueError(
+                f"the ranks' loss_fn returned other named terms (rank {dist.get_rank()}: "
+                f"{', '.join(names)}): return the same terms on every rank; a term with nothing "
+                "to count on a rank returns (its sum * 0, 0)."
+            )
 
     def agree_on_oom(self, failed_size: int | None, measured: bool) -> tuple[int | None, bool]:
         if not self.auto:

@@ -411,9 +411,11 @@ def agree(fn: Callable[[], T], group: Any, world_size: int, device: Any) -> T:
     return result
 
 
-def with_stats(loss_fn: Any, stats: Any, model: torch.nn.Module, micro_batch: Any) -> Any:
-    """``loss_fn`` with the window's statistics (``train_step(..., stats_fn=...)``)."""
-    return loss_fn(model, micro_batch, stats)
+def with_stats(loss_fn: Any, outputs: Sequence[Any], sync: GradSync) -> Any:
+    """``loss_fn(model, micro_batch)`` calling ``loss_fn(model, micro_batch, stats)`` with the
+    window's statistics: the pieces' ``outputs`` totalled (``total_stats``)."""
+    stats = total_stats(outputs, sync)
+    return lambda model, micro_batch: loss_fn(model, micro_batch, stats)
 
 
 def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:

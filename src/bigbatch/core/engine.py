@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -39,20 +38,18 @@ from bigbatch.core._sizing import WindowMeter
 from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
 from bigbatch.core._sync import make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, warn_if_copying
-from bigbatch.core._window import (
-    Piece,
-    Restart,
-    Runner,
-    Window,
-    agree,
-    prepass,
-    total_stats,
-    with_stats,
-)
+from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, with_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
 from bigbatch.core.cut import Cut, CutSettings
 from bigbatch.core.ledger import Ledgers
-from bigbatch.core.loss import LossFn, Term, accepts, as_terms, check_count, check_scalar_loss
+from bigbatch.core.loss import (
+    LossFn,
+    Term,
+    as_terms,
+    check_count,
+    check_scalar_loss,
+    check_stats_fn,
+)
 from bigbatch.core.split import Batch
 
 if TYPE_CHECKING:
@@ -249,13 +246,7 @@ class Accumulator:
                 "train_step() found gradients already in the parameters' .grad; they would be "
                 "mixed into this step. Call optimizer.zero_grad(set_to_none=True) before it."
             )
-        if stats_fn is not None and not callable(stats_fn):
-            raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
-        if stats_fn is not None and callable(loss_fn) and not accepts(loss_fn, 3):
-            raise TypeError(
-                f"stats_fn is given, so loss_fn is called as loss_fn(model, batch, stats), but it "
-                f"takes {inspect.signature(loss_fn)}: add the stats parameter, or drop stats_fn."
-            )
+        check_stats_fn(loss_fn, stats_fn)
         if stats_fn is None:  # the cut's check of a first window (Note [packing audit])
             self._runner.cut.audit(self.model, batch, loss_fn)
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
@@ -283,6 +274,8 @@ class Accumulator:
                 with self._sync.micro_batch(last):
                     with self._precision.autocast():
                         out = loss_fn(self.model, piece.batch)
+                    if i == 0:  # every rank's loss has the same terms, or none steps
+                        self._sync.agree_on_terms(out)
                     if not (self._looked or fns[1] or getattr(fns[0], "shifts_labels", 0)):
                         warn_if_copying(piece.batch, out)  # one more read, once
                     self._looked = True
@@ -322,7 +315,7 @@ class Accumulator:
         states = counts = None
         if stats_fn is not None:
             outputs, states = self._prepass(lambda p: stats_fn(self.model, p.batch), pieces)
-            loss_fn = functools.partial(with_stats, loss_fn, total_stats(outputs, self._sync))
+            loss_fn = with_stats(loss_fn, outputs, self._sync)
         if hasattr(loss_fn, "prepare"):  # a WindowLoss (cached_loss): sees the window first
             if any(p.pad_rows for p in pieces):
                 raise ValueError("cached_loss takes no pad rows: drop pad_to_multiple_of for it.")

@@ -173,6 +173,18 @@ def accepts(fn: Any, n: int) -> bool:
         return False
 
 
+def check_stats_fn(loss_fn: Any, stats_fn: Any) -> None:
+    """Refuse a ``stats_fn`` that is not callable, or given with a ``loss_fn`` that does not take
+    the statistics (Note [passes before the window] in ``bigbatch.core._window``)."""
+    if stats_fn is not None and not callable(stats_fn):
+        raise TypeError(f"stats_fn={stats_fn!r} is not callable: pass stats_fn(model, mb).")
+    if stats_fn is not None and callable(loss_fn) and not accepts(loss_fn, 3):
+        raise TypeError(
+            f"stats_fn is given, so loss_fn is called as loss_fn(model, batch, stats), but it "
+            f"takes {inspect.signature(loss_fn)}: add the stats parameter, or drop stats_fn."
+        )
+
+
 def check_scalar_loss(loss: torch.Tensor, name: str) -> None:
     """Raise a ``ValueError`` naming ``name`` unless ``loss`` is a one-element tensor."""
     if loss.numel() != 1:
