@@ -23,6 +23,7 @@ NEEDS = {
     "causal_lm.py": "transformers",
     "chunked_head.py": "transformers",
     "hf_trainer.py": "transformers",
+    "packing.py": "transformers",
 }
 # What each example prints once it has checked its claim (most print their steps).
 SAYS = {"hf_trainer.py": "bigbatch.integrations.hf.Trainer: exact=True"}

@@ -86,7 +86,7 @@ def _sums(
         grads = [
             g if d is None else g + d.to(torch.float64) for g, d in zip(grads, found, strict=True)
         ]
-        total += float(loss)
+        total += float(loss.detach())
         count += sum(float(t.count) for t in terms.values())
     return total, count, torch.cat([g.reshape(-1) for g in grads])
 
