@@ -84,9 +84,9 @@ def train_under(budget: int) -> dict:
     failed: list[tuple[int, int, bool]] = []
     after_oom_ = acc._runner.sizing.after_oom
 
-    def recorded(size: int, measured: bool = False, floor: int = 1) -> None:
+    def recorded(size: int, measured: bool = False, floor: int = 1, used=None) -> None:
         failed.append((len(steps), size, measured))
-        after_oom_(size, measured, floor)
+        after_oom_(size, measured, floor, used)
 
     acc._runner.sizing.after_oom = recorded  # type: ignore[method-assign]
     steps = []

@@ -64,11 +64,11 @@ def main(config: dict) -> dict:
     limit_data(config["margin_mib"])
     result = acc.train_step(batch, loss)
     limit_data(None)
-    fixed = bigbatch.Accumulator(copies[2], opts[2], micro_batch_tokens=result.micro_batch_size)
+    fixed = bigbatch.Accumulator(copies[2], opts[2], micro_batch_tokens=result.micro_batch_tokens)
     fixed.train_step(batch, loss)
     return {
         "oom_retries": result.oom_retries,
-        "budget": result.micro_batch_size,
+        "budget": result.micro_batch_tokens,
         "whole": N * int(lengths.max()),
         "tokens": result.tokens,
         "real_tokens": int(mask.sum()),

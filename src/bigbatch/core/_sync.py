@@ -137,6 +137,8 @@ class _RankSync(GradSync):
         return values
 
     def agree_on_terms(self, output: Any) -> None:
+        if self.auto:  # Note [auto micro-batch across ranks]: no collective inside a window
+            return
         names = sorted(map(str, output)) if isinstance(output, Mapping) else ["loss"]
         mine = [float(len(names)), float(zlib.crc32("\0".join(names).encode()))]
         found = self.all_reduce(torch.tensor([*mine, *(-v for v in mine)]), "max").tolist()
