@@ -58,13 +58,15 @@ def unflatten(batch: Any, pad_id: int = 0) -> Any:
         (the token before it is another sequence's). Its samples are its sequences: a window of such
         batches is read as rows of sequences (``unflatten``; a sequence starts where the positions
         do not go on by one, as transformers' ``find_packed_sequence_indices`` reads them), cut by
-        the trainer's settings (``micro_batch_size`` counts sequences), and each micro-batch
+        the trainer's settings (``micro_batch_size`` counts sequences, ``micro_batch_tokens`` their
+        rows padded: at least the flattened row's tokens; ``pack`` packs them), and each micro-batch
         flattened again (``flatten``: positions, and the varlen arguments where the batches had
         them) before the trainer's loss sees it, so that the loss computes what it computes on the
         trainer's own batches. The tokens after a row's last position above 0 are dropped:
         ``pad_to_multiple_of``'s padding (positions 0, labels -100) or a last sequence of one token,
         which predicts nothing. The labels counted, and each one's loss, are the flattened
-        batches'.
+        batches'; TRL's logged ``num_tokens`` counts the micro-batches' tokens, so without that
+        padding (its loss never counted it: its labels are -100).
     """
     positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
     if not torch.is_tensor(positions) or positions.shape[0] != 1 or "attention_mask" in batch:
