@@ -1,7 +1,7 @@
 """Packed windows of transformers models built from configs (float64): Llama and GPT-2 equal the
 unpacked full batch; the traps of Note [packing traps] are real, and refused.
 
-Packed through ``Accumulator(..., pack=...)``.
+Packed through ``Accumulator(..., pack=...)``, and ``bigbatch.hf.Trainer(pack=...)``.
 Llama's RMSNorm computes in float32 (Note [float32 islands]): scaling its backward by ``1/count``
 before or after changes the step by float32's rounding (5e-8 measured), so the 1e-12 tests run
 it in float64 (``float64_norms``), as the rest of the model.
@@ -18,10 +18,11 @@ import torch
 pytest.importorskip("transformers")
 
 from cases import OPTIMIZERS  # noqa: E402
-from integrations.hf_models import VOCAB, gpt2, llama  # noqa: E402
+from integrations.hf_models import VOCAB, distance, gpt2, llama  # noqa: E402
 from reference import full_batch_step, max_relative_error  # noqa: E402
 
 import bigbatch  # noqa: E402
+import bigbatch.hf  # noqa: E402
 from bigbatch.core._pack import PackCut, check_forward, check_model, pack  # noqa: E402
 from bigbatch.core.loss import token_cross_entropy  # noqa: E402
 
@@ -226,3 +227,54 @@ def test_linear_attention_leaks_across_packed_samples_and_is_refused():
         ValueError, match=r"layer '.*linear_attn' \(Qwen3NextGatedDeltaNet\) carries"
     ):
         check_model(model, varlen=False)
+
+
+def trainer_run(cls, base, batch, steps, tmp, **kwargs):
+    """Two optimizer steps of a copy of ``base`` with ``cls`` on 12 right-padded texts."""
+    from integrations.hf_models import arguments, collate, sgd, texts
+
+    model = copy.deepcopy(base)
+    trainer = cls(
+        model=model, args=arguments(tmp, batch, steps), train_dataset=texts(12),
+        data_collator=collate, optimizers=sgd(model), **kwargs,
+    )  # fmt: skip
+    trainer.train()
+    return model
+
+
+def gpt2_shifted() -> torch.nn.Module:
+    """GPT-2 whose labels transformers counts shifted, as Llama's (its ``loss_type`` is None:
+    the Trainer counts every label, each sample's first too, which packing masks)."""
+    model = gpt2()
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("cut", [{}, {"micro_batch_tokens": 48}])
+def test_the_packed_trainer_equals_the_one_batch_run(tmp_path, name, cut):
+    """``bigbatch.hf.Trainer(pack=24)``: the Trainer's padded batches packed by the engine (5
+    rows of 24 per micro-batch, or 2) end where transformers' one-batch run ends, in float64 (the
+    packing audit passes on the way: transformers' loss computes in float32, which it allows)."""
+    import transformers
+
+    base = {"llama": exact_llama, "gpt2": gpt2_shifted}[name]()
+    one = trainer_run(transformers.Trainer, base, 12, 1, tmp_path)
+    ours = trainer_run(bigbatch.hf.Trainer, base, 5, 3, tmp_path, pack=LENGTH, **cut)
+    assert distance(ours, one, base) < 1e-10
+
+
+def test_the_packed_trainer_refuses_what_packing_would_change(tmp_path):
+    """``use_cache=True`` when the trainer is made; transformers' count of every label (GPT-2's
+    ``loss_type`` None) at the packing audit, before the first step."""
+    from integrations.hf_models import arguments
+
+    with pytest.raises(ValueError, match=r"use_cache=True with pack: .*\(use_cache=False\)"):
+        bigbatch.hf.Trainer(
+            model=gpt2(), args=arguments(tmp_path, 4, 2, use_cache=True), pack=LENGTH
+        )
+    model = gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"its count is .* model.loss_type = 'ForCausalLM'"):
+        trainer_run(bigbatch.hf.Trainer, model, 5, 3, tmp_path, pack=LENGTH)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

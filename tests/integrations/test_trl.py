@@ -22,8 +22,10 @@ datasets = pytest.importorskip("datasets")
 
 import transformers  # noqa: E402
 from integrations.hf_models import VOCAB, distance, llama  # noqa: E402
+from integrations.test_hf_pack import float64_norms  # noqa: E402
 
 import bigbatch.hf  # noqa: E402
+from bigbatch.core.loss import token_cross_entropy  # noqa: E402
 
 FLOAT32 = 1e-5  # float32 islands (TRL's fused LM head, Llama's RMSNorm) in a float64 model
 WORDS = [f"w{i}" for i in range(VOCAB - 3)]
@@ -243,3 +245,92 @@ def test_exact_refuses_generating_trainers():
     ):
         with pytest.raises(TypeError, match=f"exact\\(\\) does not take {cls.__name__}.*audit"):
             bigbatch.hf.exact(cls)
+
+
+def float64_loss(outputs, labels, num_items_in_batch=None):
+    """SFT's token loss in float64 (TRL's fused head and transformers' ``ForCausalLMLoss``
+    compute it in float32), as a ``compute_loss_func``."""
+    loss_sum, count = token_cross_entropy(outputs.logits, labels, shift=True)
+    return loss_sum / (count if num_items_in_batch is None else num_items_in_batch)
+
+
+FLAT = {  # TRL's flattened batches: one row of sequences, positions restarting
+    "padding_free": {"padding_free": True, "max_length": None},
+    "padding_free_pad8": {"padding_free": True, "max_length": None, "pad_to_multiple_of": 8},
+    "bfd": {"packing": True, "max_length": 24},  # 12 texts in 5 rows: 2 + 2 + 1 per window
+}
+SIZES = {"padding_free": (12, 4), "padding_free_pad8": (12, 4), "bfd": (5, 2)}
+
+
+@pytest.mark.parametrize(
+    "layout, ours",
+    [
+        ("padding_free", {}),
+        ("bfd", {}),
+        pytest.param("padding_free", {"chunked_head": True}, marks=pytest.mark.slow),
+        pytest.param("bfd", {"chunked_head": True}, marks=pytest.mark.slow),
+        pytest.param("padding_free_pad8", {"micro_batch_tokens": 40}, marks=pytest.mark.slow),
+        pytest.param("bfd", {"pack": 24}, marks=pytest.mark.slow),
+    ],
+)
+def test_sft_flattened_batches_float64(tmp_path, layout, ours):
+    """TRL's ``padding_free`` and ``packing`` (``bfd``) batches, cut by their sequences (Note
+    [flattened batches]): ``exact(SFTTrainer)`` (by sequences, by tokens, packed again, the
+    chunked head) equals the stock one-batch run at float64's rounding, as stock accumulation
+    does; both audits say exact. Float64 end to end: Llama's RMSNorm in float64, the stock loss a
+    float64 ``compute_loss_func`` (the chunked head is float64 itself)."""
+    data, base = datasets.Dataset.from_dict({"text": sentences(12, 1)}), float64_norms(llama())
+    (whole, batch), args = SIZES[layout], FLAT[layout]
+    stock = {"compute_loss_func": float64_loss}
+    mine = ours if ours.get("chunked_head") else {**stock, **ours}
+    one, _ = train(trl.SFTTrainer, base, whole, 1, tmp_path, data, args=args, **stock)
+    accumulated, found = train(trl.SFTTrainer, base, batch, 3, tmp_path, data, args=args, **stock)
+    exact = bigbatch.hf.exact(trl.SFTTrainer)
+    ours_model, mine_found = train(exact, base, batch, 3, tmp_path, data, args=args, **mine)
+    assert found.exact and mine_found.exact, (found, mine_found)
+    assert distance(accumulated, one, base) < 1e-10
+    assert distance(ours_model, one, base) < 1e-10
+
+
+@pytest.mark.parametrize("layout", ["padding_free_pad8", "bfd"])
+def test_sft_flattened_batches_trl_loss(tmp_path, layout):
+    """TRL's own loss (its fused head, float32) on its flattened batches: ``exact(SFTTrainer)``
+    trains where the stock trainer does (it refused them before: "tensors disagree on the first
+    (sample) dimension"), and ends where stock accumulation and the one-batch run end, at
+    float32's rounding; under ``padding_free`` (by 4 texts, as stock) at float64's."""
+    data, base = datasets.Dataset.from_dict({"text": sentences(12, 1)}), llama()
+    (whole, batch), args = SIZES[layout], FLAT[layout]
+    one, _ = train(trl.SFTTrainer, base, whole, 1, tmp_path, data, args=args)
+    stock, _ = train(trl.SFTTrainer, base, batch, 3, tmp_path, data, args=args)
+    ours, found = train(
+        bigbatch.hf.exact(trl.SFTTrainer), base, batch, 3, tmp_path, data, args=args
+    )
+    assert found.exact, found
+    assert distance(ours, one, base) < FLOAT32 and distance(stock, one, base) < FLOAT32
+    if layout != "bfd":  # the same micro-batches as stock's (its padding dropped): its rounding
+        assert distance(ours, stock, base) < 1e-12
+
+
+@pytest.mark.parametrize("ours", [False, True])
+def test_every_loss_sees_flattened_rows_as_trl_makes_them(tmp_path, ours):
+    """Under ``padding_free`` every batch the SFT loss gets (the window's, bigbatch's
+    micro-batches, the audit's one batch) is one row whose ``cu_seq_lens_q`` and ``seq_idx``
+    describe it, as TRL's collator makes them, and the audit's one batch is the window's 12
+    texts in one row (joined as rows before, its ``cu_seq_lens_q`` concatenated: what a varlen
+    kernel would misread)."""
+    seen = []
+
+    class SFTTrainer(trl.SFTTrainer):  # (named so: train() finds its config by the name)
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append({k: inputs[k] for k in ("input_ids", "cu_seq_lens_q", "seq_idx")})
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    data = datasets.Dataset.from_dict({"text": sentences(12, 1)})
+    cls = bigbatch.hf.exact(SFTTrainer) if ours else SFTTrainer
+    _, found = train(cls, llama(), 4, 3, tmp_path, data, args=FLAT["padding_free"])
+    assert found.exact, found
+    for batch in seen:
+        bounds, width = batch["cu_seq_lens_q"], batch["input_ids"].shape[1]
+        assert batch["input_ids"].shape[0] == 1 and bounds[0] == 0 and bounds[-1] == width
+        assert (bounds.diff() > 0).all() and batch["seq_idx"][0, -1] == len(bounds) - 2
+    assert max(len(b["cu_seq_lens_q"]) for b in seen) == 13  # the audit's: 12 texts

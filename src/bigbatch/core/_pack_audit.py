@@ -10,8 +10,10 @@ Note [packing audit]
     padded rows, positions counted from each sample's first token), both in eval mode (dropout
     off: its masks differ with the layout) from the same weights, without stepping. The loss
     sums, the counts and the gradients of the two must agree at the rounding of the dtype they
-    are computed in; else the run stops before its first step, naming what differed and by how
-    much. It costs two forwards and backwards of one window, once.
+    are computed in (the coarser of the parameters' and the loss's: transformers' causal LM loss
+    computes in float32 whatever the model's dtype); else the run stops before its first step,
+    naming what differed and by how much. It costs two forwards and backwards of one window,
+    once.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def replay(model: torch.nn.Module, loss_fn: Callable, batch: Any, pieces: list[P
         unpacked = _sums(model, loss_fn, plain, params)
     finally:
         model.train(mode)
-    dtype = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps)
+    finest = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps)
+    # a loss computed coarser than the parameters rounds there (transformers' in float32)
+    dtype = max((finest, packed[3], unpacked[3]), key=lambda d: torch.finfo(d).eps)
     tokens = sum(p.tokens or 0 for p in pieces)
     tolerance = max(1e-10, 8 * torch.finfo(dtype).eps * math.sqrt(max(tokens, 1)))
-    for what, i in (("count", 1), ("loss sum", 0), ("gradient", 2)):  # the likeliest cause first
-        a, b = packed[i], unpacked[i]
+    named = ("count", "loss sum", "gradient")  # the likeliest cause first
+    for what, a, b in zip(named, packed[:3], unpacked[:3], strict=True):
         gap = float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
         if not gap <= tolerance:
             raise ValueError(
@@ -66,29 +70,32 @@ CROSSING = (
 HINTS = {
     "loss sum": CROSSING,
     "count": "The loss counts another number of items packed: a loss that does not shift its "
-    "labels loses each sample's first label, and one that counts rows counts packed rows. Pack "
-    "only a causal LM's shifted loss, counted from its labels.",
+    "labels loses each sample's first label, and one that counts rows counts packed rows; "
+    "transformers' Trainer counts every label of a model whose loss_type it does not know, "
+    "each sample's first too, which no token predicts (GPT-2's: set model.loss_type = "
+    "'ForCausalLM'). Pack only a causal LM's shifted loss, counted from its labels.",
     "gradient": CROSSING,
 }
 
 
 def _sums(
     model: torch.nn.Module, loss_fn: Callable, batches: list[Any], params: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss sum, the count and the flat gradient of the loss sum over ``batches``, each
-    term's sum weighted (named terms: their weights)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype]:
+    """The count, the loss sum and the flat gradient of the loss sum over ``batches``, each
+    term's sum weighted (named terms: their weights), and the dtype the loss was summed in."""
     total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     grads = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     for mb in batches:
         terms = as_terms(loss_fn(model, mb), batch_size(mb))
-        loss = sum(t.loss_sum * t.weight for t in terms.values())
+        loss: torch.Tensor = sum(t.loss_sum * t.weight for t in terms.values())  # type: ignore[assignment]
         found = torch.autograd.grad(loss, params, allow_unused=True)  # type: ignore[arg-type]
         grads = [
             g if d is None else g + d.to(torch.float64) for g, d in zip(grads, found, strict=True)
         ]
         total += float(loss.detach())
         count += sum(float(t.count) for t in terms.values())
-    return total, count, torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    return count, total, flat, loss.dtype
 
 
 def _positioned(batch: Any) -> Any:

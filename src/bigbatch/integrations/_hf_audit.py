@@ -32,6 +32,12 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     (logger ``"bigbatch"``). Memory: the audited step holds the whole window as one batch, its
     activations at once (about ``gradient_accumulation_steps`` times a step's: 224 MiB against
     25 MiB in issue 30's run): audit where the window fits (a short run, or fewer rows per window).
+    TRL's flattened batches (``padding_free=True``, ``packing=True``) are joined as one flattened
+    row of the window's sequences, as TRL's one-batch run has them (Note [flattened batches]);
+    both are exact under accumulation (SFT's loss is a token sum over ``num_items_in_batch``).
+    ``padding_free`` keeps the batch (a sample is a text); ``packing`` does not (a sample is a
+    row of texts packed before batching, a text longer than a row truncated under ``bfd``: a step
+    holds as many texts as its rows do), which no audit of a step can see.
 
     Args:
         trainer: the trainer, before ``trainer.train()``.
@@ -109,7 +115,8 @@ class _Watch:
             w.returns.append(float(loss))
             if len(w.returns) == self.size:
                 self.window = None
-                joined = _batches.join(w.batches, self.reader.pad_id)  # rows of pairs if paired
+                rows = self.reader.unflatten(w.batches)  # Note [flattened batches]
+                joined = _batches.join(rows, self.reader.pad_id)  # rows of pairs if paired
                 raw = [unpairs(b) if self.reader.paired else b for b in w.batches]
                 self._settle(w)
                 own, scope = functools.partial(self._own, model), functools.partial(one_step, t)
@@ -140,6 +147,8 @@ class _Watch:
         step); bigbatch's reads it as its window does (Note [trainer window])."""
         t, window = self.trainer, getattr(self.trainer, "bigbatch_window", None)
         plain = unpairs(batch) if self.reader.paired else batch
+        if self.reader.varlen is not None:  # one flattened row, as the trainer's batches
+            plain = _batches.flatten(plain, self.reader.varlen)
         n = t._get_num_items_in_batch([plain], t.args.device)  # what the Trainer would pass
         if window is None:
             return cast(torch.Tensor, t.compute_loss(model, dict(plain), num_items_in_batch=n))

@@ -117,7 +117,10 @@ class TrainerWindow:
         return own, count_fn
 
     def micro(self, batch: Any) -> Any:
-        """A micro-batch as the trainer's loss takes it: pairs undone, trimmed."""
+        """A micro-batch as the trainer's loss takes it: pairs undone, trimmed; flattened where
+        the trainer's batches are (Note [flattened batches]), unless packed already."""
+        if self.reader.varlen is not None:
+            return _batches.flatten(batch, self.reader.varlen)
         return trim(unpairs(batch) if self.reader.paired else batch)
 
     def loss(self, loss_fn: Any, num_items: Any, model: Any, micro_batch: Any) -> Any:
@@ -153,10 +156,21 @@ class Reader:
         self.paired = descends_from(type(trainer), PAIRED)
         self.shifts = shifts_labels(trainer.model)  # what a mean over a micro-batch counts
         self.given_shifts = counts_shifted_labels(trainer)  # transformers' num_items_in_batch
+        self.varlen: bool | None = None  # flattened batches: with cu_seq_lens (None: not flat)
 
     def join(self, batches: list[Any]) -> Any:
-        """The batches as one, rows of pairs for a paired trainer."""
-        return _batches.join([pairs(b) for b in batches] if self.paired else batches, self.pad_id)
+        """The batches as one, rows of pairs for a paired trainer, rows of sequences for
+        flattened batches (Note [flattened batches])."""
+        rows = self.unflatten(batches)
+        return _batches.join([pairs(b) for b in rows] if self.paired else rows, self.pad_id)
+
+    def unflatten(self, batches: list[Any]) -> list[Any]:
+        """Flattened batches as rows of their sequences, noting whether they had the varlen
+        arguments (Note [flattened batches]); other batches as they are."""
+        rows = [_batches.unflatten(b, self.pad_id) for b in batches]
+        if rows[0] is not batches[0]:
+            self.varlen = "cu_seq_lens_q" in batches[0]
+        return rows
 
     def count(self, batch: Any, given: bool = False) -> Any:
         """What a mean over ``batch`` (rows of pairs if paired) averages, or (``given``) what

@@ -51,7 +51,8 @@ def exact(trainer_class: type) -> type:
     (Note [trainer window]): on padded variable-length text, for a model whose loss takes no
     ``num_items_in_batch``, with label smoothing, ``compute_loss_func``, a custom ``compute_loss``
     returning a mean, ``(loss_sum, count)`` or named terms ``{name: (sum, count[, weight])}``.
-    TRL's DPO and reward trainers are normalised per pair, SFT per token.
+    TRL's DPO and reward trainers are normalised per pair, SFT per token; TRL's flattened batches
+    (``padding_free=True``, ``packing=True``) are cut by their sequences (Note [flattened batches]).
 
     Args:
         trainer_class: ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``, ...).
@@ -60,8 +61,9 @@ def exact(trainer_class: type) -> type:
         The subclass. Besides the trainer's own arguments it takes ``micro_batch_size`` (rows per
         micro-batch, ``"auto"`` for the largest that fits; default
         ``per_device_train_batch_size``), ``micro_batch_tokens`` (cut by tokens, or ``"auto"``),
-        ``memory_budget``, ``pad_to_multiple_of`` and ``pad_values`` (the per-token keys beyond
-        transformers', Note [per-token tensors]) as ``bigbatch.Accumulator`` does,
+        ``memory_budget``, ``pad_to_multiple_of``, ``pad_values`` (the per-token keys beyond
+        transformers', Note [per-token tensors]) and ``pack`` (each window's samples packed into
+        rows of this many tokens: Note [packed windows]) as ``bigbatch.Accumulator`` does,
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``, and
         ``chunked_head``: a causal LM's loss computed from its hidden states in chunks, never
         holding the logits (Note [chunked head in a trainer]). Building one under DeepSpeed
@@ -72,7 +74,7 @@ def exact(trainer_class: type) -> type:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
             or RLOO trainer (Note [generating trainers]).
         ValueError: ``chunked_head=True`` with a loss it cannot compute (Note [chunked head in a
-            trainer]), when the trainer is made.
+            trainer]), ``pack`` with ``use_cache=True``, when the trainer is made.
 
     Example:
         >>> from trl import DPOTrainer  # doctest: +SKIP
@@ -112,6 +114,7 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
         pad_values: Mapping[str, Any] | None = None,
         loss_fn: Any = None,
         chunked_head: bool = False,
+        pack: int | None = None,
         **kwargs: Any,
     ) -> None:
         cut = Cut(  # refused early, before the trainer is built
@@ -120,8 +123,14 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
             pad_to_multiple_of,
             pad_values=pad_values,
             memory_budget=memory_budget,
+            pack=pack,
         )
         super().__init__(*args, **kwargs)
+        if pack is not None and self.args.use_cache:  # Note [packing traps]
+            raise ValueError(
+                "use_cache=True with pack: a cache lets packed samples attend each "
+                "other; use TrainingArguments(use_cache=False), its default."
+            )
         # named for the class exact() made (the first, if exact() was given one of its subclasses)
         made = next((c for c in reversed(type(self).__mro__) if "bigbatch" in vars(c)), Exact)
         _hf_window.refuse_deepspeed(self, f"bigbatch.hf.exact({made.__name__})")
