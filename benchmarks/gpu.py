@@ -36,6 +36,7 @@ import contextlib
 import copy
 import datetime
 import gc
+import importlib.util
 import inspect
 import math
 import multiprocessing
@@ -173,6 +174,7 @@ def seed_runs(s: Sizes) -> list[tuple[str, str, dict[str, Any]]]:
         (f"{m} x {k} (bigbatch.hf.Trainer)", "bigbatch", {}),
         (f"+ token windows, {tokens['micro_batch_tokens']} tokens", "bigbatch", tokens),
         ("+ chunked LM head (chunked_head=True)", "bigbatch", {**tokens, "chunked_head": True}),
+        (f"packed rows of {s.max_len} tokens (pack=)", "bigbatch", {"pack": s.max_len}),
     ]
 
 
@@ -195,6 +197,9 @@ def train_row(s: Sizes, device: torch.device, trainer: str, settings: dict[str, 
 
     data = texts(s, s.batch * (s.warmup + s.steps))
     model = gpt2(s)
+    model.loss_type = "ForCausalLM"  # its labels counted shifted (packing drops first labels)
+    if "pack" in settings and device.type == "cuda" and importlib.util.find_spec("flash_attn"):
+        model.set_attn_implementation("flash_attention_2")  # varlen: each sample's own scores
     known = inspect.signature(transformers.TrainingArguments).parameters  # 5.x renamed it
     ckpt_name = "activation_checkpointing" if "activation_checkpointing" in known else (
         "gradient_checkpointing")  # fmt: skip

@@ -248,7 +248,8 @@ class Accumulator:
             )
         check_stats_fn(loss_fn, stats_fn)
         if stats_fn is None:  # the cut's check of a first window (Note [packing audit])
-            self._runner.cut.audit(self.model, batch, loss_fn)
+            with self._precision.autocast():
+                self._runner.cut.audit(self.model, batch, loss_fn)
         run = functools.partial(self._accumulate, batch, fns=(loss_fn, count_fn, stats_fn))
         return self._runner.run(batch, run, self._finish, self._discard_window)
 
