@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._precision import Precision, make_precision
+from bigbatch.core._precision import Precision
 from bigbatch.core._scale import follow, overflowed, plan
 from bigbatch.core._sizing import WindowMeter
-from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
-from bigbatch.core._sync import make_sync
+from bigbatch.core._stepping import Stepper, StepResult, pair_grads, params_of
+from bigbatch.core._sync import COUNTS_FIRST, SHARDS_NEED_SUMS, make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, make_cut
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, total_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
@@ -61,8 +61,10 @@ class Accumulator:
     scheduler step and ``zero_grad(set_to_none=True)`` happen once per window.
 
     Args:
-        model: the module to train (plain, ``DistributedDataParallel`` or FSDP).
-        optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model.
+        model: the module to train (plain, ``DistributedDataParallel``, FSDP, or a DeepSpeed
+            engine from ``deepspeed.initialize``: Note [DeepSpeed windows] in ``core._deepspeed``).
+        optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model
+            (under DeepSpeed: the engine's, the one ``deepspeed.initialize`` returned).
         micro_batch_size: samples per micro-batch, or ``"auto"`` for the largest that fits;
             an out-of-memory error then shrinks it and redoes the window. ``None``: 32, or no
             row cap with ``micro_batch_tokens``.
@@ -92,6 +94,9 @@ class Accumulator:
             batch with an ``attention_mask``) to its longest sample (Note [per-token tensors] in
             ``bigbatch.core._tokens``); ``False`` keeps the batch's padded width, for a model or
             loss that reads the padding (e.g. mean pooling without the mask).
+        count_group: under context parallelism, the ``DeviceMesh`` of the ranks the gradients
+            are reduced over, naming its ``"cp"`` dimension (Note [count groups] in
+            ``bigbatch.core._sync``); ``None`` where every rank holds other samples.
 
     Raises:
         TypeError, ValueError: a bad argument, named with what is allowed.
@@ -122,6 +127,7 @@ class Accumulator:
         lengths: Callable[[Any], Any] | None = None,
         pad_values: Mapping[str, float | None] | None = None,
         trim_padding: bool = True,
+        count_group: Any = None,
     ) -> None:
         sizing, cut = make_cut(
             micro_batch_size,
@@ -131,12 +137,12 @@ class Accumulator:
             pad_values,
             trim_padding,
         )
-        settings = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
+        self._sync = make_sync(model, sizing.retries, count_group)  # the backend, recognised once
+        settings = self._sync.settings(model, optimizer, scheduler, max_grad_norm, nonfinite)
         self.model, self.optimizer, self.micro_batch_size = model, optimizer, micro_batch_size
         self.scheduler, self.max_grad_norm, self.nonfinite = settings
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._precision = make_precision(precision, self.device)
-        self._sync = make_sync(model, auto=sizing.retries)
+        self._precision = self._sync.precision(precision, self.device)
         self._stepper = Stepper(optimizer, *settings, self._precision, self._sync)
         meter = WindowMeter(self.device, memory_budget, sizing.retries, optimizer)
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cut)
@@ -301,8 +307,8 @@ class Accumulator:
         """Back-propagate what ``loss_fn`` returned for ``piece``. A mean of one term goes in one
         multiply, ``mean · (n · s)``; the window multiplies it by ``n`` at step time."""
         w, scales = self._window, self._window.scales or {}
-        if isinstance(out, torch.Tensor) and piece.pad_rows:  # a mean, on any path (fp16 too)
-            raise ValueError(PAD_ROWS_NEED_SUMS)
+        if isinstance(out, torch.Tensor) and (piece.pad_rows or self._sync.replicas > 1):
+            raise ValueError(PAD_ROWS_NEED_SUMS if piece.pad_rows else SHARDS_NEED_SUMS)  # a mean
         if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
             terms = as_terms(out, piece.samples)
             if piece.pad_rows:  # Note [compile buckets]: counts the pad rows cannot join
@@ -404,6 +410,8 @@ class Accumulator:
 
     def _backward(self, terms: dict[str, Term]) -> None:
         w = self._window
+        if self._sync.owns_step and w.expected is None:  # Note [DeepSpeed windows]: C first
+            self._need_counts(terms, COUNTS_FIRST)
         if self._last is None and w.pending_forwards:  # of a forward run earlier (Note [several
             w.pending_forwards -= 1  # forwards])
         elif self._last is None and self._precision.autocast_dtype is not None:
@@ -425,13 +433,16 @@ class Accumulator:
         self._precision.backward(_scaled_sum(terms, w.scales))
         w.add(terms)
 
-    def _need_counts(self, terms: Mapping[str, Term]) -> None:
-        """Several terms and no counts known before the window (Note [named terms])."""
-        if self._last is not None and not self._window.micro_batches and not self._count_pass:
+    def _need_counts(self, terms: Mapping[str, Term], why: str = "") -> None:
+        """Several terms (or DeepSpeed: ``why``) and no counts known before the window (Note
+        [named terms]); ``train_step`` then restarts with a count pass."""
+        w = self._window
+        if self._last is not None and w.scales and not w.micro_batches and not self._count_pass:
             self._count_pass = True  # train_step: this window and the next ones count first
             raise Restart
         raise ValueError(
-            f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
+            why
+            or f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
             f"are for {sorted(self._window.scales or {})}: each term's count is needed before the "
             "first backward. Return the same terms each time, give count_fn -> {name: count}, "
             "or use train_step."
@@ -457,11 +468,7 @@ class Accumulator:
                 the optimizer does not hold, a bad count or loss_sum; FSDP (sharded gradients).
                 A refused call changes nothing.
         """
-        if self._sync.world_size > 1 and not self._sync.can_defer:
-            raise ValueError(
-                "accumulate_grads() cannot add gradients to an FSDP model (they are sharded): "
-                "express them as a loss and call backward() instead."
-            )
+        self._sync.refuse_grads()  # FSDP's are sharded, DeepSpeed's its own
         pairs = pair_grads(self.optimizer, grads)  # every check before anything changes
         count = check_count(count, "count")
         value = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
@@ -511,7 +518,7 @@ class Accumulator:
     def _discard_window(self) -> None:
         """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        torch.nn.Module.zero_grad(self.model, set_to_none=True)  # a DeepSpeed engine's takes none
         self._precision.discard()
         self._window = Window()
 
