@@ -21,7 +21,7 @@ from ranks import run_ranks
 
 pytest.importorskip("deepspeed")
 
-from deepspeed_ranks import (  # noqa: E402
+from token_lm import (  # noqa: E402
     MICRO,
     counts,
     engine,

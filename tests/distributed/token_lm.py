@@ -1,5 +1,6 @@
-"""What the DeepSpeed tests and benchmark share: a token-local language model, text windows whose
-ranks count different numbers of tokens, a rank's DeepSpeed environment, an engine, the reference.
+"""A token-local language model and text windows whose ranks count different numbers of tokens,
+with what the DeepSpeed and count-group tests (and benchmarks/deepspeed.py) share: a rank's
+DeepSpeed environment, an engine, the one-process float64 reference.
 
 DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) runs over the gloo group that ``run_ranks``
 opened; it needs ``LOCAL_RANK`` and friends, and JIT-builds its shared-memory op once (about 30 s,
