@@ -224,7 +224,42 @@ def _refused(rank, world):
     with pytest.warns(bigbatch.BigBatchWarning, match="gradient_accumulation_steps=2 is not used"):
         bigbatch.Accumulator(*built(gradient_accumulation_steps=2))
     out["nothing_changed"] = _nothing_changed(built)
+    out["skipped"] = {stage: _skipped(built, stage) for stage in (1, 2, 3)}
+    out["bf16"] = _bf16(built)
     return out
+
+
+def _nan_gradient(m, mb):
+    """A finite loss whose gradient is NaN (sqrt's at 0, times 0): only the step can see it."""
+    logits = m(mb["input_ids"]).double()
+    labels = mb["labels"].reshape(-1)
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels, ignore_index=-100, reduction="sum"
+    )
+    return loss_sum + torch.sqrt(logits.sum() * 0.0), (labels != -100).sum()
+
+
+def _skipped(built, stage):
+    """A NaN gradient: DeepSpeed skips the step (ZeRO checks the norm even in float32); bigbatch
+    reports it, or raises NonFiniteError by default, the engine unchanged either way."""
+    eng, optimizer = built(stage=stage)
+    before = gathered(eng)
+    mb = windows(seed=0, world=1)[0][0]
+    skip = bigbatch.Accumulator(eng, optimizer, micro_batch_size=MICRO, nonfinite="skip")
+    result = skip.train_step(mb, _nan_gradient, count_fn=counts)
+    with pytest.raises(bigbatch.NonFiniteError, match="the window's gradient norm is inf"):
+        bigbatch.Accumulator(eng, optimizer, MICRO).train_step(mb, _nan_gradient, count_fn=counts)
+    after = gathered(eng)
+    unchanged = all(torch.equal(after[k], v) for k, v in before.items())
+    return result.skipped, result.nonfinite, unchanged
+
+
+def _bf16(built):
+    """DeepSpeed's bf16 (the config's): the engine casts the model; bigbatch reports bf16."""
+    eng, optimizer = built(stage=2, bf16={"enabled": True})
+    acc = bigbatch.Accumulator(eng, optimizer, micro_batch_size=MICRO, precision="bf16")
+    result = acc.train_step(windows(seed=0, world=1)[0][0], token_loss, count_fn=counts)
+    return acc.precision, result.skipped, math.isfinite(result.grad_norm)
 
 
 def _nothing_changed(built):
@@ -286,3 +321,12 @@ def test_deepspeeds_own_accumulation_of_means_is_measured_beside_it(runs):
     exact = relative_error(ranks[0]["fixed"], want["params"])
     print(f"ZeRO-{stage}: DeepSpeed's own accumulation {managed:.2e}, bigbatch {exact:.2e}")
     assert exact < 1e-6 < 1e-3 < managed
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_deepspeed_skips_is_reported_as_skipped(refused, stage):
+    assert refused["skipped"][stage] == (True, True, True)
+
+
+def test_bf16_is_the_configs(refused):
+    assert refused["bf16"] == ("bf16", False, True)
