@@ -186,6 +186,11 @@ def _refused(rank, world):
             '^DeepSpeed: ZeRO stage 0/1 with "overlap_comm": true cannot run caller-owned windows',
         ),
         (
+            "zero0",
+            {"zero_optimization": {"stage": 0}},
+            "^DeepSpeed: ZeRO stage 0 keeps no gradient norm",
+        ),
+        (
             "deepcompile",
             {"managed_gradient_accumulation": True, "compile": {"deepcompile": True}},
             '^DeepSpeed: DeepCompile cannot run caller-owned windows: set "compile": ',
@@ -297,6 +302,7 @@ def refused():
     [
         "managed",
         "overlap_comm",
+        "zero0",
         "deepcompile",
         "optimizer",
         "scheduler",

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 0-3 as a backend: the window's backwards go through the engine, which steps once.
+"""DeepSpeed ZeRO 1-3 as a backend: the window's backwards go through the engine, which steps once.
 
 ``make_sync`` (``bigbatch.core._sync``) picks ``DeepSpeedSync`` for a ``deepspeed.initialize``
 engine; its ``settings`` check the engine and its ``precision`` is the engine's own
@@ -22,7 +22,7 @@ Note [DeepSpeed windows]
     finite) are the engine's; ``StepResult.grad_norm`` is ``engine.get_global_grad_norm()``, the
     norm before clipping. ZeRO 2 and 3 reduce in every backward (and ZeRO 3 gathers in every
     forward), so their ranks run the same number of micro-batches (Note [micro-batches per rank]);
-    ZeRO 0 and 1 reduce in ``step()``. The config's ``gradient_accumulation_steps`` is not used
+    ZeRO 1 reduces in ``step()`` (stage 0 is refused: it keeps no gradient norm). The config's ``gradient_accumulation_steps`` is not used
     by a caller-owned window (only by DeepSpeed's reports: ``global_samples`` counts the config's
     micro-batch size per backward): a value other than 1 is ignored with one warning.
 """
@@ -44,13 +44,13 @@ from bigbatch.core.split import check_choice
 SETTINGS = (  # what the engine runs, and the one line saying what to change: first match refused
     (
         lambda e: not hasattr(e, "managed_gradient_accumulation"),
-        "this DeepSpeed has no caller-owned "
-        "windows: pip install 'deepspeed>=0.19.8' (managed_gradient_accumulation, DeepSpeed #8183).",
+        "this DeepSpeed has no caller-owned windows (managed_gradient_accumulation, DeepSpeed "
+        "#8183): pip install 'deepspeed>=0.19.8'.",
     ),
     (
         lambda e: e.pipeline_parallelism,
-        "pipeline parallelism (a PipelineModule) steps inside "
-        "engine.train_batch(): train a plain module, or use the engine without bigbatch.",
+        "pipeline parallelism (a PipelineModule) steps inside engine.train_batch(): train a plain "
+        "module, or use the engine without bigbatch.",
     ),
     (
         lambda e: e.is_deepcompile_enabled(),
@@ -59,18 +59,23 @@ SETTINGS = (  # what the engine runs, and the one line saying what to change: fi
     ),
     (
         lambda e: e.zero_overlap_comm() and e.zero_optimization_stage() < 2,
-        "ZeRO stage 0/1 with "
-        '"overlap_comm": true cannot run caller-owned windows: set "overlap_comm": false, or stage 2.',
+        'ZeRO stage 0/1 with "overlap_comm": true cannot run caller-owned windows: set '
+        '"overlap_comm": false, or use stage 2.',
+    ),
+    (
+        lambda e: e.zero_optimization_stage() == 0,
+        "ZeRO stage 0 keeps no gradient norm to report and check: use stage 1 (the same step, "
+        "the optimizer states sharded) or DistributedDataParallel.",
     ),
     (
         lambda e: e.sequence_parallel_size > 1,
-        "DeepSpeed sequence parallelism (Ulysses, "
-        "sequence_parallel_size > 1) is not supported by bigbatch yet: drop it from the config.",
+        "sequence parallelism (Ulysses, sequence_parallel_size > 1) is not supported by bigbatch "
+        "yet: drop it from the config.",
     ),
     (
         lambda e: e.managed_gradient_accumulation(),
-        "the engine runs its own accumulation: add "
-        '"managed_gradient_accumulation": false to the DeepSpeed config (bigbatch steps once per window).',
+        'the engine runs its own accumulation: add "managed_gradient_accumulation": false to the '
+        "DeepSpeed config (bigbatch steps once per window).",
     ),
 )
 
@@ -132,7 +137,7 @@ class DeepSpeedSync(RankSync):
                 "used: each bigbatch window is one step of any number of micro-batches (Note "
                 "[DeepSpeed windows]); set it to 1 (train_batch_size = micro-batch x ranks).",
                 BigBatchWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
         return None, None, nonfinite
 
