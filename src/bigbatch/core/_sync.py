@@ -311,8 +311,9 @@ def _cp_size(mesh: Any) -> int:
 
 
 def wrapper_kind(model: torch.nn.Module) -> str:
-    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1), ``"deepspeed"`` or ``"plain"``: the one place in
-    bigbatch that looks at a model's distributed wrapper type."""
+    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1), ``"deepspeed"`` (an engine of
+    ``deepspeed.initialize``) or ``"plain"``: the one place in bigbatch that looks at a model's
+    distributed wrapper type."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
     if any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__):  # no import either
