@@ -57,7 +57,7 @@ def plan(
                 totals[str(name)] = totals.get(str(name), 0.0) + count
         w.expected = global_counts(totals, samples, sync)[0]
         w.scales = {k: _reciprocal(c) for k, c in w.expected.items()}
-    elif sync.world_size > 1 and not fp16:
+    elif sync.world_size > 1 and not fp16 and not sync.owns_step:  # DeepSpeed: 1 / N exactly
         w.scales = {"loss": 1.0}  # fp32 / bf16 do not overflow: no collective (slow links)
     else:
         # fp16: the labelled tokens (labels != -100) of a batch in the transformers convention
@@ -83,11 +83,12 @@ def follow(
 
 
 def global_counts(local: dict[str, Any], n: int, sync: GradSync) -> tuple[dict[str, Any], float]:
-    """``local`` counts and the ``n`` samples summed over ranks (one all-reduce; none on one)."""
+    """``local`` counts and the ``n`` samples summed over ranks (one all-reduce; none on one); the
+    samples once where ranks hold shards of the same ones (Note [count groups] in ``_sync``)."""
     if sync.world_size == 1:
         return local, float(n)
     total = sync.all_reduce(stack_values([*local.values(), float(n)]))
-    return dict(zip(local, total[:-1], strict=True)), float(total[-1])
+    return dict(zip(local, total[:-1], strict=True)), float(total[-1]) / sync.replicas
 
 
 def overflowed(

@@ -363,6 +363,8 @@ class Stepper:
         """Multiply the gradients by ``W / (C s)`` (Note [backward scale]), reduce a deferred
         window's (Note [several forwards]), unscale and clip them; return their norm (``grads``,
         ``norm``: the plain gradients and their norm before, Note [one host sync])."""
+        if self.sync.owns_step:  # the backend's engine steps (Note [DeepSpeed windows])
+            return float(self.sync.finish(w.scales, counts))
         params, (first, count) = params_of(self.optimizer), next(iter(counts.items()))
         factor = float(self.sync.world_size)  # several terms: every s_k is exactly 1 / C_k
         if w.expected is None or len(counts) == 1:  # one term: whatever s was, W / (C s) is exact

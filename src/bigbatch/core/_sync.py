@@ -62,6 +62,21 @@ Note [several forwards]
     gradients are reduced), so a backward outside the context syncs: exact, with one
     reduce-scatter per micro-batch.
 
+Note [count groups]
+    Under context (sequence) parallelism the ranks of a "cp" group hold shards of the SAME
+    sequences; the backend reduces the gradients over data x context ranks (FSDP over torchtitan's
+    and accelerate's ``dp_shard_cp``, DDP over a flattened ``("dp", "cp")`` mesh). The window's
+    count must then count every token once: each rank returns its shard's ``(loss_sum, count)``
+    and the counts are summed over all dp x cp ranks (as for data parallelism: W / C undoes the
+    averaging over the W = dp·cp ranks), while the *samples* are the same on the cp ranks of one
+    dp index and are summed once (divided by the cp size). A loss returned as a mean has no count
+    of its own, only the samples, so it is refused there. The declaration is
+    ``count_group=mesh``, a ``DeviceMesh`` naming its ``"cp"`` dimension, covering the ranks the
+    backend reduces over. A backend whose device mesh (DDP's ``device_mesh``, FSDP2's parameters'
+    mesh) was cut from a mesh with a ``"cp"`` dimension, with no ``count_group``, is refused: the
+    engine cannot tell shard counts from counts of the whole sequences (which would be summed
+    ``cp`` times: Megatron-LM PR #7513, prime-rl PR #2562).
+
 Note [FSDP and no_sync memory]
     Skipping FSDP's reduce-scatter keeps each micro-batch's *unsharded* gradients until the
     window's last micro-batch: up to the full model's gradient size per rank, which is what
@@ -80,7 +95,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigbatch.core._precision import Precision, make_precision
+from bigbatch.core._stepping import check_step
+
 _NULL = contextlib.nullcontext()  # reusable: it holds no state
+COUNTS_FIRST = (
+    "under DeepSpeed each backward carries 1 / the window's count, which must be known before the "
+    "first one (ZeRO keeps the gradients out of .grad, Note [DeepSpeed windows]): use "
+    "acc.train_step(batch, loss_fn) (count_fn=... to skip its count pass)."
+)
+SHARDS_NEED_SUMS = (
+    "with count_group's 'cp' dimension ranks hold shards of the same samples, and a mean has no "
+    "count but the samples: return the shard's (loss_sum, count) (Note [count groups])."
+)
 
 
 class GradSync:
@@ -92,6 +119,8 @@ class GradSync:
     can_defer = False  # reduce_grads is possible (Note [several forwards])
     # True: every rank must run as many forwards (Note [micro-batches per rank])
     equal_micro_batches = False
+    owns_step = False  # the backend's engine steps: the backward carries 1 / C (core._deepspeed)
+    replicas = 1  # ranks holding the same samples (shards of their sequences: Note [count groups])
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Context for one micro-batch's forward and backward; ``last`` syncs gradients."""
@@ -119,8 +148,36 @@ class GradSync:
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         """All-reduce and average the gradients of ``params`` now (a deferred window's sync)."""
 
+    def refuse_grads(self) -> None:
+        """Refuse gradients added to ``.grad`` by hand (``Accumulator.accumulate_grads``).
 
-class _RankSync(GradSync):
+        Raises:
+            ValueError: FSDP on several ranks (its gradients are sharded), or DeepSpeed (its own).
+        """
+        if (self.world_size > 1 or self.owns_step) and not self.can_defer:
+            raise ValueError(
+                "accumulate_grads() cannot add gradients to an FSDP model or a DeepSpeed engine "
+                "(they are sharded, or the engine's): express them as a loss and call backward()."
+            )
+
+    def settings(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        max_grad_norm: Any,
+        nonfinite: Any,
+    ) -> tuple[Any, float | None, str]:
+        """The step's settings ``(scheduler, max_grad_norm, nonfinite)``, checked: ``check_step``
+        (a backend whose engine steps checks them against its own)."""
+        return check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
+
+    def precision(self, precision: object, device: torch.device) -> Precision:
+        """The ``Precision`` for ``precision=`` (a backend that casts the model gives its own)."""
+        return make_precision(precision, device)
+
+
+class RankSync(GradSync):
     """Shared by the distributed variants: the rank group, the all-reduces, the agreement."""
 
     equal_micro_batches = True  # FSDP all-gathers in every forward
@@ -158,7 +215,7 @@ class _RankSync(GradSync):
         return (None if neg_failed == -torch.inf else int(-neg_failed)), not any_allocator
 
 
-class DDPSync(_RankSync):
+class DDPSync(RankSync):
     """``DistributedDataParallel``: skip the all-reduce on all but the window's last micro-batch.
 
     In distributed auto mode ``train_step`` runs every micro-batch without it, the ranks agree on
@@ -193,7 +250,7 @@ class DDPSync(_RankSync):
         torch._foreach_div_(grads, self.world_size)  # type: ignore[arg-type]  # averaged, as DDP does
 
 
-class FSDPSync(_RankSync):
+class FSDPSync(RankSync):
     """FSDP2 (``fully_shard``) or FSDP1: reduce-scatter only on the window's last micro-batch."""
 
     def __init__(self, model: torch.nn.Module, auto: bool = False) -> None:
@@ -218,25 +275,70 @@ class FSDPSync(_RankSync):
                 yield
 
 
-def make_sync(model: torch.nn.Module, auto: bool = False) -> GradSync:
+def make_sync(model: torch.nn.Module, auto: bool = False, count_group: Any = None) -> GradSync:
     """Pick the gradient-sync control for ``model`` (the one wrapper-type test in bigbatch).
 
     Args:
-        model: a plain module, a ``DistributedDataParallel`` or an FSDP model.
+        model: a plain module, a ``DistributedDataParallel``, an FSDP model or a DeepSpeed engine.
         auto: the engine sizes micro-batches itself (``micro_batch_size="auto"``).
+        count_group: a ``DeviceMesh`` with a ``"cp"`` dimension (Note [count groups]), or ``None``.
 
     Raises:
-        ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers.
+        ValueError: ``auto`` on several ranks with FSDP, or with DDP broadcasting buffers; a
+            DeepSpeed engine bigbatch cannot step exactly (``bigbatch.core._deepspeed``); a
+            ``count_group`` that is missing or does not fit the backend (Note [count groups]).
     """
-    kind = {"ddp": DDPSync, "fsdp": FSDPSync}.get(wrapper_kind(model))
-    return kind(model, auto) if kind is not None else GradSync()
+    from bigbatch.core._deepspeed import DeepSpeedSync  # it builds on RankSync, below
+
+    kind = {"ddp": DDPSync, "fsdp": FSDPSync, "deepspeed": DeepSpeedSync}.get(wrapper_kind(model))
+    sync = kind(model, auto) if kind is not None else GradSync()
+    sync.replicas = shards(model, count_group, sync.world_size)
+    return sync
+
+
+def shards(model: torch.nn.Module, count_group: Any, world_size: int) -> int:
+    """The ranks holding shards of the same samples: ``count_group``'s ``"cp"`` size (Note [count
+    groups]); 1 without one, where the backend's mesh has no ``"cp"`` dimension either.
+
+    Raises:
+        ValueError: the backend's mesh has one and no ``count_group`` was given, or a
+            ``count_group`` without a ``"cp"`` dimension or over other ranks than the backend's.
+    """
+    mesh = getattr(model, "device_mesh", None) or getattr(
+        next(model.parameters(), None), "device_mesh", None
+    )
+    seen = _cp_size(mesh._get_root_mesh()) if mesh is not None else 1  # DDP reads its root so too
+    if count_group is None and seen > 1:
+        raise ValueError(
+            f"the model's device mesh has a 'cp' dimension of size {seen}: its ranks hold shards of "
+            "the same sequences. Pass count_group=mesh (its 'dp' and 'cp' dimensions) and return "
+            "each shard's (loss_sum, count), so that every token is counted once."
+        )
+    if count_group is None:
+        return 1
+    if _cp_size(count_group) == 0 or count_group.size() != world_size:
+        raise ValueError(
+            f"count_group={count_group!r} is not allowed: pass the DeviceMesh of the {world_size} "
+            "rank(s) the model's gradients are reduced over, naming its 'cp' dimension, e.g. "
+            "init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'cp'))."
+        )
+    return _cp_size(count_group)
+
+
+def _cp_size(mesh: Any) -> int:
+    """The size of ``mesh``'s ``"cp"`` dimension; 0 where it has none (or is no mesh)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return mesh.size(names.index("cp")) if "cp" in names else 0
 
 
 def wrapper_kind(model: torch.nn.Module) -> str:
-    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1) or ``"plain"``: the one place in
-    bigbatch that looks at a model's distributed wrapper type."""
+    """``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` or FSDP1), ``"deepspeed"`` (an engine of
+    ``deepspeed.initialize``) or ``"plain"``: the one place in bigbatch that looks at a model's
+    distributed wrapper type."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__):  # no import either
+        return "deepspeed"
     # The FSDP1 wrapper, or FSDP2's FSDPModule (which moved in torch 2.6), found by class name:
     # no import, so builds without torch.distributed and every torch version answer the same.
     fsdp = {"FullyShardedDataParallel", "FSDPModule"}

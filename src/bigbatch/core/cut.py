@@ -1,4 +1,4 @@
-"""``Cut``: how each window is cut into micro-batches and sized, as one checked value.
+"""``Cut``: how each window is cut into micro-batches, sized and counted, as one checked value.
 
 The settings of how a window is cut travel together: by samples (``micro_batch_size``, each
 micro-batch trimmed to its longest sample unless ``trim_padding=False``: Note [per-token tensors]
@@ -43,6 +43,7 @@ class CutSettings(TypedDict, total=False):
     trim_padding: bool
     memory_budget: int | str | None
     pack: int | None
+    count_group: Any
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class Cut:
         pack: pack each window's samples whole into rows of this many tokens, for a causal LM
             (Note [packed windows] in ``bigbatch.core._pack``): ``micro_batch_size`` rows per
             micro-batch (default 1), or as many as ``micro_batch_tokens`` holds.
+        count_group: under context parallelism, the ``DeviceMesh`` of the ranks the gradients
+            are reduced over, naming its ``"cp"`` dimension: each window's count is summed over
+            the ranks' unique tokens once (Note [count groups] in ``bigbatch.core._sync``);
+            ``None`` where every rank holds other samples.
 
     Raises:
         TypeError, ValueError: a bad or contradictory setting, named with what is allowed.
@@ -91,6 +96,7 @@ class Cut:
     trim_padding: bool = True
     memory_budget: int | str | None = None
     pack: int | None = None
+    count_group: Any = None
 
     def __post_init__(self) -> None:
         self.build()  # every check of the settings, together, once

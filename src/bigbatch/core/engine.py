@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bigbatch.core import _rng
-from bigbatch.core._precision import Precision, make_precision
+from bigbatch.core._precision import Precision
 from bigbatch.core._scale import follow, overflowed, plan, scaled_sum
 from bigbatch.core._sizing import WindowMeter
-from bigbatch.core._stepping import Stepper, StepResult, check_step, pair_grads, params_of
-from bigbatch.core._sync import make_sync
+from bigbatch.core._stepping import Stepper, StepResult, pair_grads, params_of
+from bigbatch.core._sync import COUNTS_FIRST, SHARDS_NEED_SUMS, make_sync
 from bigbatch.core._tokens import PAD_ROWS_NEED_SUMS, TokenCut, check_pad_rows, warn_if_copying
 from bigbatch.core._window import Piece, Restart, Runner, Window, agree, prepass, with_stats
 from bigbatch.core.batchnorm import warn_batch_coupled
@@ -72,8 +72,10 @@ class Accumulator:
     scheduler step and ``zero_grad(set_to_none=True)`` happen once per window.
 
     Args:
-        model: the module to train (plain, ``DistributedDataParallel`` or FSDP).
-        optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model.
+        model: the module to train (plain, ``DistributedDataParallel``, FSDP, or a DeepSpeed
+            engine from ``deepspeed.initialize``: Note [DeepSpeed windows] in ``core._deepspeed``).
+        optimizer: a ``torch.optim.Optimizer`` holding every trainable parameter of the model
+            (under DeepSpeed: the engine's, the one ``deepspeed.initialize`` returned).
         cut: how each window is cut into micro-batches and sized: a ``bigbatch.core.cut.Cut``,
             or a micro-batch size (``8``, ``"auto"``) standing for ``micro_batch_size``; or give
             the cut's settings by name (``**settings``). ``None``: 32 samples per micro-batch.
@@ -93,7 +95,10 @@ class Accumulator:
             ``bigbatch.core._tokens``), ``pad_to_multiple_of`` (Note [compile buckets]),
             ``lengths``, ``pad_values`` (Note [per-token tensors]), ``trim_padding`` and
             ``memory_budget`` (a cap on the memory a window may use above what was in use before
-            it, ``"6GiB"``: a window that goes over is redone smaller in auto mode).
+            it, ``"6GiB"``: a window that goes over is redone smaller in auto mode), ``pack``
+            (Note [packed windows] in ``bigbatch.core._pack``) and ``count_group`` (under context
+            parallelism, the ``DeviceMesh`` naming its ``"cp"`` dimension: Note [count groups] in
+            ``bigbatch.core._sync``).
 
     Raises:
         TypeError, ValueError: a bad argument, named with what is allowed.
@@ -122,12 +127,12 @@ class Accumulator:
     ) -> None:
         self.cut = Cut.of(cut, **settings)
         sizing, cutter = self.cut.build()
-        stepping = check_step(model, optimizer, scheduler, max_grad_norm, nonfinite)
+        self._sync = make_sync(model, sizing.retries, self.cut.count_group)  # recognised once
+        stepping = self._sync.settings(model, optimizer, scheduler, max_grad_norm, nonfinite)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.max_grad_norm, self.nonfinite = stepping
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._precision = make_precision(precision, self.device)
-        self._sync = make_sync(model, auto=sizing.retries)
+        self._precision = self._sync.precision(precision, self.device)
         self._stepper = Stepper(optimizer, *stepping, self._precision, self._sync)
         meter = WindowMeter(self.device, self.cut.memory_budget, sizing.retries, optimizer)
         self._runner = Runner(model, sizing, self._sync, meter, self.device, cutter)
@@ -296,8 +301,8 @@ class Accumulator:
         """Back-propagate what ``loss_fn`` returned for ``piece``. A mean of one term goes in one
         multiply, ``mean · (n · s)``; the window multiplies it by ``n`` at step time."""
         w, scales = self._window, self._window.scales or {}
-        if isinstance(out, torch.Tensor) and piece.pad_rows:  # a mean, on any path (fp16 too)
-            raise ValueError(PAD_ROWS_NEED_SUMS)
+        if isinstance(out, torch.Tensor) and (piece.pad_rows or self._sync.replicas > 1):
+            raise ValueError(PAD_ROWS_NEED_SUMS if piece.pad_rows else SHARDS_NEED_SUMS)  # a mean
         if not isinstance(out, torch.Tensor) or w.follow or scales.keys() != {"loss"}:
             terms = as_terms(out, piece.samples)
             if piece.pad_rows:  # Note [compile buckets]: counts the pad rows cannot join
@@ -399,6 +404,8 @@ class Accumulator:
 
     def _backward(self, terms: dict[str, Term]) -> None:
         w = self._window
+        if self._sync.owns_step and w.expected is None:  # Note [DeepSpeed windows]: C first
+            self._need_counts(terms, COUNTS_FIRST)
         if self._last is None and w.pending_forwards:  # Note [several forwards]
             w.pending_forwards -= 1  # the backward of a forward run earlier
         elif self._last is None and self._precision.autocast_dtype is not None:
@@ -420,13 +427,16 @@ class Accumulator:
         self._precision.backward(scaled_sum(terms, w.scales))
         w.add(terms)
 
-    def _need_counts(self, terms: Mapping[str, Term]) -> None:
-        """Several terms and no counts known before the window (Note [named terms])."""
-        if self._last is not None and not self._window.micro_batches and not self._count_pass:
+    def _need_counts(self, terms: Mapping[str, Term], why: str = "") -> None:
+        """Several terms (or DeepSpeed: ``why``) and no counts known before the window
+        (Note [named terms]); ``train_step`` then restarts with a count pass."""
+        w = self._window
+        if self._last is not None and w.scales and not w.micro_batches and not self._count_pass:
             self._count_pass = True  # train_step: this window and the next ones count first
             raise Restart
         raise ValueError(
-            f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
+            why
+            or f"loss_fn returned the terms {sorted(terms)}, but the counts known before the window "
             f"are for {sorted(self._window.scales or {})}: each term's count is needed before the "
             "first backward. Return the same terms each time, give count_fn -> {name: count}, "
             "or use train_step."
@@ -452,11 +462,7 @@ class Accumulator:
                 the optimizer does not hold, a bad count or loss_sum; FSDP (sharded gradients).
                 A refused call changes nothing.
         """
-        if self._sync.world_size > 1 and not self._sync.can_defer:
-            raise ValueError(
-                "accumulate_grads() cannot add gradients to an FSDP model (they are sharded): "
-                "express them as a loss and call backward() instead."
-            )
+        self._sync.refuse_grads()  # FSDP's are sharded, DeepSpeed's its own
         pairs = pair_grads(self.optimizer, grads)  # every check before anything changes
         count = check_count(count, "count")
         value = torch.as_tensor(loss_sum, dtype=torch.float64, device=self.device)
@@ -506,6 +512,6 @@ class Accumulator:
     def _discard_window(self) -> None:
         """Drop the window's partial gradients (a failed micro-batch may have left some in .grad)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        torch.nn.Module.zero_grad(self.model, set_to_none=True)  # a DeepSpeed engine's takes none
         self._precision.discard()
         self._window = Window()
