@@ -299,6 +299,8 @@ def user_lengths(case: Case) -> Callable[[Any], Any] | None:
 def accumulator_kwargs(case: Case) -> dict[str, Any]:
     cut = case.cut
     kwargs: dict[str, Any] = {"micro_batch_size": cut.micro_batch_size}
+    if not cut.trim_padding:
+        kwargs["trim_padding"] = False
     if cut.micro_batch_tokens is not None:
         kwargs.update(
             micro_batch_tokens=cut.micro_batch_tokens, pad_to_multiple_of=cut.pad_to_multiple_of

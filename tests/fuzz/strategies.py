@@ -101,6 +101,7 @@ class Cut:
     micro_batch_tokens: int | str | None = None
     pad_to_multiple_of: int | None = None
     lengths: str = "default"
+    trim_padding: bool = True  # the sample cut's default trim (issue 37), or the batch's width
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,8 @@ def texts(draw: Any, space: Space = Space(), low: int = 1, high: int = 8) -> Tex
 
 
 def sample_cuts(n: int) -> st.SearchStrategy[Cut]:
-    return st.builds(Cut, st.one_of(st.integers(1, n + 2), st.sampled_from([None, "auto"])))
+    sizes = st.one_of(st.integers(1, n + 2), st.sampled_from([None, "auto"]))
+    return st.builds(Cut, sizes, trim_padding=st.booleans())
 
 
 @st.composite
