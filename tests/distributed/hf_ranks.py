@@ -24,6 +24,7 @@ def trainer_runs(
     port: int,
     prepare: Callable[[Any], None] | None = None,
     check: Callable[[Any], None] | None = None,
+    data: list | None = None,
     **args: Any,
 ) -> dict[str, tuple[dict, list]]:
     """``{name: (the trained model's full state dict, the audit's results)}`` on this rank.
@@ -36,6 +37,7 @@ def trainer_runs(
         port: ``MASTER_PORT`` (each test module its own).
         prepare: called with each trainer before it trains (e.g. an accelerator state).
         check: called with each trainer after it trained.
+        data: the samples (``collate``'s), else ``texts(12)``.
         **args: more ``TrainingArguments``.
     """
     import torch
@@ -52,7 +54,7 @@ def trainer_runs(
         trainer = cls(
             model=model,
             args=arguments(f"{tmp}/{name}", 2, 3, ddp_backend="gloo", **args),
-            train_dataset=texts(12),
+            train_dataset=texts(12) if data is None else data,
             data_collator=collate,
             optimizers=sgd(model),
         )

@@ -27,13 +27,16 @@ pytest.importorskip("accelerate")
 from hf_ranks import trainer_runs  # noqa: E402
 from integrations.hf_models import (  # noqa: E402
     Wrapper,
+    collate,
     distance,
     gpt2,
     loaded,
     sgd,
+    texts,
     wrapper_loss,
 )
 from integrations.test_hf import counted, plain  # noqa: E402
+from reference import full_batch_step  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real gloo ranks, transformers imported in each
 
@@ -115,3 +118,47 @@ def test_bigbatch_on_ranks_equals_one_process_on_the_union(ranks, name, make):
         state, results = rank[name]
         assert [r.exact for r in results] == [True, True], results
         assert distance(loaded(make, state), reference, base) < 1e-10
+
+
+def empty_first() -> list[dict]:
+    """12 samples, the first two one token long (transformers' ``test_loss_averaging`` data: two
+    empty lines, a BOS each): in order, rank 0's first window starts with rows that count no
+    shifted label."""
+    return [{"input_ids": [5]}, {"input_ids": [7]}, *texts(12)[2:]]
+
+
+def _empty_first_rank(rank: int, world: int, tmp: str) -> dict:
+    import transformers
+
+    import bigbatch.hf
+
+    runs = {"stock": (transformers.Trainer, gpt2), "bigbatch": (bigbatch.hf.Trainer, gpt2)}
+    out = {}
+    for average in (True, False):  # average_tokens_across_devices
+        found = trainer_runs(
+            rank, world, f"{tmp}/{average}", runs, 29501, data=empty_first(),
+            train_sampling_strategy="sequential", average_tokens_across_devices=average,
+        )  # fmt: skip
+        out.update({(name, average): result for name, result in found.items()})
+    return out
+
+
+def test_a_first_window_that_counts_nothing_on_one_rank(tmp_path):
+    """Rank 0's first rows count no label: the loss's form (``loss_form``) read there decided
+    nothing, rank 1's decided "sum", so the ranks disagreed on which counts to all-reduce and
+    gloo aborted (an 8-byte count against a gradient bucket) at step 1, in both
+    ``average_tokens_across_devices`` modes. The ranks now agree on the form (``agreed``): both
+    modes equal one process on the union, as the stock Trainer does where it averages tokens
+    across the ranks (it completes in the other mode too), and the audit finds every step
+    exact."""
+    ranks = run_ranks(_empty_first_rank, str(tmp_path), timeout_s=400)
+    base, model = gpt2(), gpt2()
+    optimizer = sgd(model)[0]
+    for _ in range(2):
+        full_batch_step(model, optimizer, counted, collate(empty_first()))
+    for rank in ranks:
+        for average in (True, False):
+            state, results = rank["bigbatch", average]
+            assert [r.exact for r in results] == [True, True], results
+            assert distance(loaded(gpt2, state), model, base) < 1e-10
+        assert distance(loaded(gpt2, rank["stock", True][0]), model, base) < 1e-10

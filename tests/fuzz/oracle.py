@@ -85,9 +85,16 @@ def reference(
     return model
 
 
-def judge(expect: Expect, expected: torch.nn.Module, run: Callable[[], Any]) -> None:
+def judge(
+    expect: Expect,
+    expected: torch.nn.Module,
+    run: Callable[[], Any],
+    tolerance: float = TOLERANCE,
+    error: Callable[[torch.nn.Module, torch.nn.Module], float] = max_relative_error,
+) -> None:
     """Run ``run()`` (bigbatch's side: the trained model) and hold it to the oracle: the
-    parameters of ``expected`` (the full batch's model), or a refusal ``expect`` allows."""
+    parameters of ``expected`` (the full batch's model) within ``tolerance`` (``error`` measures
+    how far: by default relative to each parameter), or a refusal ``expect`` allows."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -108,9 +115,9 @@ def judge(expect: Expect, expected: torch.nn.Module, run: Callable[[], Any]) -> 
     if expect.must_refuse:
         names = sorted(expect.names)
         raise SilentStepOnBadInput(f"stepped on input that must be refused, naming one of {names}")
-    error = max_relative_error(expected, model)
-    if not error < TOLERANCE:
-        raise SilentWrongStep(f"parameters {error:.3g} (relative) off the full-batch step")
+    off = error(expected, model)
+    if not off < tolerance:
+        raise SilentWrongStep(f"parameters {off:.3g} (relative) off the full-batch step")
     if expect.warns and not any(issubclass(w.category, bigbatch.BigBatchWarning) for w in caught):
         raise NoWarning(
             "stepped without a BigBatchWarning (a window with no item, a term left out)"

@@ -108,3 +108,41 @@ def distance(a: torch.nn.Module, b: torch.nn.Module, start: torch.nn.Module) -> 
     """How far ``a`` is from ``b``, relative to how far training moved ``b`` from ``start``."""
     pa, pb, p0 = (torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (a, b, start))
     return float((pa - pb).norm() / (pb - p0).norm())
+
+
+def tagger(seed: int = 0, shift: bool = False) -> torch.nn.Module:
+    """A token model of one's own (a ``PreTrainedModel`` whose ``loss_type`` transformers does
+    not know, and that does not generate): a tagger, its loss the mean over every label (5 tags),
+    or (``shift``) a causal LM's, the mean over the labels but each row's first."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class TaggerConfig(PretrainedConfig):
+        model_type = "bigbatch-tagger"
+
+    class Tagger(PreTrainedModel):
+        config_class = TaggerConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed, self.mix = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, VOCAB if shift else 5)
+            self.post_init()
+
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            logits = self.head(torch.tanh(self.mix(self.embed(input_ids))))
+            if labels is None:
+                return {"logits": logits}
+            flat, tags = logits.flatten(0, 1), labels.flatten()
+            if shift:
+                flat, tags = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+            loss = torch.nn.functional.cross_entropy(flat, tags, ignore_index=-100)
+            return {"loss": loss, "logits": logits}
+
+    torch.manual_seed(seed)
+    return Tagger(TaggerConfig()).to(torch.float64)
+
+
+def tags(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """``collate``, each labelled token's label its tag (its id modulo 5)."""
+    batch = collate(samples)
+    return {**batch, "labels": torch.where(batch["labels"] == -100, -100, batch["labels"] % 5)}

@@ -27,6 +27,8 @@ from integrations.hf_models import (  # noqa: E402
     gpt2,
     llama,
     sgd,
+    tagger,
+    tags,
     texts,
     wrapper_loss,
 )
@@ -47,7 +49,8 @@ def train(cls, model, batch, steps, optimizers=sgd, n=12, args=None, **kwargs):
     args = args or {}
     trainer = cls(
         model=model, args=arguments(kwargs.pop("tmp"), batch, steps, **args),
-        train_dataset=texts(n), data_collator=kwargs.pop("data_collator", collate),
+        train_dataset=kwargs.pop("data", None) or texts(n),
+        data_collator=kwargs.pop("data_collator", collate),
         optimizers=optimizers(model), **kwargs,
     )  # fmt: skip
     trainer.train()
@@ -318,6 +321,22 @@ def test_errors(tmp_path):
     assert bigbatch.hf.exact(bigbatch.hf.Trainer) is bigbatch.hf.Trainer
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"chunked_head": "no"}, "chunked_head='no' is not allowed: use True or False"),
+        ({"chunked_head": 1}, "chunked_head=1 is not allowed"),
+        ({"loss_fn": "abc"}, "loss_fn='abc' is not allowed: use a function loss_fn.model, batch."),
+        ({"loss_fn": lambda model: 0.0}, "loss_fn=<function .*> is not allowed"),
+    ],
+)
+def test_settings_are_refused_when_the_trainer_is_made(tmp_path, settings, message):
+    """A string turned the chunked head on, and a loss_fn that is not a function of (model,
+    batch) failed at the first step: each is one line, before the trainer is built."""
+    with pytest.raises(TypeError, match=message):
+        bigbatch.hf.Trainer(model=gpt2(), args=arguments(tmp_path, 2, 2), **settings)
+
+
 def test_the_trainers_methods_are_a_module_level_class(tmp_path):
     """``bigbatch.hf.Trainer.__init__`` and ``training_step`` are ``Exact``'s, a class defined at
     module level that a reader can open ("go to definition" landed nowhere while ``exact`` made
@@ -398,3 +417,59 @@ def test_pad_values_declare_a_per_token_key_of_the_trainers_batches(tmp_path):
     for _ in range(2):
         full_batch_step(ref, optimizer, weighted, weighted_collate(texts(12)))
     assert distance(ours, ref, base) < 1e-10
+
+
+def test_a_token_tagger_counts_every_label(tmp_path):
+    """A model of one's own whose ``loss_type`` transformers does not know (its ``loss_function``
+    defaults to the causal LM's) and whose loss is a mean over every label: the window counts
+    every label, as the loss does (they were counted shifted: 0.9% off the one-batch step); the
+    stock Trainer adds 3 micro-batch means; the audit finds the step exact."""
+    base = tagger()
+    runs = {}
+    for name, cls, batch, steps in [
+        ("one", transformers.Trainer, 12, 1),
+        ("stock", transformers.Trainer, 5, 3),
+        ("ours", bigbatch.hf.Trainer, 5, 3),
+    ]:
+        runs[name] = copy.deepcopy(base)
+        trainer = cls(
+            model=runs[name], args=arguments(tmp_path, batch, steps), train_dataset=texts(12),
+            data_collator=tags, optimizers=sgd(runs[name]),
+        )  # fmt: skip
+        report = bigbatch.hf.audit(trainer)
+        trainer.train()
+    assert report.results[0].exact, report.results[0]
+    assert distance(runs["ours"], runs["one"], base) < 1e-10
+    assert distance(runs["stock"], runs["one"], base) > 0.05
+
+
+def test_token_budget_alone_caps_no_rows(tmp_path):
+    """Only a token budget given: ``per_device_train_batch_size`` (4) is the Trainer's batch,
+    not a cap on a micro-batch's rows (``micro_batch_size`` stays None): 40 samples of 10 tokens
+    under 8,192 tokens are one micro-batch of 40 rows. (Samples of unequal lengths are grouped by
+    length, Note [token windows], which may cut the window into several.)"""
+    model, rows = gpt2(), []
+    trainer = bigbatch.hf.Trainer(
+        model=model, args=arguments(tmp_path, 4, 10, max_steps=1),
+        train_dataset=texts(40, low=10, high=11), data_collator=collate, optimizers=sgd(model),
+        micro_batch_tokens=8192,
+    )  # fmt: skip
+    model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(len(kw["input_ids"])), with_kwargs=True
+    )
+    trainer.train()
+    assert trainer.bigbatch_window.cut.micro_batch_size is None
+    assert trainer.bigbatch_window.last.micro_batches == 1 and rows[-1] == 40
+
+
+def test_first_rows_that_count_nothing(tmp_path):
+    """Each window starts with two one-token rows (empty lines and a BOS): the loss's form, read
+    on them, stays undecided; it is a sum (as transformers assumes) counted before the window, so
+    each backward runs at the one-batch run's scale and rounds as it does (2.5e-8 off before)."""
+    data = [{"input_ids": [5]}, {"input_ids": [7]}, *texts(12)[2:]]
+    base = gpt2()
+    ours, one = copy.deepcopy(base), copy.deepcopy(base)
+    args = {"train_sampling_strategy": "sequential"}
+    trainer = train(bigbatch.hf.Trainer, ours, 4, 3, tmp=tmp_path, args=args, data=data)
+    train(transformers.Trainer, one, 12, 1, tmp=tmp_path, args=args, data=data)
+    assert trainer.bigbatch_window.form is None and distance(ours, one, base) < 1e-10

@@ -13,7 +13,17 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
-from integrations.hf_models import Wrapper, arguments, collate, distance, gpt2, llama, sgd, texts  # noqa: E402
+from integrations.hf_models import (
+    Wrapper,
+    arguments,
+    collate,
+    distance,
+    gpt2,
+    llama,
+    sgd,
+    tagger,
+    texts,
+)  # noqa: E402
 from integrations.test_hf import model_loss, plain, terms  # noqa: E402
 from reference import full_batch_step  # noqa: E402
 
@@ -213,6 +223,15 @@ def test_bigbatch_trainers_get_the_real_diagnosis(tmp_path):
     reads the stock trainer's backwards: not always "loss couples samples"."""
     found = audited(MeanAsSum, Wrapper(gpt2()), tmp=tmp_path)[0]
     assert not found.exact and found.diagnosis == "per-micro-batch mean on padded data", found
+
+
+def test_a_count_mismatch_is_named(tmp_path):
+    """A causal LM of one's own that does not generate and whose ``loss_type`` transformers
+    does not know: nothing says its loss shifts, so bigbatch's window weighs its micro-batch
+    means by every label, and the loss averages the shifted ones. The audit names the count (it
+    said "gradients differ where the losses agree" of the same mismatch on a token tagger)."""
+    found = audited(bigbatch.hf.Trainer, tagger(shift=True), tmp=tmp_path)[0]
+    assert not found.exact and found.diagnosis.startswith("count mismatch: labels counted"), found
 
 
 def test_last_window_mis_scaled(tmp_path):

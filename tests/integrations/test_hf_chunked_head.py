@@ -126,8 +126,6 @@ REFUSED = [  # (model, trainer class, trainer kwargs, message)
     (gpt2, bigbatch.hf.Trainer, {"loss_fn": lambda m, b: m(**b).loss}, "a loss_fn or compute_loss_func"),
     (gpt2, Custom, {}, "Custom.compute_loss is not transformers'"),
     (classifier, bigbatch.hf.Trainer, {}, "GPT2ForSequenceClassification is not a causal LM"),
-    (lambda: tiny("Gemma2", final_logit_softcapping=30.0), bigbatch.hf.Trainer, {},
-     r"final_logit_softcapping=30.0 caps the logits"),
     (lambda: tiny("Mixtral", output_router_logits=True, num_local_experts=2), bigbatch.hf.Trainer,
      {}, "output_router_logits=True adds an MoE auxiliary loss"),
 ]  # fmt: skip
@@ -209,3 +207,107 @@ def test_sft_trainer_with_the_chunked_head(tmp_path):
     assert distance(ours, one, base) < 1e-10 and distance(ours, trl_one, base) < FLOAT32
     with pytest.raises(ValueError, match="loss_type='dft' is not the token cross-entropy"):
         train_trl(chunked, base, 5, 3, tmp_path, data, chunked_head=True, args={"loss_type": "dft"})
+
+
+def float64_attention(module, query, key, value, attention_mask, scaling, softcap=None, **kwargs):
+    """Gemma 2's eager attention with its softmax in the model's dtype (transformers' computes it
+    in float32), so that a float64 Gemma 2 computes in float64 (no dropout: it is off here)."""
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    key, value = (repeat_kv(t, module.num_key_value_groups) for t in (key, value))
+    scores = query @ key.transpose(2, 3) * scaling
+    scores = scores if softcap is None else softcap * torch.tanh(scores / softcap)
+    weights = (scores if attention_mask is None else scores + attention_mask).softmax(-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def gemma2(cap: float | None = 0.5) -> torch.nn.Module:
+    """A tiny float64 Gemma 2 whose final logits are soft-capped at ``cap``, computing in float64
+    end to end: its RMSNorm (``float64_norms``) and attention softmax (``float64_attention``)."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    transformers.AttentionInterface.register("float64_eager", float64_attention)
+    AttentionMaskInterface.register("float64_eager", eager_mask)
+    model = tiny("Gemma2", final_logit_softcapping=cap, attn_implementation="float64_eager")
+    return float64_norms(model)
+
+
+def test_gemma2_soft_capping_through_the_trainer(tmp_path):
+    """Gemma 2's final-logit soft-capping (``cap · tanh(logits / cap)``, refused before) computed
+    by the chunked head through the Trainer, 5 + 5 + 2 per window: the float64 logits' loss to
+    1e-10 (float64 norms and attention: Gemma 2 computes both in float32 otherwise), the stock
+    Trainer's one-batch run at float32's rounding (its loss upcasts the logits with ``.float()``,
+    which casts a float64 model's down); the uncapped model's step is 22% away."""
+    base = gemma2()
+    ours, stock, uncapped = (copy.deepcopy(base) for _ in range(3))
+    train(bigbatch.hf.Trainer, ours, 5, 3, adamw, tmp=tmp_path, chunked_head=True)
+    assert distance(ours, plain(base, formula(0.0), adamw), base) < 1e-10
+    train(transformers.Trainer, stock, 12, 1, adamw, tmp=tmp_path)
+    assert distance(ours, stock, base) < FLOAT32
+    uncapped.config.final_logit_softcapping = None
+    assert distance(ours, plain(uncapped, formula(0.0), adamw), base) > 0.01
+
+
+BF16 = torch.finfo(torch.bfloat16).eps  # 7.8e-3: bf16's rounding of a step
+
+
+def test_bf16_through_the_trainer(tmp_path):
+    """``bf16=True`` (accelerate's autocast, and its ``convert_to_fp32`` reading the logits'
+    ``.dtype``: the chunked Trainer failed at its first step): a float32 Llama, chunked, equals
+    the stock Trainer's bf16 one-batch run at bf16's rounding (2.3e-3 apart; float32's run is as
+    far), the hidden states reaching the head in bf16."""
+    base = llama().float()
+    ours, stock = copy.deepcopy(base), copy.deepcopy(base)
+    dtypes = []  # what the output layer returned: bf16 logits, never computed
+    ours.get_output_embeddings().register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    args = {"bf16": True}
+    train(bigbatch.hf.Trainer, ours, 5, 3, tmp=tmp_path, args=args, chunked_head=True)
+    train(transformers.Trainer, stock, 12, 1, tmp=tmp_path, args=args)
+    assert set(dtypes) == {torch.bfloat16} and distance(ours, stock, base) < BF16
+
+
+def test_sft_trainer_with_trls_defaults(tmp_path):
+    """``exact(SFTTrainer)(..., chunked_head=True)`` with SFTConfig's own default ``bf16=True``
+    (it never trained: accelerate's ``convert_to_fp32``), a float32 model: stock SFT's one-batch
+    run at bf16's rounding."""
+    trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
+    from integrations.test_trl import sentences
+    from integrations.test_trl import train as train_trl
+
+    data, base = datasets.Dataset.from_dict({"text": sentences(12, 1)}), llama().float()
+    defaults = {"args": {"bf16": None}}  # None: TRL's default, True where fp16 is not set
+    one, _ = train_trl(trl.SFTTrainer, base, 12, 1, tmp_path, data, **defaults)
+    chunked = bigbatch.hf.exact(trl.SFTTrainer)
+    ours, _ = train_trl(chunked, base, 5, 3, tmp_path, data, chunked_head=True, **defaults)
+    assert distance(ours, one, base) < BF16
+
+
+def renamed(key):
+    """``collate`` with its labels under ``key`` (``None``: no labels)."""
+
+    def collator(samples):
+        batch = collate(samples)
+        labels = batch.pop("labels")
+        return {**batch, **({key: labels} if key else {})}
+
+    return collator
+
+
+@pytest.mark.parametrize("key, names", [("label", None), (None, None), ("targets", ["targets"])])
+def test_a_batch_without_labels_is_named(tmp_path, key, names):
+    """No ``labels`` in the batch (``KeyError: 'labels'`` before): one line naming ``labels``
+    and, where given, ``label_names`` (which transformers reads in evaluation, not in training:
+    the stock Trainer does not train on ``targets`` either); nothing changed."""
+    model = gpt2()
+    before = copy.deepcopy(model)
+    trainer = bigbatch.hf.Trainer(
+        model=model, args=arguments(tmp_path, 5, 3, label_names=names), train_dataset=texts(12),
+        data_collator=renamed(key), optimizers=sgd(model), chunked_head=True,
+    )  # fmt: skip
+    named = r" \(label_names=\['targets'\] is read in evaluation only\)" if names else ""
+    with pytest.raises(ValueError, match=f"chunked_head=True: the batch has no 'labels' .*{named}"):
+        trainer.train()
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters(), strict=True)
+    )
+    assert all(p.grad is None for p in model.parameters())

@@ -31,7 +31,10 @@ from bigbatch.integrations._frameworks import held, reshard
 from bigbatch.verifier._runs import Grads, Watch, differences, observe
 
 logger = logging.getLogger("bigbatch")
-Own = Callable[[Any], tuple[float, float]]  # a micro-batch's own one-batch loss and count
+Own = Callable[[Any], tuple[float, ...]]
+"""A micro-batch's own one-batch loss and count (and the count read the other way: every label
+where the loss shifts them, the shifted ones where it does not)."""
+COUNTED = "count mismatch: labels counted otherwise than the loss counts them (shifted or not)"
 RANDOM = "the loss draws random numbers besides dropout (noise in forward): audit without them"
 _RATE = re.compile("drop|noise")  # dropout rates, NEFTune's noise_alpha, MoE routers' jitter_noise
 
@@ -366,17 +369,29 @@ def diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, toleranc
         ``k`` times). With the right weights, gradients that differ between ranks mean "ranks did
         not synchronise"; else the loss of the joined batch is not the weighted mean of its
         micro-batches' losses: "loss couples samples across micro-batches" (contrastive, pairwise, a
-        batch statistic: ``bigbatch.cached_loss`` or a statistics pass).
+        batch statistic: ``bigbatch.cached_loss`` or a statistics pass). Where the labels counted
+        the other way (shifted, or every label: ``own``'s third value) give the weights found, or
+        weigh the losses 100 times closer to the joined batch's (a shifted mean weighed by every
+        label: 1e-10 of the loss off, against 0, where the gradients were 3% apart), the
+        micro-batches were counted otherwise than the loss counts: "count mismatch".
     """
     if ranks_differ:
         return "ranks did not synchronise"
     with torch.no_grad():
-        losses, counts = zip(*[own(b) for b in window.batches], strict=True)
-    k, m, total = window.accumulation_steps, len(losses), sum(counts)
+        outs = [own(b) for b in window.batches]
+    losses, counts, others = ([o[i] for o in outs] for i in (0, 1, -1))
+    k, m = window.accumulation_steps, len(losses)
     a = [r / x if x else math.nan for r, x in zip(window.returns, losses, strict=True)]
 
     def close(inverse: list[float]) -> bool:  # a_i = 1 / inverse_i for every micro-batch
         return all(abs(ai * t - 1) < 1e-3 for ai, t in zip(a, inverse, strict=True))
+
+    def right(counted: list[float]) -> bool:  # weighted by these counts
+        return close([sum(counted) / n if n else math.inf for n in counted])
+
+    def off(counted: list[float]) -> float:  # the losses weighted by these counts, off the loss
+        mean = sum(x * n for x, n in zip(losses, counted, strict=True)) / (sum(counted) or 1)
+        return abs(mean - loss)
 
     if k > 1 and close([k] * m) and (m < k or len(set(counts)) > 1):
         return "last window mis-scaled" if m < k else "per-micro-batch mean on padded data"
@@ -384,10 +399,11 @@ def diagnose(window: Window, loss: float, ranks_differ: bool, own: Own, toleranc
         return "÷ accumulation steps missing"
     if k > 1 and close([k * k] * m):
         return "÷ accumulation steps applied twice"
-    if not close([total / n if n else math.inf for n in counts]):  # not the right weights
-        return "loss term normalised locally"
-    weighted = sum(x * n for x, n in zip(losses, counts, strict=True)) / total
-    if abs(weighted - loss) > max(tolerance, 1e-6) * abs(loss):
+    if not right(counts):  # not the right weights
+        return COUNTED if right(others) else "loss term normalised locally"
+    if off(others) < 0.01 * off(counts):  # the losses weighted by the other count: the loss
+        return COUNTED
+    if off(counts) > max(tolerance, 1e-6) * abs(loss):
         return "loss couples samples across micro-batches"
     return "gradients differ where the losses agree"
 

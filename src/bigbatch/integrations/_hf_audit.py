@@ -155,5 +155,7 @@ class _Watch:
         loss_fn = window.window_loss(model, batch, n is not None)[0]
         return _audit.window_mean(loss_fn(model, batch), batch_size(batch))
 
-    def _own(self, model: Any, batch: Any) -> tuple[float, float]:
-        return float(self._loss(model, batch)), float(self.reader.count(batch))
+    def _own(self, model: Any, batch: Any) -> tuple[float, ...]:
+        r = self.reader  # the labels counted the other way too (Note [audit diagnosis])
+        other = batch_size(batch) if r.paired else _batches.count_items(batch, not r.shifts)
+        return float(self._loss(model, batch)), float(r.count(batch)), float(other)

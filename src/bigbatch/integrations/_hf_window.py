@@ -27,6 +27,7 @@ from bigbatch.core.loss import WindowLoss
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _batches, _frameworks
 
+FORMS = ("sum", "mean", "own")  # what loss_form reads (None: undecided)
 PAIRED = ("DPOTrainer", "RewardTrainer")
 """Trainers whose batches hold pairs as two halves (chosen rows, then rejected rows)."""
 
@@ -59,8 +60,10 @@ class TrainerWindow:
         for a causal LM, found also inside a wrapper), else its samples, pairs for DPO and reward
         trainers. Knowing the form before the first window, the engine gets the counts before every
         window (``count_fn``): each backward then runs at the one-batch run's scale, so a bf16 run
-        rounds as the stock one does. A ``(sum, count)`` pair or named terms pass through, and so
-        does a bigbatch ``loss_fn`` (``cached_loss`` included).
+        rounds as the stock one does (a form still undecided, the window's first rows counting
+        nothing, is a sum until read: as transformers assumes, counted as it counts). The ranks
+        agree on the form (``agreed``): it decides what is all-reduced. A ``(sum, count)`` pair or
+        named terms pass through, and so does a bigbatch ``loss_fn`` (``cached_loss`` included).
     """
 
     def __init__(self, trainer: Any, cut: Cut, loss_fn: Any) -> None:
@@ -107,10 +110,11 @@ class TrainerWindow:
             return (self.loss_fn if isinstance(self.loss_fn, WindowLoss) else wrapped), None
         if self.form is None:
             rows = take(batch, slice(0, 2), batch_size(batch))  # a pair: BatchNorm takes it
-            self.form = loss_form(self.trainer, model, self.micro(rows), given)
+            form = loss_form(self.trainer, model, self.micro(rows), given)
+            self.form = agreed(form, self.trainer)
         sums = given and self.form != "mean"  # undecided: as transformers assumes
         n = self.window_count(batch) if sums else None
-        counted = self.form in ("sum", "mean")  # the counts known before the window
+        counted = self.form != "own"  # the counts known before the window (undecided: sums)
         count_fn = functools.partial(self.reader.count, given=sums) if counted else None
         own = functools.partial(self.loss, None, n)
         own.shifts_labels = True  # type: ignore[attr-defined]  # the model's own loss: it shifts
@@ -214,6 +218,18 @@ def loss_form(trainer: Any, model: Any, rows: Any, given: bool) -> str | None:
     return "sum" if abs(one - 2 * two) < abs(one - two) else "mean"
 
 
+def agreed(form: str | None, trainer: Any) -> str | None:
+    """The loss's form that every rank takes (one all-reduce while undecided): the form decides
+    the window's collectives (``window_count``, the engine's counts), and a rank whose first rows
+    count nothing decides none (``None``; transformers' ``test_loss_averaging`` data: gloo
+    aborted on a mismatched collective). The form most ranks read, ``None`` if none read one."""
+    if trainer.accelerator.num_processes == 1:
+        return form
+    votes = torch.tensor([form == f for f in FORMS], device=trainer.args.device).long()
+    torch.distributed.all_reduce(votes)
+    return FORMS[int(votes.argmax())] if bool(votes.any()) else None
+
+
 def refuse_deepspeed(trainer: Any, what: str) -> None:
     """Refuse a trainer whose accelerator runs DeepSpeed (Note [trainer window]: its engine
     divides each backward by its own accumulation steps, steps inside ``training_step`` and keeps
@@ -267,15 +283,20 @@ def _wide(value: Any, width: int) -> bool:
 
 
 def shifts_labels(model: Any) -> bool:
-    """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers."""
-    from transformers import PreTrainedModel
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    """Whether the model's loss shifts its labels (a causal LM), looking inside wrappers: the
+    loss its ``loss_type`` maps to, else (a ``loss_type`` transformers does not know, whose
+    ``loss_function`` defaults to ``ForCausalLMLoss``) whether it generates: GPT-2 does, a token
+    tagger of one's own does not (its labels were counted shifted: 0.9% off the step)."""
+    from transformers import GenerationMixin, PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     modules = model.modules() if isinstance(model, torch.nn.Module) else []
     m = next((m for m in modules if isinstance(m, PreTrainedModel)), None)
     if m is None or getattr(m.config, "is_encoder_decoder", False):
         return False
-    return m.loss_function is ForCausalLMLoss  # the loss it computes (GPT-2's loss_type is None)
+    if "_loss_function" in vars(m) or getattr(m, "loss_type", None) in LOSS_MAPPING:
+        return m.loss_function is ForCausalLMLoss  # the loss it computes
+    return isinstance(m, GenerationMixin)
 
 
 def counts_shifted_labels(trainer: Any) -> bool:

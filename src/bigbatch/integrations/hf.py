@@ -21,7 +21,7 @@ from typing import Any
 
 from bigbatch.core.cut import Cut
 from bigbatch.core.head import HeadLogits, deferred_head, output_layer
-from bigbatch.core.loss import LossFn
+from bigbatch.core.loss import LossFn, accepts
 from bigbatch.integrations import _batches, _frameworks, _hf_window
 
 __all__ = ["Exact", "Trainer", "exact"]
@@ -117,6 +117,7 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
         pack: int | None = None,
         **kwargs: Any,
     ) -> None:
+        check_loss(loss_fn, chunked_head)
         cut = Cut(  # refused early, before the trainer is built
             micro_batch_size,
             micro_batch_tokens,
@@ -146,6 +147,22 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
         return self.bigbatch_window.training_step(model, inputs, num_items_in_batch)
 
 
+def check_loss(loss_fn: Any, chunked_head: Any) -> None:
+    """Refuse, before the trainer is built, a ``loss_fn`` that is not a function of ``(model,
+    batch)`` and a ``chunked_head`` that is not a bool (``"no"`` turned it on).
+
+    Raises:
+        TypeError: naming the argument and the value given.
+    """
+    if not isinstance(chunked_head, bool):
+        raise TypeError(f"chunked_head={chunked_head!r} is not allowed: use True or False.")
+    if loss_fn is not None and not (callable(loss_fn) and accepts(loss_fn, 2)):
+        raise TypeError(
+            f"loss_fn={loss_fn!r} is not allowed: use a function loss_fn(model, batch) "
+            "returning a mean, (loss_sum, count) or named terms."
+        )
+
+
 def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
     """``chunked_head=True``'s loss: the causal LM's own, without its logits (``head_loss``).
 
@@ -155,12 +172,14 @@ def chunked_loss(trainer: Any, loss_fn: Any) -> LossFn:
         output layer deferred (Note [deferred head] in ``bigbatch.core.head``); what the layer
         received goes to ``head_cross_entropy``, shifted, with ``label_smoothing_factor``: the loss
         transformers' ``ForCausalLMLoss`` and ``LabelSmoother`` compute from the logits, and TRL's
-        SFT loss (``loss_type="nll"``). A logit scale (Cohere, Granite) is applied exactly. Refused
-        when made, in one line naming the cause, where that would not be the trainer's loss: a
+        SFT loss (``loss_type="nll"``). A logit scale (Cohere, Granite) and final-logit
+        soft-capping (Gemma 2's ``final_logit_softcapping``) are computed exactly. Refused when
+        made, in one line naming the cause, where that would not be the trainer's loss: a
         ``loss_fn``, a ``compute_loss_func``, a ``compute_loss`` of another trainer, TRL's other
-        ``loss_type``, a model that is not a causal LM, final-logit soft-capping
-        (``final_logit_softcapping``), an MoE auxiliary loss added in the forward
-        (``output_router_logits``). Only training changes: evaluation runs the trainer's own
+        ``loss_type``, a model that is not a causal LM, an MoE auxiliary loss added in the forward
+        (``output_router_logits``). The labels are read under ``labels``, as the Trainer's own
+        loss reads them in training (``label_names`` names them for evaluation), refused in one
+        line where a batch has none. Only training changes: evaluation runs the trainer's own
         ``compute_loss``, and TRL's SFT metrics computed from the logits (entropy, token accuracy)
         are not logged in training.
 
@@ -184,6 +203,14 @@ def head_loss(trainer: Any, smoothing: float, shifted: bool, model: Any, batch: 
     """The causal LM's ``(loss_sum, count)`` on ``batch`` from what its output layer received,
     never its logits (Note [chunked head in a trainer]): counted over the ``shifted`` labels, or
     over every label as transformers counts a model whose ``loss_type`` it does not know."""
+    if "labels" not in batch:  # the key transformers' training reads (label_names: evaluation's)
+        keys, names = ", ".join(map(str, batch)), trainer.args.label_names
+        names = f" (label_names={names!r} is read in evaluation only)" if names else ""
+        raise ValueError(
+            f"chunked_head=True: the batch has no 'labels' (its keys: {keys}), which the causal "
+            f"LM's loss reads in training, as transformers' Trainer does{names}: put the labels "
+            "under 'labels'."
+        )
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with deferred_head(model):
         logits = model(**inputs).logits
@@ -211,10 +238,7 @@ def chunked_refusal(trainer: Any, loss_fn: Any) -> str | None:
     if not _hf_window.shifts_labels(model):
         return f"{type(model).__name__} is not a causal LM (its loss does not shift labels)"
     inner = next(m for m in model.modules() if isinstance(m, _transformers.PreTrainedModel))
-    config = inner.config.get_text_config()
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return f"final_logit_softcapping={config.final_logit_softcapping} caps the logits (tanh)"
-    if getattr(config, "output_router_logits", False):
+    if getattr(inner.config.get_text_config(), "output_router_logits", False):
         return "output_router_logits=True adds an MoE auxiliary loss in the model's forward"
     return None
 
