@@ -473,3 +473,18 @@ def test_first_rows_that_count_nothing(tmp_path):
     trainer = train(bigbatch.hf.Trainer, ours, 4, 3, tmp=tmp_path, args=args, data=data)
     train(transformers.Trainer, one, 12, 1, tmp=tmp_path, args=args, data=data)
     assert trainer.bigbatch_window.form is None and distance(ours, one, base) < 1e-10
+
+
+def test_the_trainers_logs_hold_the_step_ledger_beside_transformers_numbers(tmp_path):
+    """Issue 38: each training log holds the real and computed tokens, the padding computed and
+    the model FLOPs since the last log (Note [step ledger]), beside transformers' own numbers."""
+    data = texts(12)
+    trainer = train(
+        bigbatch.hf.Trainer, gpt2(), 2, 3, tmp=tmp_path, data=data,
+        args={"logging_strategy": "steps", "logging_steps": 1},
+    )  # fmt: skip
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    real = sum(int(collate([d])["attention_mask"].sum()) for d in data)  # 2 steps: every sample
+    assert sum(log["real_tokens"] for log in logs) == real
+    assert all(0 <= log["padding"] < 1 and log["model_flos"] > 0 for log in logs), logs
+    assert all(log["computed_tokens"] >= log["real_tokens"] for log in logs)

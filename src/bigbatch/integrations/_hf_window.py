@@ -72,6 +72,7 @@ class TrainerWindow:
         self.acc: Accumulator | None = None
         self.last: Any = None  # the last window's StepResult
         self.form: str | None = None  # how compute_loss reads num_items_in_batch (loss_form)
+        self.counted = [0, 0, 0.0]  # real and computed tokens, model FLOPs, since the last log
 
     def training_step(self, model: Any, inputs: Any, num_items: Any) -> torch.Tensor:
         """Nothing until the window's last batch, then the whole window (Note [trainer window])."""
@@ -85,7 +86,24 @@ class TrainerWindow:
         with t.compute_loss_context_manager(), one_step(t):
             loss_fn, count_fn = self.window_loss(model, batch, num_items is not None)
             self.last = self._accumulator(model).train_step(batch, loss_fn, count_fn=count_fn)
+        if (ledger := self.last.ledger) is not None:  # Note [step ledger]
+            step = [ledger.input_tokens, ledger.computed_tokens, ledger.model_flops]
+            self.counted = [a + b for a, b in zip(self.counted, step, strict=True)]
         return torch.tensor(self.last.loss, device=t.args.device)
+
+    def ledger_logs(self) -> dict[str, float]:
+        """The step ledger since the last log, beside transformers' own numbers: real and computed
+        tokens, the padding computed, the model's FLOPs (attention by each sample's own length;
+        transformers' ``total_flos`` counts ``6 · numel · N``, padding in, attention out)."""
+        (real, computed, flops), self.counted = self.counted, [0, 0, 0.0]
+        if not computed:
+            return {}
+        return {
+            "real_tokens": real,
+            "computed_tokens": computed,
+            "padding": 1 - real / computed,
+            "model_flos": flops,
+        }
 
     def _accumulator(self, model: Any) -> Accumulator:
         t = self.trainer

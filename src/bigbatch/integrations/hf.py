@@ -141,6 +141,12 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
             cut = dataclasses.replace(cut, micro_batch_size=self.args.per_device_train_batch_size)
         self.bigbatch_window = _hf_window.TrainerWindow(self, cut, loss_fn)
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """transformers' log, a training log with bigbatch's step ledger beside its numbers."""
+        if "loss" in logs:  # (not evaluation's)
+            logs.update(self.bigbatch_window.ledger_logs())
+        super().log(logs, *args, **kwargs)
+
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         if self.optimizer is None or not hasattr(self, "current_gradient_accumulation_steps"):
             return super().training_step(model, inputs, num_items_in_batch)  # outside train()
