@@ -224,24 +224,26 @@ def engine_window(engine: Any, cut: Cut) -> Accumulator:
     DeepSpeed]); the engine's optimizer, scheduler, clipping and precision.
 
     Note [trainer window under DeepSpeed]
-        Under accelerate's DeepSpeed plugin the Trainer's ``model_wrapped`` is the engine, its
-        optimizer's ``step`` and ``zero_grad`` do nothing (``DeepSpeedOptimizerWrapper``) and
-        ``accelerator.backward`` calls ``engine.step()`` after the window's last backward; the
-        engine then runs its own accumulation, stepping where ``gradient_accumulation_steps``
-        says. ``exact`` leaves the window to bigbatch: ``unmanaged`` sets
-        ``"managed_gradient_accumulation": false`` in the Trainer's DeepSpeed config when it is
-        built (the user's dict is a copy; an explicit ``true`` is refused), and the window's
+        Under accelerate's DeepSpeed plugin the Trainer's ``model_wrapped`` is the engine and its
+        optimizer's ``step`` and ``zero_grad`` do nothing (``DeepSpeedOptimizerWrapper``): the
+        stock Trainer's ``accelerator.backward`` calls ``engine.backward`` on every batch and
+        ``engine.step()`` after the window's last, the engine managing the accumulation.
+        ``exact`` takes the window from it: ``unmanaged`` sets ``"managed_gradient_accumulation":
+        false`` in the Trainer's DeepSpeed config when it is built (a copy of the user's; a
+        config that sets it otherwise is refused, not overridden), and the window's
         ``Accumulator`` is built over the engine (Note [DeepSpeed windows] in
         ``bigbatch.core._deepspeed``): each micro-batch goes to ``engine.backward(W · loss_sum /
         C, scale_wrt_gas=False)`` with the window's global count known before it, and the window
-        ends in one ``engine.step()``, inside the window's last ``training_step``, as accelerate's
-        own ``backward`` steps there. ``accelerator.backward`` is never called, so neither it nor
-        the Trainer steps or divides again: the Trainer's ``optimizer.step()`` is the wrapper's
-        no-op, its ``lr_scheduler`` is stepped by the engine (given to ``deepspeed.initialize``)
-        or by the Trainer once per window as in its own runs, and its gradient norm is the
-        engine's. The config's ``gradient_accumulation_steps`` is the Trainer's (transformers
-        fills and checks it), not the engine's step: DeepSpeedSync's warning about it is not
-        given here.
+        ends in one ``engine.step()`` inside its last ``training_step``, where accelerate would
+        have stepped. ``accelerator.backward`` is never called, so nothing divides or steps
+        again: the Trainer's ``optimizer.step()`` is the wrapper's no-op, its ``lr_scheduler`` is
+        stepped by the engine (given to ``deepspeed.initialize``) or by the Trainer once per
+        window as in its own runs, its gradient norm is the engine's. The config's
+        ``gradient_accumulation_steps`` is the Trainer's window (transformers fills it and checks
+        it against the ``TrainingArguments``), so DeepSpeedSync's warning about it is not given.
+        ``chunked_head=True`` is refused under ZeRO 3, which gathers the output layer's weight
+        only in that layer's forward and backward while the chunked loss reads it outside them;
+        ``audit`` is refused (``refuse_deepspeed``): the engine steps before it could compare.
     """
     with warnings.catch_warnings():  # the config's gradient_accumulation_steps: the Trainer's
         warnings.filterwarnings("ignore", "DeepSpeed's gradient_accumulation_steps")
