@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -108,6 +109,9 @@ class TrainerWindow:
     def _accumulator(self, model: Any) -> Accumulator:
         t = self.trainer
         if self.acc is None or self.acc.model is not model:
+            if getattr(t, "is_deepspeed_enabled", False):  # Note [trainer window under DeepSpeed]
+                self.acc = engine_window(model, self.cut)
+                return self.acc
             # The Trainer's optimizer, its step and zero_grad left to the Trainer (which clips,
             # steps and schedules after the window); its accelerator back-propagates (its scaler).
             held: Any = SimpleNamespace(param_groups=t.optimizer.param_groups)
@@ -248,21 +252,75 @@ def agreed(form: str | None, trainer: Any) -> str | None:
     return FORMS[int(votes.argmax())] if bool(votes.any()) else None
 
 
+def engine_window(engine: Any, cut: Cut) -> Accumulator:
+    """The window of a trainer under DeepSpeed: an ``Accumulator`` over its engine, which
+    back-propagates each micro-batch and steps once per window (Note [trainer window under
+    DeepSpeed]); the engine's optimizer, scheduler, clipping and precision.
+
+    Note [trainer window under DeepSpeed]
+        Under accelerate's DeepSpeed plugin the Trainer's ``model_wrapped`` is the engine and its
+        optimizer's ``step`` and ``zero_grad`` do nothing (``DeepSpeedOptimizerWrapper``): the
+        stock Trainer's ``accelerator.backward`` calls ``engine.backward`` on every batch and
+        ``engine.step()`` after the window's last, the engine managing the accumulation.
+        ``exact`` takes the window from it: ``unmanaged`` sets ``"managed_gradient_accumulation":
+        false`` in the Trainer's DeepSpeed config when it is built (a copy of the user's; a
+        config that sets it otherwise is refused, not overridden), and the window's
+        ``Accumulator`` is built over the engine (Note [DeepSpeed windows] in
+        ``bigbatch.core._deepspeed``): each micro-batch goes to ``engine.backward(W · loss_sum /
+        C, scale_wrt_gas=False)`` with the window's global count known before it, and the window
+        ends in one ``engine.step()`` inside its last ``training_step``, where accelerate would
+        have stepped. ``accelerator.backward`` is never called, so nothing divides or steps
+        again: the Trainer's ``optimizer.step()`` is the wrapper's no-op, its ``lr_scheduler`` is
+        stepped by the engine (given to ``deepspeed.initialize``) or by the Trainer once per
+        window as in its own runs, its gradient norm is the engine's. The config's
+        ``gradient_accumulation_steps`` is the Trainer's window (transformers fills it and checks
+        it against the ``TrainingArguments``), so DeepSpeedSync's warning about it is not given.
+        ``chunked_head=True`` is refused under ZeRO 3, which gathers the output layer's weight
+        only in that layer's forward and backward while the chunked loss reads it outside them;
+        ``audit`` is refused (``refuse_deepspeed``): the engine steps before it could compare.
+    """
+    with warnings.catch_warnings():  # the config's gradient_accumulation_steps: the Trainer's
+        warnings.filterwarnings("ignore", "DeepSpeed's gradient_accumulation_steps")
+        return Accumulator(engine, engine.optimizer, cut, nonfinite="apply")
+
+
+def unmanaged(trainer: Any, what: str, chunked_head: bool) -> None:
+    """Set ``"managed_gradient_accumulation": false`` in the DeepSpeed config of a trainer that
+    runs DeepSpeed, before its engine is made (Note [trainer window under DeepSpeed]).
+
+    Raises:
+        ValueError: the config sets it to anything else; ``chunked_head`` under ZeRO stage 3.
+    """
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    if chunked_head and plugin.zero_stage == 3:
+        raise ValueError(
+            "chunked_head=True cannot run under ZeRO stage 3, which gathers the output layer's "
+            "weight only inside the layer's own forward and backward, not in the chunked loss: "
+            "use ZeRO stage 1 or 2, or chunked_head=False."
+        )
+    managed = plugin.deepspeed_config.setdefault("managed_gradient_accumulation", False)
+    if managed is not False:
+        raise ValueError(
+            f'{what} steps once per window: set "managed_gradient_accumulation": false in the '
+            f"DeepSpeed config, or leave it out (it has {managed!r})."
+        )
+
+
 def refuse_deepspeed(trainer: Any, what: str) -> None:
-    """Refuse a trainer whose accelerator runs DeepSpeed (Note [trainer window]: its engine
-    divides each backward by its own accumulation steps, steps inside ``training_step`` and keeps
-    ZeRO's gradients out of ``.grad``, so neither bigbatch's window nor the audit can hold them).
+    """Refuse to audit a trainer whose accelerator runs DeepSpeed: its engine steps inside the
+    window's last ``training_step`` (Note [trainer window under DeepSpeed]), before the audit
+    reads the window's gradient (Note [audit]), and ZeRO keeps the gradients out of ``.grad``.
 
     Raises:
         ValueError: DeepSpeed is enabled (the message says what to use instead).
     """
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError(
-            f"{what} does not run under DeepSpeed: its engine divides every backward by its own "
-            "gradient_accumulation_steps, steps inside training_step and keeps ZeRO's gradients "
-            "out of .grad (transformers#45305, accelerate#3552). Use FSDP (fsdp=True, "
-            'fsdp_config={"version": 2}) or DDP with bigbatch.hf.Trainer, or DeepSpeed with the '
-            "stock transformers.Trainer."
+            f"{what} does not run under DeepSpeed: the engine steps inside training_step, before "
+            "the audit can compare, and keeps ZeRO's gradients in its own partitions. Audit the "
+            "same trainer under DDP or FSDP, whose step bigbatch.hf.Trainer takes under ZeRO too."
         )
 
 

@@ -66,15 +66,16 @@ def exact(trainer_class: type) -> type:
         rows of this many tokens: Note [packed windows]) as ``bigbatch.Accumulator`` does,
         ``loss_fn``: a bigbatch ``loss_fn(model, batch)`` used instead of ``compute_loss``, and
         ``chunked_head``: a causal LM's loss computed from its hidden states in chunks, never
-        holding the logits (Note [chunked head in a trainer]). Building one under DeepSpeed
-        raises ``ValueError`` (``refuse_deepspeed``); FSDP (FSDP2's ``fully_shard`` too) and DDP
-        are exact.
+        holding the logits (Note [chunked head in a trainer]). DDP, FSDP (FSDP2's
+        ``fully_shard`` too) and DeepSpeed ZeRO 1-3 are exact (Note [trainer window under
+        DeepSpeed]).
 
     Raises:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
             or RLOO trainer (Note [generating trainers]).
         ValueError: ``chunked_head=True`` with a loss it cannot compute (Note [chunked head in a
-            trainer]), ``pack`` with ``use_cache=True``, when the trainer is made.
+            trainer]) or under ZeRO 3, ``pack`` with ``use_cache=True``, a DeepSpeed config
+            with ``"managed_gradient_accumulation": true``, when the trainer is made.
 
     Example:
         >>> from trl import DPOTrainer  # doctest: +SKIP
@@ -134,7 +135,7 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
             )
         # named for the class exact() made (the first, if exact() was given one of its subclasses)
         made = next((c for c in reversed(type(self).__mro__) if "bigbatch" in vars(c)), Exact)
-        _hf_window.refuse_deepspeed(self, f"bigbatch.hf.exact({made.__name__})")
+        _hf_window.unmanaged(self, f"bigbatch.hf.exact({made.__name__})", chunked_head)
         if chunked_head:  # Note [chunked head in a trainer]
             loss_fn = chunked_loss(self, loss_fn)
         if micro_batch_size is None and micro_batch_tokens is None:
