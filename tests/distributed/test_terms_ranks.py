@@ -62,7 +62,25 @@ def _rank(rank: int, world: int, windows: list, moe_windows: list) -> dict:
         acc.train_step(window[rank], _moe_loss, stats_fn=_moe_stats)
     out["moe_balance"] = moe.module.state_dict()
     out["one_rank_term"] = _one_rank_term(rank, windows[0][rank])
+    out["stats_orders"] = [_stats_in_order(rank, moe_windows, order) for order in (1, -1)]
     return out
+
+
+def _stats_in_order(rank: int, moe_windows: list, order: int) -> dict:
+    """Found by tests/fuzz: statistics whose keys come in another order on each rank were summed
+    by position across the ranks (a rank's "tokens" added to another's "routed")."""
+    torch.manual_seed(0)
+    moe = DDP(TinyMoE().double())
+    acc = bigbatch.Accumulator(moe, torch.optim.SGD(moe.parameters(), lr=0.1), micro_batch_size=4)
+
+    def stats(m, mb):
+        found = _moe_stats(m, mb)
+        keys = sorted(found)[:: order if rank == 0 else 1]  # rank 0 reversed in the second run
+        return {k: found[k] for k in keys}
+
+    for window in moe_windows:
+        acc.train_step(window[rank], _moe_loss, stats_fn=stats)
+    return moe.module.state_dict()
 
 
 def _one_rank_term(rank: int, batch: dict) -> str:
@@ -102,6 +120,8 @@ def test_terms_on_two_ranks_with_unequal_tokens_equal_the_full_batch():
         ours = copy.deepcopy(ref)
         ours.load_state_dict(results[0][case])
         assert max_relative_error(ref, ours) < 1e-10, case
+    same, reversed_on_rank_0 = results[0]["stats_orders"]
+    assert all(torch.equal(v, reversed_on_rank_0[k]) for k, v in same.items())
     # issue 37: a term on one rank aborted both gloo ranks (gloo::EnforceNotMet, SIGABRT)
     for rank, found in enumerate(results):
         assert found["one_rank_term"].startswith(

@@ -1,5 +1,5 @@
 """A token-local language model and text windows whose ranks count different numbers of tokens,
-with what the DeepSpeed and count-group tests (and benchmarks/deepspeed.py) share: a rank's
+with what the DeepSpeed and count-group tests (and benchmarks/deepspeed_windows.py) share: a rank's
 DeepSpeed environment, an engine, the one-process float64 reference.
 
 DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``) runs over the gloo group that ``run_ranks``
@@ -93,7 +93,8 @@ def engine(m: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, **c
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        # every parameter partitioned under ZeRO 3 (its default keeps those under 1e5 whole)
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "managed_gradient_accumulation": False,
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,

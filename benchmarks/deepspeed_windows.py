@@ -15,7 +15,7 @@ The work is the same k micro-batches of the same shape per step; the time is the
 of an optimizer step on rank 0. DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``).
 
 Usage:
-    python benchmarks/deepspeed.py [--steps 8] [--micro 8] [--k 4] [--width 256]
+    python benchmarks/deepspeed_windows.py [--steps 8] [--micro 8] [--k 4] [--width 256]
 """
 
 from __future__ import annotations
