@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from bigbatch.core._pack_audit import replay
+from bigbatch.core._sync import wrapper_kind
 from bigbatch.core._tokens import TokenCut, padded_length, per_token
 from bigbatch.core._tree import take
 from bigbatch.core._window import Piece
@@ -150,10 +151,13 @@ class PackCut(TokenCut):
 
     def audit(self, model: torch.nn.Module, batch: Any, loss_fn: Any) -> None:
         """The first window, packed, against its samples unpacked (Note [packing audit]): at the
-        fixed budget's micro-batches, one row each under auto."""
-        if not self.audited:
-            self.audited = True
-            replay(model, loss_fn, batch, self.measure(batch)[2](self.budget or self.length))
+        fixed budget's micro-batches, one row each under auto; on each rank alone (DDP's module),
+        not where the model is sharded (FSDP, DeepSpeed: a replay would gather alone)."""
+        kind, audited, self.audited = wrapper_kind(model), self.audited, True
+        if not audited and kind in ("plain", "ddp"):  # each rank its own, communicating none
+            pieces = self.measure(batch)[2](self.budget or self.length)
+            whole: Any = model.module if kind == "ddp" else model
+            replay(whole, loss_fn, batch, pieces)
 
     @contextlib.contextmanager
     def during(self, model: torch.nn.Module) -> Iterator[None]:

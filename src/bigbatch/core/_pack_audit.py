@@ -13,7 +13,9 @@ Note [packing audit]
     are computed in (the coarser of the parameters' and the loss's: transformers' causal LM loss
     computes in float32 whatever the model's dtype); else the run stops before its first step,
     naming what differed and by how much. It costs two forwards and backwards of one window,
-    once.
+    once. Each rank replays its own window on its own (a DDP model's module: nothing is
+    communicated); a sharded model (FSDP, DeepSpeed) is not replayed: a rank alone cannot gather
+    its parameters.
 """
 
 from __future__ import annotations

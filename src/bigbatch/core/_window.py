@@ -445,11 +445,11 @@ def total_stats(outputs: Sequence[Any], sync: GradSync) -> Any:
                 f"{shapes[k][1]} for the first: an additive statistic has one shape in every "
                 "micro-batch (a value per sample is not additive: sum it over the micro-batch)."
             )
-    keys = sorted(leaves[0])  # every rank reduces in one order (its first piece's may differ)
-    sums = [sum((f[k] for f in leaves[1:]), leaves[0][k].detach()) for k in keys]
+    order = sorted(leaves[0])  # every rank reduces in one order (its first piece's may differ)
+    sums = [sum((f[k] for f in leaves[1:]), leaves[0][k].detach()) for k in order]
     if sync.world_size > 1:
         flat = sync.all_reduce(torch.cat([s.reshape(-1).to(torch.float64) for s in sums]))
         sizes = [s.numel() for s in sums]
         sums = [v.view_as(s).to(s.dtype) for v, s in zip(flat.split(sizes), sums, strict=True)]
-    summed = iter([dict(zip(keys, sums, strict=True))[k] for k in leaves[0]])
+    summed = iter([dict(zip(order, sums, strict=True))[k] for k in leaves[0]])
     return map_tensors(lambda _: next(summed), outputs[0])
