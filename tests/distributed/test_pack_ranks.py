@@ -54,6 +54,7 @@ def _rank(rank: int, world: int, windows: list) -> dict:
         )
         results = [acc.train_step(w[rank], terms) for w in windows]
         out[optimizer] = (model.module.state_dict(), [r.micro_batches for r in results])
+        out[optimizer, "ledger"] = [r.ledger for r in results]
     return out
 
 
@@ -80,3 +81,18 @@ def test_packed_windows_on_two_ranks_equal_the_full_batch(optimizer, runs):
     ours.load_state_dict(state)
     assert max_relative_error(ref, ours) < 1e-10
     assert micro_batches != by_rank[1][optimizer][1]  # the ranks packed their own rows
+
+
+def test_the_ledger_counts_each_replicas_tokens_and_the_global_count(runs):
+    """Note [step ledger]: input and computed tokens per data-parallel replica (its own rows),
+    the loss tokens the window's global count, whatever the rows each rank packed."""
+    windows, by_rank = runs
+    for step, window in enumerate(windows):
+        labelled = sum(int((w["labels"][:, 1:] != -100).sum()) for w in window)
+        for rank, batch in enumerate(window):
+            ledger = by_rank[rank]["sgd_momentum", "ledger"][step]
+            assert ledger.input_tokens == int(batch["attention_mask"].sum())
+            assert (
+                ledger.computed_tokens % 24 == 0 and ledger.computed_tokens >= ledger.input_tokens
+            )
+            assert ledger.loss_tokens == labelled  # the lm term's count, over both ranks
