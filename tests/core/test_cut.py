@@ -49,7 +49,7 @@ def test_every_spelling_of_a_cut_gives_one_value(args, kwargs, expected) -> None
         ((), {"pad_to_multiple_of": 8}, "give micro_batch_tokens"),
         (("auto",), {"pack": 64}, r"micro_batch_size='auto' with pack: packed rows have one"),
         ((), {"pack": 64, "micro_batch_tokens": 32}, "holds no packed row of pack=64 tokens"),
-        ((), {"pack": 64, "micro_batch_tokens": 128, "pad_to_multiple_of": 8}, "with pack"),
+        ((), {"pack": 64, "pad_to_multiple_of": 7}, r"pad_to_multiple_of=7 with pack=64: packed"),
         ((), {"pack": 0}, r"pack=0 is not allowed"),
     ],
 )

@@ -342,3 +342,31 @@ def test_the_audit_stops_a_loss_that_does_not_shift(gen):
 
     with assert_refused(model, ValueError, match=r"its count is .* Pack only a causal LM's"):
         acc.train_step(text(10, gen), tagger)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_pad_to_multiple_of_gives_a_packed_run_one_shape(optimizer, gen):
+    """Issue 38: with pad_to_multiple_of every micro-batch of a packed run has one shape (the
+    last one of a window padded with empty rows, which count nothing: Note [compile buckets]);
+    still the full batch's step, and a mean loss is refused (it would average over pad rows)."""
+    torch.manual_seed(0)
+    init = OwnLM().double()
+    ref, model = copy.deepcopy(init), copy.deepcopy(init)
+    ref_opt, opt = (OPTIMIZERS[optimizer](m.parameters()) for m in (ref, model))
+    acc = bigbatch.Accumulator(model, opt, micro_batch_tokens=72, pack=24, pad_to_multiple_of=8)
+    shapes = set()
+
+    def recorded(m, b):
+        if "attention_mask" not in b:  # packed (the audit's replay also runs it unpacked)
+            shapes.add(tuple(b["input_ids"].shape))
+        return own_loss(m, b)
+
+    for _ in range(3):
+        batch = text(10, gen)
+        full_batch_step(ref, ref_opt, own_loss, batch)
+        acc.train_step(batch, recorded)
+    assert shapes == {(3, 24)}, shapes
+    assert max_relative_error(ref, model) < TOLERANCE[optimizer]
+    mean = lambda m, b: own_loss(m, b)[0] / own_loss(m, b)[1]  # noqa: E731
+    with assert_refused(model, ValueError, match="pad_to_multiple_of pads micro-batches with rows"):
+        acc.train_step(text(10, gen), mean)

@@ -82,8 +82,8 @@ class TrainConfig:
         pack: pack each batch's samples whole into rows of this many tokens, positions
             restarting at each sample (a causal LM, attention kept within each sample:
             docs/token_windows.md); --micro-batch-size rows per micro-batch, or what
-            --micro-batch-tokens holds; the first window is checked against its samples
-            unpacked
+            --micro-batch-tokens holds (--pad-to-multiple-of pads the last micro-batch's
+            rows: one shape); the first window is checked against its samples unpacked
         compile: torch.compile the model (give --pad-to-multiple-of with tokens)
         gradient_checkpointing: recompute the model's repeated blocks in backward (less
             memory, ~1 more forward)

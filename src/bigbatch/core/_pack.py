@@ -186,10 +186,10 @@ class PackCut(TokenCut):
 
         def cut(size: int) -> list[Piece]:
             k = max(1, min(size // self.length, self.max_rows or size))
-            return [
-                self._packed(batch, rows[r : r + k], lengths, sources, tokens, n)
-                for r in range(0, len(rows), k)
-            ]
+            groups = [rows[r : r + k] for r in range(0, len(rows), k)]
+            if self.multiple:  # one shape: the last group's rows padded (Note [compile buckets])
+                groups[-1] += [[] for _ in range(k - len(groups[-1]))]
+            return [self._packed(batch, g, lengths, sources, tokens, n) for g in groups]
 
         return len(rows) * self.length, self.length, cut
 
@@ -231,7 +231,8 @@ class PackCut(TokenCut):
         index = torch.tensor(order, dtype=torch.long)
         part = [lengths[i] for i in order]
         computed = len(rows) * self.length
-        return Piece(out, len(order), index, kept_tokens, computed, 0, part, self.length)
+        empty = sum(not row for row in rows)  # pad rows: no sample, no count (one shape)
+        return Piece(out, len(order), index, kept_tokens, computed, empty, part, self.length)
 
     def _per_token(self, batch: Any) -> set[str]:
         """The keys of the per-token tensors; a per-sample tensor not declared is refused."""

@@ -168,18 +168,27 @@ class Cut:
         return sizing, cut
 
     def _packed(self) -> tuple[Sizing, SampleCut]:
-        rows, budget = self.micro_batch_size, self.micro_batch_tokens
-        wrong = {
-            "micro_batch_size": rows == "auto",
-            "pad_to_multiple_of": self.pad_to_multiple_of is not None,
-            "trim_padding": not self.trim_padding,
-        }
+        rows, budget, multiple = (
+            self.micro_batch_size,
+            self.micro_batch_tokens,
+            self.pad_to_multiple_of,
+        )
+        wrong = {"micro_batch_size": rows == "auto", "trim_padding": not self.trim_padding}
         if name := next((k for k, v in wrong.items() if v), None):
             raise ValueError(
                 f"{name}={getattr(self, name)!r} with pack: packed rows have one length already "
                 f'and their token budget is what auto sizes: drop it (micro_batch_tokens="auto").'
             )
         cut = PackCut(self.pack, rows, self.lengths, self.pad_values)  # type: ignore[arg-type]
+        if multiple is not None and (
+            type(multiple) is not int or multiple < 1 or cut.length % multiple
+        ):
+            raise ValueError(
+                f"pad_to_multiple_of={multiple!r} with pack={cut.length}: packed rows are the "
+                "bucket already; give a divisor of pack (every micro-batch then padded to its "
+                "full rows: one shape), or drop it."
+            )
+        cut.multiple = multiple  # Note [compile buckets]: the last micro-batch's rows padded
         if budget is None:
             budget = cut.length * (rows or 1)  # type: ignore[operator]
         elif isinstance(budget, int) and budget < cut.length:
