@@ -27,6 +27,7 @@ from token_lm import (  # noqa: E402
     engine,
     environment,
     gathered,
+    head_loss,
     model,
     reference,
     relative_error,
@@ -51,8 +52,9 @@ VARIANTS = {
     "sample_mean": ("sgd_momentum", "mean", {"micro_batch_size": MICRO}, False),
     "token_windows": ("adamw", "tokens", {"micro_batch_tokens": 20}, True),
     "token_windows_pass": ("sgd_momentum", "tokens", {"micro_batch_tokens": 14}, False),
+    "chunked_head": ("adamw", "head", {"micro_batch_size": MICRO}, True),
 }
-LOSSES = {"tokens": token_loss, "mean": sample_mean}
+LOSSES = {"tokens": token_loss, "mean": sample_mean, "head": head_loss}
 CLIP = 0.05
 
 

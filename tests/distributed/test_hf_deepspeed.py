@@ -135,42 +135,33 @@ def _rank(rank: int, world: int, tmp: str, stage: int) -> dict:
         "bigbatch tokens": (exact(bigbatch.hf.Trainer, micro_batch_tokens=20), MODELS["gpt2"]),
         "bigbatch chunked": (exact(bigbatch.hf.Trainer, chunked_head=True), MODELS["gpt2"]),
     }
-    if stage == 3:  # refused: Note [trainer window under DeepSpeed]
-        del runs["bigbatch chunked"]
-    runs = {f"{k}, not audited": (cls, _fresh(make)) for k, (cls, make) in runs.items()}
+    for cls, name in ((transformers.Trainer, "stock"), (bigbatch.hf.Trainer, "bigbatch")):
+        runs[f"{name} dropout"] = (cls, lambda: gpt2(dropout=True).float())  # the audit replays
+    runs = {k: (cls, _fresh(make)) for k, (cls, make) in runs.items()}  # each audited
     seen: list = []
     args = dict(use_cpu=False, deepspeed=config(stage), accelerator_config=CONFIGURED)
-    trainer_runs(
+    audits = trainer_runs(
         rank, world, tmp, runs, 29503, _prepare, lambda t: seen.append(_trained(t)), **args
     )
-    out = {name.removesuffix(", not audited"): run for name, run in zip(runs, seen, strict=True)}
+    out = {name: {**run, "audit": audits[name][1]} for name, run in zip(runs, seen, strict=True)}
     out["refused"] = _refused(f"{tmp}/refused", stage)
     return out
 
 
-def _refused(tmp: str, stage: int) -> dict[str, str]:
-    """What is refused at construction, in one line each."""
+def _refused(tmp: str, stage: int) -> str | None:
+    """What is refused at construction, in one line: DeepSpeed's own accumulation."""
     import bigbatch.hf
 
-    out = {}
-    for name, settings, managed in (
-        ("audit", {}, False),
-        ("managed", {}, True),
-        ("chunked", {"chunked_head": True}, False),
-    ):
-        _deepspeed_on_cpu()
-        ds = {**config(stage), "managed_gradient_accumulation": True} if managed else config(stage)
-        args = arguments(tmp, 2, 3, use_cpu=False, deepspeed=ds, accelerator_config=CONFIGURED)
-        model = MODELS["gpt2"]()
-        try:
-            trainer = bigbatch.hf.Trainer(
-                model=model, args=args, train_dataset=texts(12), data_collator=collate, **settings
-            )
-            if name == "audit":
-                bigbatch.hf.audit(trainer)
-        except ValueError as exc:
-            out[name] = str(exc)
-    return out
+    _deepspeed_on_cpu()
+    ds = {**config(stage), "managed_gradient_accumulation": True}
+    args = arguments(tmp, 2, 3, use_cpu=False, deepspeed=ds, accelerator_config=CONFIGURED)
+    try:
+        bigbatch.hf.Trainer(
+            model=MODELS["gpt2"](), args=args, train_dataset=texts(12), data_collator=collate
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
@@ -196,8 +187,6 @@ def _reference(name):
 )
 def test_bigbatch_under_zero_equals_one_process_on_the_union(ranks, run, name):
     stage, got = ranks
-    if run == "bigbatch chunked" and stage == 3:
-        pytest.skip("refused under ZeRO 3: test_refused_in_one_line")
     base, want = _reference(name)
     want_state = dict(want.named_parameters())
     for rank in got:
@@ -253,20 +242,24 @@ def test_the_stock_trainer_is_measured_beside_it(ranks):
 
 def test_refused_in_one_line(ranks):
     stage, got = ranks
-    refused = got[0]["refused"]
-    assert refused["audit"] == (
-        "bigbatch.hf.audit() does not run under DeepSpeed: the engine steps inside "
-        "training_step, before the audit can compare, and keeps ZeRO's gradients in its own "
-        "partitions. Audit the same trainer under DDP or FSDP, whose step bigbatch.hf.Trainer "
-        "takes under ZeRO too."
-    )
-    assert refused["managed"] == (
+    assert got[0]["refused"] == (
         'bigbatch.hf.exact(Trainer) steps once per window: set "managed_gradient_accumulation": '
         "false in the DeepSpeed config, or leave it out (it has True)."
     )
-    chunked = (
-        "chunked_head=True cannot run under ZeRO stage 3, which gathers the output layer's "
-        "weight only inside the layer's own forward and backward, not in the chunked loss: use "
-        "ZeRO stage 1 or 2, or chunked_head=False."
-    )
-    assert refused.get("chunked") == (chunked if stage == 3 else None)
+
+
+def test_the_audit_under_zero(ranks):
+    """``bigbatch.hf.audit`` reads ZeRO's gradients inside the engine's step (Note [audit under
+    DeepSpeed]): bigbatch's trainer exact at both audited steps (token windows, the chunked head,
+    GPT-2's dropout replayed), the stock Trainer exact on GPT-2's own loss and not exact on a
+    mean per micro-batch, said in words; training unchanged (the runs above are audited)."""
+    stage, got = ranks
+    for rank in got:
+        for run, results in ((k, v["audit"]) for k, v in rank.items() if k != "refused"):
+            print(f"ZeRO-{stage} {run}: {[str(r) for r in results]}")
+            assert [r.step for r in results] == [1, 2], (run, results)
+            if run != "stock wrapper":
+                assert all(r.exact for r in results), (run, results)
+        wrong = rank["stock wrapper"]["audit"]
+        assert all(r.exact is False for r in wrong), wrong
+        assert all(r.diagnosis == "per-micro-batch mean on padded data" for r in wrong), wrong

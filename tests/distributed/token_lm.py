@@ -30,8 +30,10 @@ class TokenLM(torch.nn.Module):
         self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 16), torch.nn.Tanh())
         self.head = torch.nn.Linear(16, VOCAB)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mlp(self.embed(input_ids)))
+    def forward(self, input_ids: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
+        """The logits, or the hidden states the head reads (``hidden_only``)."""
+        hidden = self.mlp(self.embed(input_ids))
+        return hidden if hidden_only else self.head(hidden)
 
 
 def model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TokenLM:
@@ -62,6 +64,16 @@ def token_loss(m, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits.reshape(-1, VOCAB), labels, ignore_index=-100, reduction="sum"
     )
     return loss_sum, (labels != -100).sum()
+
+
+def head_loss(m, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_loss`` by the chunked head: ``bigbatch.head_cross_entropy`` on the hidden states
+    and the output layer (under ZeRO 3 it gathers the weight in the layer's call)."""
+    import bigbatch
+
+    hidden = m(mb["input_ids"], hidden_only=True)
+    head = getattr(m, "module", m).head  # the engine's module's
+    return bigbatch.head_cross_entropy(hidden, head, mb["labels"], shift=False)
 
 
 def sample_mean(m, mb: dict) -> torch.Tensor:

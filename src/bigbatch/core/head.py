@@ -71,6 +71,7 @@ Note [head gradients]
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from collections.abc import Iterator
@@ -113,7 +114,8 @@ def head_cross_entropy(
     Args:
         hidden: ``[..., hidden_size]`` states the head maps to logits.
         head: the output layer: an ``nn.Linear`` (with or without bias; a tied embedding's
-            weight works), a ``[vocab, hidden_size]`` weight, or a ``(weight, bias)`` pair.
+            weight works; under ZeRO 3 the layer, not its weight: Note [head under ZeRO 3]), a
+            ``[vocab, hidden_size]`` weight, or a ``(weight, bias)`` pair.
         labels: ``[...]`` target ids; ``ignore_index`` marks tokens not counted.
         shift: ``True``: predict token ``t+1`` from position ``t`` (a causal LM with unshifted
             labels); ``False``: labels already aligned with ``hidden``.
@@ -138,7 +140,8 @@ def head_cross_entropy(
     Raises:
         ValueError: ``label_smoothing`` outside ``[0, 1]``, a negative ``z_loss``, a ``softcap``
             that is not positive, a ``weight`` not ``[vocab]``, a chunk size that is not
-            positive, a label outside the vocabulary; shapes that do not match.
+            positive, a label outside the vocabulary; shapes that do not match; ZeRO 3's empty
+            partition of a weight.
         TypeError: ``head`` is none of the above; ``shift`` is not a bool; labels that are
             not integers.
         RuntimeError: in a backward with ``create_graph=True`` (Note [head gradients]).
@@ -149,6 +152,11 @@ def head_cross_entropy(
         >>> int(count)
         8
     """
+    if isinstance(head, torch.nn.Module) and _partitioned(getattr(head, "weight", None)):
+        options: dict[str, Any] = dict(shift=shift, ignore_index=ignore_index, weight=weight)
+        options.update(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+        options.update(chunk_tokens=chunk_tokens, chunk_memory=chunk_memory)
+        return _in_layer(head, hidden, labels, options)
     matrix, bias = _weights(head)
     _check(hidden, matrix, labels, label_smoothing, z_loss)
     _check_options(shift, softcap, weight, matrix.shape[0])
@@ -233,6 +241,11 @@ def _check(
         raise ValueError(f"z_loss={z!r} is not allowed: use a weight >= 0 (e.g. 1e-4), or 0.")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels of dtype {labels.dtype} are not allowed: use integer token ids.")
+    if _partitioned(weight) and weight.numel() == 0:
+        raise ValueError(
+            "head: the weight is ZeRO 3's partition (empty outside its layer's call): pass the "
+            "output layer itself (model.lm_head), whose call gathers it."
+        )
     if (
         weight.dim() != 2
         or hidden.shape[-1] != weight.shape[1]
@@ -401,14 +414,29 @@ class HeadLogits:
         self.dtype = hidden.dtype if dtype is None else dtype
 
     def cross_entropy(self, labels: torch.Tensor, **kwargs: Any) -> Any:
-        """``head_cross_entropy`` of these logits (its keyword arguments)."""
+        """``head_cross_entropy`` of these logits (its keyword arguments).
+
+        Note [head under ZeRO 3]
+            DeepSpeed's ZeRO 3 keeps each rank's partition of a parameter only, and gathers the
+            whole weight in the hooks around its module's call: before its forward, and again
+            before its backward, reducing the gradient after it. The output layer's forward
+            returned these logits without reading its weight, so where the weight is ZeRO 3's
+            (``ds_id``) the chunked loss runs as the layer's forward, inside a second call of
+            the layer: its hooks gather the weight for the loss and for its backward, and the
+            weight's gradient goes to ZeRO's partitions as the plain head's would.
+        """
+        if not _partitioned(_weights(self.head)[0]):
+            return self._cross_entropy(self.hidden, labels, kwargs)
+        compute = functools.partial(self._cross_entropy, labels=labels, kwargs=kwargs)
+        return _in_call(self.head, compute, self.hidden)
+
+    def _cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: Any) -> Any:
         weight, bias = _weights(self.head)
         scale = self.scale if self.cap is None else self.scale * self.cap  # cap·tanh(x / cap)
         cap = None if self.cap is None else abs(self.cap)
-        if scale == 1.0:
-            return head_cross_entropy(self.hidden, (weight, bias), labels, softcap=cap, **kwargs)
-        bias = None if bias is None else bias * scale
-        hidden = self.hidden * scale
+        if scale != 1.0:
+            bias = None if bias is None else bias * scale
+            hidden = hidden * scale
         return head_cross_entropy(hidden, (weight, bias), labels, softcap=cap, **kwargs)
 
     def _with(self, **change: Any) -> HeadLogits:
@@ -456,7 +484,8 @@ class HeadLogits:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.hidden.shape[:-1], _weights(self.head)[0].shape[0]))
+        weight = _weights(self.head)[0]  # ZeRO 3's partition: its whole shape
+        return torch.Size((*self.hidden.shape[:-1], getattr(weight, "ds_shape", weight.shape)[0]))
 
     def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
@@ -529,15 +558,43 @@ def deferred_head(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block, ``model``'s output layer returns ``HeadLogits`` (Note [deferred
     head]); yields that layer. Its own ``forward`` is given back afterwards."""
     head = output_layer(model)
-    own = head.__dict__.get("forward")  # a hook library's wrapper, kept
-    head.forward = lambda hidden, *args, **kwargs: HeadLogits(_autocast(hidden), head)
-    try:
+    with _forward(head, lambda hidden, *args, **kwargs: HeadLogits(_autocast(hidden), head)):
         yield head
+
+
+def _partitioned(weight: Any) -> bool:
+    """Whether ``weight`` is a ZeRO 3 parameter (Note [head under ZeRO 3])."""
+    return hasattr(weight, "ds_id")
+
+
+def _in_layer(head: torch.nn.Module, hidden: torch.Tensor, labels: Any, options: Any) -> Any:
+    """``head_cross_entropy`` with ``options`` on a ZeRO 3 output layer: inside its call, where
+    its weight is whole (Note [head under ZeRO 3])."""
+    pair = (head.weight, head.bias)
+    compute = functools.partial(head_cross_entropy, head=pair, labels=labels, **options)
+    return _in_call(head, compute, hidden)
+
+
+def _in_call(head: torch.nn.Module, compute: Any, hidden: torch.Tensor) -> Any:
+    """``compute(hidden)`` run as ``head``'s forward, inside its call and its hooks (Note [head
+    under ZeRO 3])."""
+    with _forward(head, compute):
+        return head(hidden)
+
+
+@contextlib.contextmanager
+def _forward(module: torch.nn.Module, forward: Any) -> Iterator[None]:
+    """Within the block ``module.forward`` is ``forward``; then its own (a hook library's
+    wrapper set on the instance kept)."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
     finally:
         if own is None:
-            del head.forward
+            del module.forward
         else:
-            head.forward = own
+            module.forward = own
 
 
 def _autocast(hidden: torch.Tensor) -> torch.Tensor:

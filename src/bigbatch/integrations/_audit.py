@@ -157,6 +157,28 @@ def gradients(model: torch.nn.Module) -> Grads:
     }
 
 
+class Reads:
+    """Where ``check`` reads the gradients: each parameter's ``.grad``, filled by back-propagation."""
+
+    def accumulated(self, model: torch.nn.Module) -> Grads:
+        """The window's gradients as the trainer accumulated them."""
+        return gradients(model)
+
+    def of(self, model: torch.nn.Module, value: torch.Tensor) -> Grads:
+        """The gradients of ``value``, the one-batch loss (on this rank)."""
+        value.backward()
+        return gradients(model)
+
+    def replayed(self, model: torch.nn.Module, replay: Callable[[], None]) -> Grads:
+        """The gradients of the trainer's window replayed (``replay``, ``.grad`` cleared)."""
+        replay()
+        return gradients(model)
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """What holds while the audit computes (nothing here)."""
+        return contextlib.nullcontext()
+
+
 def _whole(grad: torch.Tensor) -> torch.Tensor:
     """A sharded gradient (FSDP2's ``DTensor``) gathered whole on every rank; others as they are."""
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
@@ -171,6 +193,7 @@ def check(
     average: bool,
     scope: Callable[[], Any],
     replay: Callable[[], None],
+    reads: Reads | None = None,
 ) -> None:
     """Compare the window's accumulated gradients with the gradient of ``loss()``, the trainer's
     loss on the joined batch (within the context manager ``scope()``), and add the
@@ -179,7 +202,8 @@ def check(
     ``average``: average the one-batch gradients over the ranks (a model DDP does not wrap);
     ``own(micro_batch)``: its own one-batch loss and count, for the diagnosis; ``replay()``: the
     trainer's window again, back-propagated as it did (synchronised over the ranks), refilling
-    ``window`` (Note [audit dropout]).
+    ``window`` (Note [audit dropout]); ``reads``: where the gradients are (``Reads``: ``.grad``;
+    a DeepSpeed engine's partitions: ``bigbatch.integrations._audit_zero``).
 
     Note [audit]
         An optimizer step under accumulation should equal the step the same trainer takes on the
@@ -200,18 +224,18 @@ def check(
         samples across micro-batches and a normalisation that is wrong. The memory is said where the
         audit is documented instead; audit where the window fits.
     """
-    acc, params = gradients(model), list(model.parameters())
+    reads = reads or Reads()
+    acc, params = reads.accumulated(model), list(model.parameters())
     device, kept = params[0].device, [p.grad for p in params]
     backup = Backup(model, [], None, device)  # the buffers and the random state (Note [audit])
     model.zero_grad(set_to_none=True)
     _rng.restore(window.rng, device)  # the window's first
     try:
-        with dropout_off(model) as dropped:  # (Note [audit dropout])
+        with dropout_off(model) as dropped, reads.held():  # (Note [audit dropout])
             with scope():
                 with observe(model) as precision:  # dropout called as a function, off too
                     value = loss()
-                value.backward()
-                grads = gradients(model)
+                grads = reads.of(model, value)
                 for g in grads.values() if average else ():
                     torch.distributed.all_reduce(g)
                     g /= torch.distributed.get_world_size()
@@ -219,8 +243,7 @@ def check(
                 model.zero_grad(set_to_none=True)
                 _rng.restore(window.rng, device)
                 with Watch():
-                    replay()
-                acc = gradients(model)
+                    acc = reads.replayed(model, replay)
             with scope(), Watch():  # the diagnosis's losses with dropout off too
                 whole = float(value.detach())
                 result = judge(window, acc, grads, whole, precision.dtype, own, loss)

@@ -16,7 +16,8 @@ import torch
 from bigbatch.core._tree import map_tensors
 from bigbatch.core.split import batch_size
 from bigbatch.integrations import _audit, _batches, _frameworks
-from bigbatch.integrations._hf_window import Reader, one_step, pairs, refuse_deepspeed, unpairs
+from bigbatch.integrations._audit_zero import EngineReads
+from bigbatch.integrations._hf_window import Reader, one_step, pairs, unpairs
 
 
 def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
@@ -38,6 +39,8 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     ``padding_free`` keeps the batch (a sample is a text); ``packing`` does not (a sample is a
     row of texts packed before batching, a text longer than a row truncated under ``bfd``: a step
     holds as many texts as its rows do), which no audit of a step can see.
+    Under DeepSpeed (ZeRO 1-3) it audits inside the engine's step, before its optimizer steps
+    (Note [audit under DeepSpeed] in ``bigbatch.integrations._audit_zero``).
 
     Args:
         trainer: the trainer, before ``trainer.train()``.
@@ -51,7 +54,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
 
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
-        ValueError: bad ``steps``; the trainer runs DeepSpeed (``refuse_deepspeed``).
+        ValueError: bad ``steps``.
 
     Example:
         >>> report = bigbatch.hf.audit(trainer)  # doctest: +SKIP
@@ -61,7 +64,6 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _frameworks.need("transformers", "hf").Trainer):
         raise TypeError(f"audit() takes a transformers.Trainer, got {type(trainer).__name__}.")
-    refuse_deepspeed(trainer, "bigbatch.hf.audit()")
     return _Watch(trainer, _audit.Audit(_audit.check_steps(steps))).log
 
 
@@ -110,27 +112,64 @@ class _Watch:
         return prepared
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        loss, t = self.wrapped[2](model, inputs, num_items_in_batch), self.trainer
-        if (w := self.window) is not None:
+        t, w = self.trainer, self.window
+        last = w is not None and len(w.returns) == self.size - 1
+        if last and getattr(t, "is_deepspeed_enabled", False):
+            return self._in_engine_step(model, inputs, num_items_in_batch)
+        loss = self.wrapped[2](model, inputs, num_items_in_batch)
+        if w is not None:
             w.returns.append(float(loss))
-            if len(w.returns) == self.size:
-                self.window = None
-                rows = self.reader.unflatten(w.batches)  # Note [flattened batches]
-                joined = _batches.join(rows, self.reader.pad_id)  # rows of pairs if paired
-                raw = [unpairs(b) if self.reader.paired else b for b in w.batches]
-                self._settle(w)
-                own, scope = functools.partial(self._own, model), functools.partial(one_step, t)
-                once = functools.partial(self._loss, model, joined)
-                replay = functools.partial(self._replay, model, w, raw, num_items_in_batch)
-                counters = {k: v for k, v in vars(t).items() if isinstance(v, (int, float))}
-                _audit.check(self.log, w, model, once, own, False, scope, replay)
-                vars(t).update(counters)  # TRL's: GRPO's _step, SFT's token count
+            if last:
+                self._check(model, num_items_in_batch)
         return loss
 
-    def _settle(self, w: _audit.Window) -> None:
-        """On bigbatch's trainers the window's micro-batches and what each added to its loss."""
+    def _in_engine_step(self, engine: Any, inputs: Any, num_items: Any) -> Any:
+        """The window's last ``training_step`` under DeepSpeed, audited inside the engine's step,
+        before its optimizer steps (Note [audit under DeepSpeed])."""
+        losses: list[float] = []  # what each micro-batch gave engine.backward
+        backward, step = engine.backward, engine.optimizer.step
+        t, k = self.trainer, "gradient_accumulation_steps"  # bigbatch's window runs in one_step
+        steps = [(t.args, k, t.args.gradient_accumulation_steps), (t, f"current_{k}", self.size)]
+
+        def recorded(loss: Any, *args: Any, **kwargs: Any) -> Any:
+            losses.append(float(loss))
+            return backward(loss, *args, **kwargs)
+
+        def audited(*args: Any, **kwargs: Any) -> Any:
+            if (w := self.window) is not None:  # the Trainer's own returns the loss it gave
+                w.returns.append(losses[-1])
+                with _frameworks.held(steps):  # the trainer's own, for the replay
+                    self._check(engine, num_items, len(losses), EngineReads(engine))
+            return step(*args, **kwargs)
+
+        with _frameworks.held(
+            [(engine, "backward", recorded), (engine.optimizer, "step", audited)]
+        ):
+            return self.wrapped[2](engine, inputs, num_items)
+
+    def _check(self, model: Any, num_items: Any, backwards: int = 0, reads: Any = None) -> None:
+        """The window's accumulated gradients against its one-batch gradients (Note [audit])."""
+        t, w = self.trainer, self.window
+        assert w is not None
+        self.window = None
+        rows = self.reader.unflatten(w.batches)  # Note [flattened batches]
+        joined = _batches.join(rows, self.reader.pad_id)  # rows of pairs if paired
+        raw = [unpairs(b) if self.reader.paired else b for b in w.batches]
+        self._settle(w, backwards)
+        own, scope = functools.partial(self._own, model), functools.partial(one_step, t)
+        once = functools.partial(self._loss, model, joined)
+        replay = functools.partial(self._replay, model, w, raw, num_items)
+        counters = {k: v for k, v in vars(t).items() if isinstance(v, (int, float))}
+        graded = model.module if reads is not None else model  # the engine's module
+        _audit.check(self.log, w, graded, once, own, reads is not None, scope, replay, reads)
+        vars(t).update(counters)  # TRL's: GRPO's _step, SFT's token count
+
+    def _settle(self, w: _audit.Window, backwards: int = 0) -> None:
+        """On bigbatch's trainers the window's micro-batches and what each added to its loss
+        (``backwards``: how many it back-propagated, where its result is not kept yet)."""
         if self.seen:  # its last pass's micro-batches (not a count pass's)
-            seen = self.seen[-self.trainer.bigbatch_window.last.micro_batches :]
+            n = backwards or self.trainer.bigbatch_window.last.micro_batches
+            seen = self.seen[-n:]
             w.batches, w.returns = [b for b, _ in seen], _audit.shares(seen)
             w.accumulation_steps, self.seen = len(seen), []
 
@@ -138,7 +177,10 @@ class _Watch:
         """The trainer's ``training_step`` over the window's batches again (Note [audit
         dropout]); ``w`` gets what each returned."""
         t = self.trainer  # its batches prepared already (GRPO would generate again)
-        with _frameworks.held([(self, "window", w), (t, "_prepare_inputs", lambda inputs: inputs)]):
+        held = [(self, "window", w), (t, "_prepare_inputs", lambda inputs: inputs)]
+        if getattr(t, "is_deepspeed_enabled", False) and hasattr(t, "bigbatch_window"):
+            held.append((t.bigbatch_window, "acc", None))  # its own is inside the engine's step
+        with _frameworks.held(held):
             w.returns = [float(self.wrapped[2](model, b, num_items)) for b in raw]
         self._settle(w)
 

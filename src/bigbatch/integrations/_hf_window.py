@@ -275,52 +275,30 @@ def engine_window(engine: Any, cut: Cut) -> Accumulator:
         window as in its own runs, its gradient norm is the engine's. The config's
         ``gradient_accumulation_steps`` is the Trainer's window (transformers fills it and checks
         it against the ``TrainingArguments``), so DeepSpeedSync's warning about it is not given.
-        ``chunked_head=True`` is refused under ZeRO 3, which gathers the output layer's weight
-        only in that layer's forward and backward while the chunked loss reads it outside them;
-        ``audit`` is refused (``refuse_deepspeed``): the engine steps before it could compare.
+        ``chunked_head=True`` under ZeRO 3 computes its loss inside the output layer's call
+        (Note [head under ZeRO 3] in ``bigbatch.core.head``); ``audit`` audits inside the
+        engine's step (Note [audit under DeepSpeed]).
     """
     with warnings.catch_warnings():  # the config's gradient_accumulation_steps: the Trainer's
         warnings.filterwarnings("ignore", "DeepSpeed's gradient_accumulation_steps")
         return Accumulator(engine, engine.optimizer, cut, nonfinite="apply")
 
 
-def unmanaged(trainer: Any, what: str, chunked_head: bool) -> None:
+def unmanaged(trainer: Any, what: str) -> None:
     """Set ``"managed_gradient_accumulation": false`` in the DeepSpeed config of a trainer that
     runs DeepSpeed, before its engine is made (Note [trainer window under DeepSpeed]).
 
     Raises:
-        ValueError: the config sets it to anything else; ``chunked_head`` under ZeRO stage 3.
+        ValueError: the config sets it to anything else.
     """
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     plugin = trainer.accelerator.state.deepspeed_plugin
-    if chunked_head and plugin.zero_stage == 3:
-        raise ValueError(
-            "chunked_head=True cannot run under ZeRO stage 3, which gathers the output layer's "
-            "weight only inside the layer's own forward and backward, not in the chunked loss: "
-            "use ZeRO stage 1 or 2, or chunked_head=False."
-        )
     managed = plugin.deepspeed_config.setdefault("managed_gradient_accumulation", False)
     if managed is not False:
         raise ValueError(
             f'{what} steps once per window: set "managed_gradient_accumulation": false in the '
             f"DeepSpeed config, or leave it out (it has {managed!r})."
-        )
-
-
-def refuse_deepspeed(trainer: Any, what: str) -> None:
-    """Refuse to audit a trainer whose accelerator runs DeepSpeed: its engine steps inside the
-    window's last ``training_step`` (Note [trainer window under DeepSpeed]), before the audit
-    reads the window's gradient (Note [audit]), and ZeRO keeps the gradients out of ``.grad``.
-
-    Raises:
-        ValueError: DeepSpeed is enabled (the message says what to use instead).
-    """
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError(
-            f"{what} does not run under DeepSpeed: the engine steps inside training_step, before "
-            "the audit can compare, and keeps ZeRO's gradients in its own partitions. Audit the "
-            "same trainer under DDP or FSDP, whose step bigbatch.hf.Trainer takes under ZeRO too."
         )
 
 

@@ -74,7 +74,7 @@ def exact(trainer_class: type) -> type:
         TypeError: ``trainer_class`` is not a ``transformers.Trainer`` subclass, or is TRL's GRPO
             or RLOO trainer (Note [generating trainers]).
         ValueError: ``chunked_head=True`` with a loss it cannot compute (Note [chunked head in a
-            trainer]) or under ZeRO 3, ``pack`` with ``use_cache=True``, a DeepSpeed config
+            trainer]), ``pack`` with ``use_cache=True``, a DeepSpeed config
             with ``"managed_gradient_accumulation": true``, when the trainer is made.
 
     Example:
@@ -135,7 +135,7 @@ class Exact(_transformers.Trainer):  # type: ignore[name-defined]  # a module, i
             )
         # named for the class exact() made (the first, if exact() was given one of its subclasses)
         made = next((c for c in reversed(type(self).__mro__) if "bigbatch" in vars(c)), Exact)
-        _hf_window.unmanaged(self, f"bigbatch.hf.exact({made.__name__})", chunked_head)
+        _hf_window.unmanaged(self, f"bigbatch.hf.exact({made.__name__})")
         if chunked_head:  # Note [chunked head in a trainer]
             loss_fn = chunked_loss(self, loss_fn)
         if micro_batch_size is None and micro_batch_tokens is None:
