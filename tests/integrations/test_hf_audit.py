@@ -295,20 +295,23 @@ def test_dropout_on(tmp_path, cls, diagnosis):
 def test_the_audit_leaves_training_as_it_was(tmp_path, cls):
     """With dropout on, the audited steps' extra runs (the one batch, the replay, the diagnosis)
     put the gradients, the random state and the trainer's counters back: the audited run ends
-    bit for bit where the plain one does, its logged loss too."""
+    bit for bit where the plain one does, its logged loss and step ledger too."""
     runs = []
     for audit in (False, True):
         model = gpt2(dropout=True)
+        args = arguments(tmp_path, 5, 3, logging_strategy="steps", logging_steps=1)
         trainer = cls(
-            model=model, args=arguments(tmp_path, 5, 3), train_dataset=texts(12),
-            data_collator=collate, optimizers=sgd(model),
+            model=model, args=args, train_dataset=texts(12), data_collator=collate,
+            optimizers=sgd(model),
         )  # fmt: skip
         report = bigbatch.hf.audit(trainer, steps=(1, 2)) if audit else None
         out = trainer.train()
-        runs.append((model.state_dict(), torch.get_rng_state(), out.training_loss))
-    (plain, rng, loss), (ours, audited_rng, audited_loss) = runs
+        logs = [{k: v for k, v in log.items() if "token" in k} for log in trainer.state.log_history]
+        runs.append((model.state_dict(), torch.get_rng_state(), out.training_loss, logs))
+    (plain, rng, loss, logs), (ours, audited_rng, audited_loss, audited_logs) = runs
     assert len(report.results) == 2 and torch.equal(rng, audited_rng) and loss == audited_loss
     assert all(torch.equal(plain[k], ours[k]) for k in plain)
+    assert logs == audited_logs
 
 
 @pytest.mark.slow  # 1.3 s

@@ -178,11 +178,13 @@ class _Watch:
         dropout]); ``w`` gets what each returned."""
         t = self.trainer  # its batches prepared already (GRPO would generate again)
         held = [(self, "window", w), (t, "_prepare_inputs", lambda inputs: inputs)]
-        if getattr(t, "is_deepspeed_enabled", False) and hasattr(t, "bigbatch_window"):
-            held.append((t.bigbatch_window, "acc", None))  # its own is inside the engine's step
+        if (own := getattr(t, "bigbatch_window", None)) is not None:  # its step's result, ledger
+            held += [(own, "last", own.last), (own, "counted", own.counted)]
+            if getattr(t, "is_deepspeed_enabled", False):  # its own is inside the engine's step
+                held.append((own, "acc", None))
         with _frameworks.held(held):
             w.returns = [float(self.wrapped[2](model, b, num_items)) for b in raw]
-        self._settle(w)
+            self._settle(w)
 
     def _loss(self, model: Any, batch: Any) -> torch.Tensor:
         """The trainer's loss on ``batch`` as one batch (what it does with one accumulation
