@@ -69,3 +69,30 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
                     p.kill()
                     p.join()
     return [out[r] for r in range(world_size)]
+
+
+def killed_ranks(fn, *args, world_size: int = 2, code: int = 17, timeout_s: float = 300.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` on gloo ranks that must die with ``os._exit(code)``
+    (a real kill: no cleanup, nothing returned); re-raise a rank's traceback otherwise."""
+    ctx = context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        codes = [p.exitcode for p in procs]
+        if codes != [code] * world_size:
+            errors = []
+            while not results.empty():
+                rank, status, value = results.get()
+                errors.append(f"rank {rank} {status}:\n{value}" if status == "error" else "")
+            raise RuntimeError(f"ranks exited {codes}, not {code}:\n" + "\n".join(errors))

@@ -98,8 +98,11 @@ def environment(rank: int, world: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
-def engine(m: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, **config):
-    """``deepspeed.initialize`` with caller-owned windows and no clipping unless asked."""
+def engine(
+    m: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, scheduler=None, **config
+):
+    """``deepspeed.initialize`` with caller-owned windows and no clipping unless asked; the
+    ``scheduler`` is the engine's (``engine.step()`` steps it)."""
     import deepspeed
 
     config = {
@@ -113,7 +116,9 @@ def engine(m: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int, **c
         "steps_per_print": 10**9,
         **config,
     }
-    eng, opt, _, _ = deepspeed.initialize(model=m, optimizer=optimizer, config=config)
+    eng, opt, _, _ = deepspeed.initialize(
+        model=m, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
     return eng, opt
 
 
