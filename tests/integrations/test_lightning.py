@@ -141,6 +141,21 @@ def test_exact_refuses_manual_optimization_and_a_loss_it_cannot_read(lc):
         module.training_step(torch.zeros(2, 1), 0)
 
 
+def test_deepspeed_is_refused_in_one_line(lc):
+    """Lightning's DeepSpeed strategy (CUDA only; built here, not fitted): ZeRO 2 and 3 keep
+    the gradients out of ``.grad``, where ``Exact`` would rescale nothing, a silent wrong step."""
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(stage=2)
+    trainer = lc.L.Trainer(logger=False, accelerator="cpu", devices=1, strategy=strategy)
+    refused = r"cannot run under Lightning's DeepSpeedStrategy \(ZeRO keeps the gradients out"
+    with pytest.raises(ValueError, match="bigbatch.lightning.Exact " + refused):
+        bigbatch.lightning.Exact().setup(trainer, lc.L.LightningModule(), "fit")
+    with pytest.raises(ValueError, match="bigbatch.lightning.audit " + refused):
+        bigbatch.lightning.audit(trainer)
+
+
 def test_a_window_that_counts_nothing_takes_a_zero_step(lc):
     """Issue 37: a window whose count is 0 gave NaN weights and fit ended normally; the engine,
     fit, Keras and the Trainer take a zero-gradient step with one warning."""

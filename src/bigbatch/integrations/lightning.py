@@ -76,6 +76,16 @@ def _unwrap_training_step(pl_module: Any) -> None:
             pl_module.training_step = own
 
 
+def _refuse_deepspeed(trainer: Any, what: str) -> None:
+    """Refuse Lightning's DeepSpeed strategy: its ZeRO keeps the window's gradients in its own
+    buffers, out of the ``.grad`` that ``Exact`` rescales and the audit reads."""
+    if any(c.__name__ == "DeepSpeedStrategy" for c in type(trainer.strategy).__mro__):
+        raise ValueError(
+            f"{what} cannot run under Lightning's DeepSpeedStrategy (ZeRO keeps the gradients "
+            "out of .grad): use DDP or FSDP, or bigbatch.Accumulator on a deepspeed engine."
+        )
+
+
 class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
     """A callback that makes ``accumulate_grad_batches`` exact (Note [lightning window]).
 
@@ -100,6 +110,7 @@ class Exact(_pl.Callback):  # type: ignore[misc, name-defined]
                 "bigbatch.lightning.Exact needs automatic optimization; with manual "
                 "optimization accumulate with bigbatch.Accumulator in your training_step."
             )
+        _refuse_deepspeed(trainer, "bigbatch.lightning.Exact")
         self.seen, self.scale = [], None  # nothing from a fit that raised mid-window
         self.strategy = trainer.strategy
         _wrap_training_step(pl_module, self._record)
@@ -156,6 +167,7 @@ def audit(trainer: Any, steps: int | tuple[int, ...] = 1) -> _audit.Audit:
     """
     if not isinstance(trainer, _pl.Trainer):
         raise TypeError(f"audit() takes a lightning Trainer, got {type(trainer).__name__}.")
+    _refuse_deepspeed(trainer, "bigbatch.lightning.audit")
     trainer.callbacks.append(watch := _Watch(_audit.Audit(_audit.check_steps(steps))))
     return watch.report
 
