@@ -8,6 +8,7 @@ traceback is re-raised in the test; a hang is killed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -39,8 +40,10 @@ def _entry(fn, rank, world_size, init_file, results, args):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+@contextlib.contextmanager
+def _started(fn, args: tuple, world_size: int):
+    """``world_size`` rank processes running ``fn`` over a fresh rendezvous, and the queue they
+    answer on; a process still alive when the block ends is killed."""
     ctx = context()  # forked from a parent that has imported torch (forks.py)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +54,20 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
         ]
         for p in procs:
             p.start()
-        out: dict = {}
+        try:
+            yield procs, results
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank."""
+    out: dict = {}
+    with _started(fn, args, world_size) as (_, results):
         try:
             while len(out) < world_size:
                 rank, status, value = results.get(timeout=timeout_s)
@@ -62,37 +78,20 @@ def run_ranks(fn, *args, world_size: int = 2, timeout_s: float = 120.0) -> list:
             raise TimeoutError(
                 f"ranks did not finish in {timeout_s}s (a collective hung?)"
             ) from None
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
     return [out[r] for r in range(world_size)]
 
 
 def killed_ranks(fn, *args, world_size: int = 2, code: int = 17, timeout_s: float = 300.0) -> None:
     """Call ``fn(rank, world_size, *args)`` on gloo ranks that must die with ``os._exit(code)``
     (a real kill: no cleanup, nothing returned); re-raise a rank's traceback otherwise."""
-    ctx = context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+    with _started(fn, args, world_size) as (procs, results):
         for p in procs:
             p.join(timeout=timeout_s)
-            if p.is_alive():
-                p.kill()
-                p.join()
         codes = [p.exitcode for p in procs]
         if codes != [code] * world_size:
             errors = []
             while not results.empty():
                 rank, status, value = results.get()
-                errors.append(f"rank {rank} {status}:\n{value}" if status == "error" else "")
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{value}")
             raise RuntimeError(f"ranks exited {codes}, not {code}:\n" + "\n".join(errors))

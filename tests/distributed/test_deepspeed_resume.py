@@ -100,26 +100,22 @@ def test_the_accumulator_resumes_from_the_engines_checkpoint_bitwise(accumulator
 def _train_trainer(rank: int, world: int, stage: int | None, folder: str, phase: str):
     """``bigbatch.hf.Trainer`` on GPT-2 cut by tokens, AdamW with a linear schedule, a
     checkpoint every 2 steps; killed in ``on_save`` at step 2, resumed from ``checkpoint-2``."""
-    from integrations.hf_models import arguments, collate, gpt2, texts
-    from test_hf_deepspeed import CONFIGURED, _deepspeed_on_cpu, config
+    from integrations.hf_models import gpt2
+    from test_hf_deepspeed import config, zero_trainer
     from transformers import TrainerCallback
 
     import bigbatch.hf
 
-    environment(rank, world)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    backend = {}
-    if stage is not None:
-        _deepspeed_on_cpu()
-        backend = dict(use_cpu=False, deepspeed=config(stage), accelerator_config=CONFIGURED)
-    settings = dict(max_steps=4, save_strategy="steps", save_steps=SAVED_AT, ddp_backend="gloo")
-    settings.update(lr_scheduler_type="linear", max_grad_norm=1.0, **backend)
-    trainer = bigbatch.hf.Trainer(
+    environment(rank, world, port=29517)
+    settings = dict(max_steps=4, save_strategy="steps", save_steps=SAVED_AT)
+    settings.update(lr_scheduler_type="linear", max_grad_norm=1.0)
+    trainer = zero_trainer(
+        bigbatch.hf.Trainer,
+        folder,
+        None if stage is None else config(stage),
         model=gpt2(seed=1 if phase == "resumed" else 0).float(),
-        args=arguments(folder, 2, 3, **settings),
-        train_dataset=texts(12),
-        data_collator=collate,
-        optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+        optimizer=(torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+        args=settings,
         micro_batch_tokens=20,
     )
     losses: list = []

@@ -86,12 +86,35 @@ def _deepspeed_on_cpu() -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
 
 
+SGD = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+
+
+def zero_trainer(
+    cls, folder: str, ds: dict | None, *, model=None, optimizer=SGD, args=None, **extra
+):
+    """``cls`` (a Trainer class; ``extra``: its own arguments) on GPT-2, 12 samples, 2 per batch
+    and 3 batches per window on each rank, under the DeepSpeed config ``ds`` in a fresh process
+    state, or without DeepSpeed (``ds=None``); ``args``: more ``TrainingArguments``."""
+    backend = {}
+    if ds is not None:
+        _deepspeed_on_cpu()
+        backend = dict(use_cpu=False, deepspeed=ds, accelerator_config=CONFIGURED)
+    return cls(
+        model=gpt2().float() if model is None else model,
+        args=arguments(folder, 2, 3, ddp_backend="gloo", **backend, **(args or {})),
+        train_dataset=texts(12),
+        data_collator=collate,
+        optimizer_cls_and_kwargs=optimizer,
+        **extra,
+    )
+
+
 def _prepare(trainer) -> None:
     """``sgd``'s optimizer (under DeepSpeed the Trainer makes its own: ``deepspeed_init``), and
     each window's ``StepResult`` kept in ``trainer.windows``."""
     from transformers import TrainerCallback
 
-    trainer.optimizer_cls_and_kwargs = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    trainer.optimizer_cls_and_kwargs = SGD
     trainer.windows = []
     window = getattr(trainer, "bigbatch_window", None)
 

@@ -15,8 +15,6 @@ DeepSpeed off: these ranks tell it bf16 is available (DeepSpeed's CPU accelerato
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ranks import run_ranks
@@ -27,7 +25,7 @@ pytest.importorskip("deepspeed")
 
 from integrations.hf_models import collate, gpt2, texts  # noqa: E402
 from integrations.test_hf import counted  # noqa: E402
-from test_hf_deepspeed import CONFIGURED, _deepspeed_on_cpu, _reference, config  # noqa: E402
+from test_hf_deepspeed import _reference, config, zero_trainer  # noqa: E402
 from token_lm import environment, gathered, relative_error  # noqa: E402
 
 pytestmark = pytest.mark.slow  # gloo ranks that start DeepSpeed and transformers
@@ -36,13 +34,11 @@ pytestmark = pytest.mark.slow  # gloo ranks that start DeepSpeed and transformer
 def _rank(rank: int, world: int, tmp: str) -> dict:
     import transformers
     import transformers.training_args
-    from integrations.hf_models import arguments, collate, gpt2, texts
 
     import bigbatch.hf
 
     transformers.training_args.is_torch_bf16_gpu_available = lambda: True  # see the docstring
-    environment(rank, world)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29519")
+    environment(rank, world, port=29519)
     runs = {
         "stock": (transformers.Trainer, {}),
         "bigbatch": (bigbatch.hf.Trainer, {}),
@@ -50,17 +46,8 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     }
     out = {}
     for name, (cls, extra) in runs.items():
-        _deepspeed_on_cpu()
         ds = {**config(3), "bf16": {"enabled": "auto"}}
-        settings = dict(use_cpu=False, deepspeed=ds, accelerator_config=CONFIGURED, bf16=True)
-        trainer = cls(
-            model=gpt2().float(),
-            args=arguments(f"{tmp}/{name}", 2, 3, ddp_backend="gloo", **settings),
-            train_dataset=texts(12),
-            data_collator=collate,
-            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-            **extra,
-        )
+        trainer = zero_trainer(cls, f"{tmp}/{name}", ds, args={"bf16": True}, **extra)
         trainer.train()
         engine = trainer.model_wrapped
         assert engine.bfloat16_enabled()
@@ -85,24 +72,13 @@ CLIP = 0.05  # well under the gradient's norm (about 0.62): every step clips
 
 
 def _clipped(rank: int, world: int, tmp: str) -> dict:
-    from integrations.hf_models import arguments
-
     import bigbatch.hf
 
-    environment(rank, world)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29521")
+    environment(rank, world, port=29521)
     out = {}
     for stage in (1, 2, 3):
-        _deepspeed_on_cpu()
-        settings = dict(use_cpu=False, deepspeed=config(stage), accelerator_config=CONFIGURED)
-        settings.update(max_grad_norm=CLIP, logging_strategy="steps", logging_steps=1)
-        trainer = bigbatch.hf.Trainer(
-            model=gpt2().float(),
-            args=arguments(f"{tmp}/zero{stage}", 2, 3, ddp_backend="gloo", **settings),
-            train_dataset=texts(12),
-            data_collator=collate,
-            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-        )
+        args = dict(max_grad_norm=CLIP, logging_strategy="steps", logging_steps=1)
+        trainer = zero_trainer(bigbatch.hf.Trainer, f"{tmp}/zero{stage}", config(stage), args=args)
         trainer.train()
         norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
         out[stage] = {"params": gathered(trainer.model_wrapped), "norms": norms}

@@ -90,8 +90,11 @@ def counts(mb: dict) -> torch.Tensor:
     return (mb["labels"] != -100).sum()
 
 
-def environment(rank: int, world: int) -> None:
-    """What DeepSpeed reads in a rank that ``run_ranks`` started (the group is already open)."""
+def environment(rank: int, world: int, port: int | None = None) -> None:
+    """What DeepSpeed reads in a rank that ``run_ranks`` started (the group is already open);
+    with ``port``, the rendezvous accelerate reads too (a trainer's ranks)."""
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     warnings.filterwarnings("ignore", module="deepspeed")
