@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import OPTIMIZERS, cat
+from limits import limit_data
 from models import classification_batch, mean_ce, mlp
 from ranks import run_ranks
 from reference import full_batch_step, max_relative_error
@@ -104,10 +105,6 @@ def _low_level(rank: int, seed: int) -> list[torch.Tensor]:
 
 
 def _real_oom(rank: int, seed: int) -> dict:
-    import ctypes
-    import gc
-    import resource
-
     model = Expand()
     batches = _realrank_windows(seed)
     ddp = DDP(model)
@@ -119,17 +116,9 @@ def _real_oom(rank: int, seed: int) -> dict:
     ).backward()  # warm up, locally
     model.zero_grad(set_to_none=True)
     if rank == 1:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/status") as status:
-            used = next(
-                int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")
-            )
-        resource.setrlimit(
-            resource.RLIMIT_DATA, (used + REAL_MARGIN_MIB * 2**20, resource.RLIM_INFINITY)
-        )
+        limit_data(REAL_MARGIN_MIB)
     results = [acc.train_step(b[rank], mean_ce) for b in batches]
-    resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    limit_data(None)
     return {
         "losses": [r.loss for r in results],
         "sizes": [r.micro_batch_size for r in results],
