@@ -34,9 +34,10 @@ FUNCTION_SOFT, FUNCTION_HARD = 30, 40
 # counted as packed; the renovation's own cost, +127, re-based it at 7,700). Round 5 adds what its
 # issues add (37: the LM path's mends, <= 350; 38: packing and the ledger, <= 450; 39: DeepSpeed
 # and count groups, <= 300: +333 with its audit under DeepSpeed, ZeRO 3's chunked head and
-# Lightning's DeepSpeed refused, the 33 over said in its closing note). Lower it as code goes;
-# raise it only by an issue's allowance.
-PACKAGE_SOFT, PACKAGE_HARD = 4800, 8969
+# Lightning's DeepSpeed refused, the 33 over said in its closing note), and +1 for the planner's
+# choice that a CI run found following timing noise. Lower it as code goes; raise it only by an
+# issue's allowance.
+PACKAGE_SOFT, PACKAGE_HARD = 4800, 8970
 FMT_SKIP_HARD = 10  # "# fmt: skip" for tables that read better aligned, with their reason
 PUBLIC_NAMES_HARD = 26  # issue 31 names one more: bigbatch.head_cross_entropy (STYLE.md: target 25)
 MODULE_CAPS = {"core/engine.py": 300}  # the engine stays small enough to read in one sitting

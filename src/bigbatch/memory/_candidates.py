@@ -17,7 +17,10 @@ Note [ties and headroom]
     where peaks within 2% of the lowest count as equal (a CPU reading moves by a few pages
     between runs; an equal choice must not follow them). Among those, the simplest wins: no
     checkpointing before a policy (selective, then full, then offload), fewer blocks
-    checkpointed, then fewer micro-batches. (The rule before issue 21 tied a pair within the
+    checkpointed, then fewer micro-batches. A checkpointed configuration that saves nothing
+    (``saves_nothing``: its peak within 2% of the same micro-batch's without) does not compete
+    while another does: it recomputes for nothing, so a faster reading of it is noise (a 4 MiB
+    MLP's plan chose "full" in one run of three). (The rule before issue 21 tied a pair within the
     larger of their two noises: one noisy slow configuration then tied with the fastest and won
     on headroom, and plans chose configurations 2.3-3.3x slower than the fastest measured.)
 """
@@ -266,6 +269,7 @@ def decide(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None
     """``(choice, runner-up, those tied with the fastest)`` (Note [ties and headroom]), among
     candidates of which at least one fits and was timed."""
     order = ranked(candidates)  # not empty: plan raised MemoryBudgetExceeded when none fits
+    order = [c for c in order if not c.saves_nothing] or order  # Note [ties and headroom]
     tied = [c for c in order if ties(c, order[0])]
     least = min(c.peak_bytes for c in tied)
     choice = min((c for c in tied if c.peak_bytes <= least * (1 + SAME_PEAK)), key=_simplest)
