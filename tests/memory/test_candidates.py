@@ -220,3 +220,16 @@ def test_configurations_no_longer_timed_keep_their_rounds():
     assert ts.step_seconds == (3.0, 6.0) and ts.seconds_per_step == pytest.approx(3.0, rel=0.05)
     assert tb.seconds_per_step / ta.seconds_per_step == pytest.approx(1.1)
     assert decide([ta, tb, ts])[0] is ta
+
+
+def test_a_checkpointed_configuration_that_saves_nothing_does_not_win_on_a_faster_reading():
+    """A 4 MiB MLP's plan chose "full" in one run of three: its peak is the plain one's (it
+    saves nothing), and one reading of it came out faster, spreads apart. It does not compete
+    while another configuration does; alone, it is still the choice."""
+    plain = cand(8, [1.02, 1.03, 1.02], 40)
+    full = cand(8, [0.97, 0.98, 0.97], 40, "full", 1.0)
+    both = with_savings([plain, full])
+    assert both[1].saves_nothing and not ties(*both)
+    choice, runner_up, tied = decide(both)
+    assert (choice, runner_up, tied) == (both[0], None, [both[0]])
+    assert decide(with_savings([full]))[0].policy == "full"
